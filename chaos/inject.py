@@ -1,0 +1,95 @@
+"""Fault injectors keyed by (rank, step): each one a real fault, each counting what fired.
+
+A plan is written ``kind@step[:rank][xN]``, comma-separated, e.g. ``exception@5:1,hang@9:0``.
+``xN`` repeats the fault at that step N times (every time the step is re-run after a restart,
+up to N); without it a fault fires once. Kinds:
+
+- ``exception``: raise :class:`InjectedFault` inside the step.
+- ``hang``: ``time.sleep(3600)`` inside the step — a real hang; only an interrupt ends it.
+- ``stall``: ``time.sleep(seconds)`` before the step's first collective (``stall@4:1=2.5``): a peer's
+  collective waits past its timeout.
+- ``oom``: allocate far more host memory than exists — a real allocation failure from the allocator.
+- ``gil_hang``: a regular-expression match with catastrophic backtracking: C code that holds the
+  GIL for hours, unreachable by signals and other Python threads (a hard fault).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import psutil
+
+KINDS = ("exception", "hang", "stall", "oom", "gil_hang")
+_SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?$")
+
+
+class InjectedFault(Exception):  # noqa: N818 - the name says what it is in tracebacks
+    """The exception a chaos injector raises; its message names the injection."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int = 0
+    arg: float | None = None
+    times: int = 1
+
+    @property
+    def where(self) -> str:
+        return "before_collective" if self.kind == "stall" else "step"
+
+
+@dataclass
+class Injector:
+    """Fires the faults of a plan when ``(rank, step, where)`` matches; counts what fired."""
+
+    faults: list[Fault] = field(default_factory=list)
+    fired: Counter[Fault] = field(default_factory=Counter)
+
+    @classmethod
+    def parse(cls, plan: str | None) -> Injector:
+        faults = []
+        for part in filter(None, (p.strip() for p in (plan or "").split(","))):
+            m = _SPEC.match(part)
+            if not m or m["kind"] not in KINDS:
+                raise ValueError(f"bad fault spec {part!r}: expected kind@step[:rank][=arg][xN], kind in {KINDS}")
+            faults.append(
+                Fault(
+                    kind=m["kind"],
+                    step=int(m["step"]),
+                    rank=int(m["rank"] or 0),
+                    arg=float(m["arg"]) if m["arg"] else None,
+                    times=int(m["n"] or 1),
+                )
+            )
+        return cls(faults)
+
+    def maybe_fire(self, rank: int, step: int, where: str = "step") -> None:
+        for f in self.faults:
+            if f.rank == rank and f.step == step and f.where == where and self.fired[f] < f.times:
+                self.fired[f] += 1
+                _fire(f)
+
+    def counts(self) -> dict[str, int]:
+        return {f"{f.kind}@{f.step}:{f.rank}": self.fired[f] for f in self.faults}
+
+
+def _fire(f: Fault) -> None:
+    if f.kind == "exception":
+        raise InjectedFault(f"injected exception at step {f.step} on rank {f.rank}")
+    if f.kind == "hang":
+        time.sleep(3600)
+    elif f.kind == "stall":
+        time.sleep(f.arg if f.arg is not None else 5.0)
+    elif f.kind == "oom":
+        # More than the machine has: the allocator fails for real (no overcommit of this size).
+        import torch
+
+        too_much = int(psutil.virtual_memory().total * 4)
+        torch.empty(too_much, dtype=torch.uint8).fill_(1)
+    elif f.kind == "gil_hang":
+        re.match(r"(a+)+$", "a" * 64 + "b")

@@ -1,0 +1,55 @@
+"""resilient: keep PyTorch distributed training alive through everyday cluster faults."""
+
+import warnings
+
+# nvidia-resiliency-ext pulls in the deprecated `pynvml` shim, which warns when torch.cuda imports it;
+# we depend on nvidia-ml-py (same import name), so the warning is noise for our users.
+warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
+
+from resilient.config import Config, Timeouts, load_config  # noqa: E402
+from resilient.errors import (
+    CheckpointError,
+    ConfigError,
+    CoordinationError,
+    ExitCode,
+    FaultRepeats,
+    HardFault,
+    HealthCheckFailed,
+    PeerAborted,
+    ResilienceError,
+    RestartBudgetExhausted,
+    StateRestoreError,
+    StepInterrupted,
+)
+from resilient.events import Event, read_events
+from resilient.runtime.context import Context
+from resilient.runtime.health import CheckResult, HealthInput
+from resilient.runtime.wrapper import current, wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckResult",
+    "CheckpointError",
+    "Config",
+    "ConfigError",
+    "Context",
+    "CoordinationError",
+    "Event",
+    "ExitCode",
+    "FaultRepeats",
+    "HardFault",
+    "HealthCheckFailed",
+    "HealthInput",
+    "PeerAborted",
+    "ResilienceError",
+    "RestartBudgetExhausted",
+    "StateRestoreError",
+    "StepInterrupted",
+    "Timeouts",
+    "__version__",
+    "current",
+    "load_config",
+    "read_events",
+    "wrap",
+]

@@ -1,0 +1,180 @@
+"""One validated configuration model, loaded from YAML plus keyword overrides.
+
+The user sets at most two timing knobs (``hang_timeout`` and, optionally, ``collective_timeout``);
+every other timeout that must be ordered with them is derived in :class:`Timeouts`, so the ordering
+cannot be broken by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from resilient.errors import ConfigError
+
+BUILTIN_CHECKS = ("gpu", "host_memory", "checkpoint_dir", "store")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RestartConfig(_Model):
+    """Bounds on in-process restarts."""
+
+    max_restarts: int = Field(10, ge=0, description="restarts allowed within `window_s`")
+    window_s: float = Field(3600.0, gt=0, description="sliding window for `max_restarts`, seconds")
+    max_repeats: int = Field(3, ge=1, description="same fault at the same step this many times → stop")
+    backoff_initial_s: float = Field(0.1, ge=0, description="delay before the 2nd quick restart")
+    backoff_max_s: float = Field(10.0, ge=0, description="cap of the exponential backoff")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RestartConfig:
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("backoff_max_s must be >= backoff_initial_s")
+        return self
+
+
+class SnapshotConfig(_Model):
+    """In-memory snapshot of the last good step."""
+
+    interval: int = Field(1, ge=1, description="take a snapshot every N completed steps")
+
+
+class HealthConfig(_Model):
+    """Health checks run between fault detection and the rebuild of the group."""
+
+    checks: tuple[str, ...] = BUILTIN_CHECKS
+    min_host_memory_mb: float = Field(256.0, ge=0)
+    checkpoint_dir: Path | None = None
+    min_free_disk_mb: float = Field(1024.0, ge=0)
+
+    @field_validator("checks")
+    @classmethod
+    def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [c for c in v if c not in BUILTIN_CHECKS]
+        if unknown:
+            raise ValueError(f"unknown check(s) {unknown}; built-ins are {list(BUILTIN_CHECKS)}")
+        return v
+
+
+class EventsConfig(_Model):
+    """Where the per-run JSONL event log goes."""
+
+    dir: Path = Path("resilient_runs")
+
+
+class Config(_Model):
+    """Runtime configuration. Defaults live here; ``configs/default.yaml`` mirrors them."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    hang_timeout: float = Field(60.0, gt=0, description="seconds without step progress → hang")
+    collective_timeout: float | None = Field(
+        None, gt=0, description="per-collective timeout; default 2 × hang_timeout (the watchdog fires first)"
+    )
+    interrupt_signal: str = "SIGUSR2"
+    restart: RestartConfig = RestartConfig()
+    snapshot: SnapshotConfig = SnapshotConfig()
+    health: HealthConfig = HealthConfig()
+    events: EventsConfig = EventsConfig()
+
+    @field_validator("interrupt_signal")
+    @classmethod
+    def _signal(cls, v: str) -> str:
+        if not hasattr(signal, v) or v in ("SIGKILL", "SIGSTOP", "SIGALRM", "SIGINT"):
+            raise ValueError(f"not a usable signal name: {v!r} (e.g. SIGUSR2)")
+        return v
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return Timeouts.derive(self.hang_timeout, self.collective_timeout)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every timeout the runtime uses, derived from one or two knobs so they stay ordered.
+
+    hang < hard (GIL-holding backstop) < barrier; startup applies to the first step of a generation.
+    """
+
+    hang: float
+    collective: float
+    startup: float
+    hard: float
+    barrier: float
+    monitor_interval: float
+
+    @classmethod
+    def derive(cls, hang: float, collective: float | None) -> Timeouts:
+        collective = collective if collective is not None else 2.0 * hang
+        grace = max(2.0, 0.5 * hang)
+        startup = 5.0 * hang
+        hard = hang + grace
+        barrier = max(collective, startup + grace) + 10.0
+        return cls(
+            hang=hang,
+            collective=collective,
+            startup=startup,
+            hard=hard,
+            barrier=barrier,
+            monitor_interval=min(0.02, hang / 50.0),
+        )
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _describe(err: ValidationError, data: dict[str, Any], source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        value: Any = data
+        for p in e["loc"]:
+            value = value.get(p, "<missing>") if isinstance(value, dict) else "<?>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown field {loc!r} (value {value!r})")
+        else:
+            lines.append(f"{source}: {loc} = {value!r}: {e['msg']}")
+    return "invalid resilient config\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> Config:
+    """Load ``path`` (YAML) if given, apply keyword overrides (nested dicts merge), validate.
+
+    Raises :class:`ConfigError` naming the field, the value and where it came from.
+    """
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        data = _deep_merge(data, overrides)
+        source = f"{source} + keyword overrides" if path is not None else "keyword overrides"
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, data, source)) from e

@@ -1,0 +1,103 @@
+"""Typed errors and process exit codes.
+
+Every error the library raises derives from :class:`ResilienceError`, so a caller can
+catch "anything resilient decided" with one clause. The exit codes are the contract with
+the launcher (and with Slurm/Kubernetes): they say whether relaunching can help.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes a rank ends with when it cannot continue in-process.
+
+    - ``SUCCESS``: the training function returned on every rank.
+    - ``FATAL``: retrying will not help (restart budget exhausted, a fault that repeats at the
+      same step, a configuration error). A launcher must not relaunch; a scheduler must not requeue.
+    - ``HARD_FAULT``: this process cannot recover in place (failed health check, a peer that never
+      came back, a sticky CUDA error). A launcher should relaunch the worker group.
+    - ``REQUEUE``: the job was asked to stop (preemption); requeue it.
+
+    A hang that holds the GIL cannot be reached by Python at all; the runtime arms an interval
+    timer whose ``SIGALRM`` kills the process after dumping every thread's stack, so such a rank
+    ends *by signal* ``SIGALRM`` (shell status 142), which the launcher reads as a hard hang.
+    """
+
+    SUCCESS = 0
+    FATAL = 3
+    HARD_FAULT = 75
+    REQUEUE = 76
+
+
+class ResilienceError(Exception):
+    """Root of every error raised by resilient."""
+
+
+class ConfigError(ResilienceError):
+    """A configuration value is invalid; the message names the field, the value and the source."""
+
+
+class CoordinationError(ResilienceError):
+    """The ranks could not agree (a peer never arrived at a barrier, the store is gone)."""
+
+
+class HardFault(ResilienceError):
+    """A fault that in-process recovery cannot fix; the process should exit for the launcher."""
+
+    exit_code = ExitCode.HARD_FAULT
+
+
+class HealthCheckFailed(HardFault):
+    """A health check failed between detection and rebuild."""
+
+    def __init__(self, check: str, value: object, detail: str) -> None:
+        super().__init__(f"health check {check!r} failed: {detail} (value: {value})")
+        self.check = check
+        self.value = value
+        self.detail = detail
+
+
+class PeerAborted(HardFault):
+    """Another rank gave up (for example its health check failed), so this generation cannot form."""
+
+
+class RestartBudgetExhausted(ResilienceError):
+    """More restarts than the policy allows; training stops with a diagnosis instead of looping."""
+
+    exit_code = ExitCode.FATAL
+
+    def __init__(self, message: str, history: list[dict[str, object]] | None = None) -> None:
+        super().__init__(message)
+        self.history = history or []
+
+
+class FaultRepeats(RestartBudgetExhausted):
+    """The same fault happened at the same step too many times in a row."""
+
+    def __init__(self, step: int, signature: str, count: int, history: list[dict[str, object]]) -> None:
+        super().__init__(f"fault repeats at step {step}: {signature} ({count} times in a row)", history)
+        self.step = step
+        self.signature = signature
+        self.count = count
+
+
+class StateRestoreError(ResilienceError):
+    """The tracked state could not be restored (no snapshot every rank holds, a shape mismatch)."""
+
+
+class CheckpointError(ResilienceError):
+    """A checkpoint could not be written or read."""
+
+
+class StepInterrupted(BaseException):  # noqa: N818 - mirrors KeyboardInterrupt
+    """Raised in the main thread to pull it out of a step (a hang, or a fault on another rank).
+
+    It derives from ``BaseException`` on purpose, like ``KeyboardInterrupt``: user code that
+    catches ``Exception`` around its step must not swallow the runtime's interrupt.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

@@ -1,0 +1,87 @@
+"""Typed recovery events → one JSONL file per run (every rank appends) and loguru.
+
+The event log is the single source of truth for timings: detection and recovery figures in
+benchmarks and certificates are computed from these records, not from an injector's clock.
+Each record is written with a single ``os.write`` on an ``O_APPEND`` descriptor, so lines from
+different ranks never interleave. A failing sink never kills training.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+
+class Event(str, enum.Enum):
+    """Phases of a run and of one recovery, in the order they happen."""
+
+    RUN_STARTED = "run_started"
+    FAULT_DETECTED = "fault_detected"
+    GROUP_ABORTED = "group_aborted"
+    HEALTH_CHECKED = "health_checked"
+    GROUP_REBUILT = "group_rebuilt"
+    STATE_RESTORED = "state_restored"
+    STEP_RESUMED = "step_resumed"
+    RUN_FINISHED = "run_finished"
+    RUN_FAILED = "run_failed"
+
+
+class EventLog:
+    """Append-only JSONL event sink shared by the ranks of one run."""
+
+    def __init__(self, path: Path | None, rank: int) -> None:
+        self.path = path
+        self.rank = rank
+        self._fd: int | None = None
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            except OSError as e:
+                logger.warning("event log {} unavailable ({}); events go to the log only", path, e)
+
+    def emit(self, event: Event, *, generation: int, step: int | None, **fields: Any) -> dict[str, Any]:
+        record = {
+            "ts": time.time(),
+            "event": event.value,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "generation": generation,
+            "step": step,
+            **fields,
+        }
+        if self._fd is not None:
+            try:
+                os.write(self._fd, (json.dumps(record, default=str) + "\n").encode())
+            except OSError as e:  # a full disk must not stop training
+                logger.warning("event log write failed: {}", e)
+        extras = " ".join(f"{k}={v}" for k, v in fields.items())
+        logger.bind(rank=self.rank).info(
+            "[rank {} gen {} step {}] {} {}", self.rank, generation, step, event.value, extras
+        )
+        return record
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read an events.jsonl file; a torn last line (a killed writer) is skipped."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

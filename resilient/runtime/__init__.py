@@ -1,0 +1,1 @@
+"""The in-process runtime (internal; the public API is re-exported from ``resilient``)."""

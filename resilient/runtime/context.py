@@ -1,0 +1,73 @@
+"""What the decorated training function sees: ``ctx.track(...)`` and ``ctx.steps(n)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from resilient.runtime.engine import Runtime
+
+
+class Context:
+    """Handle to the runtime for one entry of the training function (one generation)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+
+    @property
+    def rank(self) -> int:
+        return self._rt.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._rt.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._rt.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:<local_rank>`` on NCCL, ``cpu`` on gloo."""
+        return self._rt.device
+
+    @property
+    def generation(self) -> int:
+        """How many in-process restarts happened so far (0 on the first entry)."""
+        return self._rt.generation
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step this entry resumes at after a restart, else ``None``."""
+        return self._rt.restore_step if self._rt.generation > 0 else None
+
+    @property
+    def step(self) -> int | None:
+        """The step being run (inside ``ctx.steps``)."""
+        return self._rt.step
+
+    @property
+    def run_dir(self) -> Any:
+        """Directory of this run's event log."""
+        return self._rt.run_dir
+
+    def track(self, **objects: Any) -> None:
+        """Register state to snapshot after good steps and restore after a fault.
+
+        Anything with ``state_dict``/``load_state_dict`` (model, optimizer, LR scheduler, grad scaler,
+        a stateful sampler or data iterator) or a ``torch.Generator``. RNGs are always tracked.
+        After a restart, the objects passed here are loaded from the snapshot immediately.
+        """
+        self._rt.track(objects)
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step indices up to ``total``; after a restart, resume at the last good step.
+
+        Completing a loop body is the progress signal (watchdog) and the snapshot point.
+        """
+        if total < 0:
+            raise ValueError(f"total steps must be >= 0, got {total}")
+        return self._rt.steps(total)

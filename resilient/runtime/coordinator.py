@@ -1,0 +1,179 @@
+"""The store protocol between ranks: connection, fault posting, barriers between generations.
+
+One long-lived ``TCPStore`` per run (under torchrun, the agent's store when it offers one; else
+rank 0 hosts it). Every key lives under ``resilient/<run_id>/a<attempt>/g<generation>/`` so a
+relaunched worker group (new attempt) or a new generation never reads stale keys, and each
+process group is built on its own prefix (pytorch#55967: re-initializing on the same prefix hangs).
+
+Keys of generation g:
+- ``fault``                 the primary fault record (first ``compare_set`` wins; every rank reads it)
+- ``fault/<rank>``          each rank's own observation, for the diagnosis
+- ``recover/<rank>``, ``recover/count``, ``recover/release``   barrier after a fault
+- ``done/count``, ``done/release``                            barrier when the function returned
+A ``release`` value other than ``ok`` aborts the barrier with the reason it carries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from resilient.errors import CoordinationError, PeerAborted
+from resilient.runtime.faults import FaultRecord
+
+OK = b"ok"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    local_rank: int
+    hosts_store: bool
+
+
+def endpoint_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> Endpoint:
+    """Where the store is and who we are, from torchrun's env:// variables (or a single process)."""
+    rank = int(environ.get("RANK", "0"))
+    world = int(environ.get("WORLD_SIZE", "1"))
+    local_rank = int(environ.get("LOCAL_RANK", str(rank)))
+    if not 0 <= rank < world:
+        raise CoordinationError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    host = environ.get("MASTER_ADDR")
+    port = environ.get("MASTER_PORT")
+    if host is None or port is None:
+        if world > 1:
+            raise CoordinationError(
+                f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun "
+                "or `resilient launch`"
+            )
+        return Endpoint("127.0.0.1", 0, 0, 1, 0, True)
+    agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return Endpoint(host, int(port), rank, world, local_rank, hosts_store=(rank == 0 and not agent_store))
+
+
+def connect(ep: Endpoint, timeout: float) -> dist.TCPStore:
+    """Open a store connection (hosting the server on rank 0 when no agent store exists)."""
+    try:
+        return dist.TCPStore(
+            ep.host,
+            ep.port,
+            ep.world_size if ep.hosts_store else None,
+            ep.hosts_store,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+            multi_tenant=ep.hosts_store,
+        )
+    except Exception as e:
+        raise CoordinationError(f"cannot reach the store at {ep.host}:{ep.port}: {e}") from e
+
+
+def client(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """A second connection to an existing store, for a thread that must not share the main one."""
+    return dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def agree_run_id(store: dist.Store, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """The run id: RESILIENT_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID, else one rank 0's choice."""
+    for var in ("RESILIENT_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        v = environ.get(var)
+        if v and v != "none":
+            return v
+    proposal = uuid.uuid4().hex[:12]
+    return store.compare_set("resilient/run_id", "", proposal).decode()
+
+
+class Coordinator:
+    """Generation-scoped key protocol on the run's store (main-thread connection)."""
+
+    def __init__(self, store: dist.Store, namespace: str, rank: int, world_size: int, barrier_timeout: float):
+        self.store = store
+        self.ns = namespace
+        self.rank = rank
+        self.world_size = world_size
+        self.barrier_timeout = barrier_timeout
+
+    def key(self, generation: int, *parts: object) -> str:
+        return "/".join([self.ns, f"g{generation}", *map(str, parts)])
+
+    # -- faults ---------------------------------------------------------------------------------
+    def post_fault(self, rec: FaultRecord, store: dist.Store | None = None) -> FaultRecord:
+        """Publish this rank's observation; return the generation's primary fault (maybe ours)."""
+        s = store or self.store
+        raw = rec.to_json()
+        s.set(self.key(rec.generation, "fault", rec.rank), raw)
+        primary = s.compare_set(self.key(rec.generation, "fault"), "", raw)
+        # wake ranks that already returned from the function and wait in the done barrier
+        s.compare_set(self.key(rec.generation, "done", "release"), "", b"fault")
+        return FaultRecord.from_json(primary)
+
+    def primary_fault(self, generation: int, store: dist.Store | None = None) -> FaultRecord | None:
+        s = store or self.store
+        k = self.key(generation, "fault")
+        if not s.check([k]):
+            return None
+        return FaultRecord.from_json(s.get(k))
+
+    def observations(self, generation: int) -> list[dict[str, object]]:
+        out = []
+        for r in range(self.world_size):
+            k = self.key(generation, "fault", r)
+            if self.store.check([k]):
+                out.append(json.loads(self.store.get(k)))
+        return out
+
+    # -- barriers -------------------------------------------------------------------------------
+    def _barrier(self, generation: int, name: str, payload: str) -> list[str]:
+        self.store.set(self.key(generation, name, self.rank), payload)
+        arrived = self.store.add(self.key(generation, name, "count"), 1)
+        release = self.key(generation, name, "release")
+        if arrived == self.world_size:
+            self.store.compare_set(release, "", OK)
+        try:
+            self.store.wait([release], timedelta(seconds=self.barrier_timeout))
+        except Exception as e:
+            n = self.store.add(self.key(generation, name, "count"), 0)
+            raise CoordinationError(
+                f"barrier {name!r} of generation {generation}: only {n}/{self.world_size} ranks arrived "
+                f"within {self.barrier_timeout:g}s"
+            ) from e
+        verdict = self.store.get(release)
+        if verdict != OK:
+            raise PeerAborted(f"generation {generation} cannot form: {verdict.decode()}")
+        keys = [self.key(generation, name, r) for r in range(self.world_size)]
+        return [v.decode() for v in self.store.multi_get(keys)]
+
+    def recovery_barrier(self, generation: int, snapshot_steps: list[int]) -> list[list[int]]:
+        """Wait until every rank left generation ``generation``; return each rank's snapshot steps."""
+        return [json.loads(p) for p in self._barrier(generation, "recover", json.dumps(snapshot_steps))]
+
+    def abort_generation(self, generation: int, reason: str) -> None:
+        """Tell every rank waiting in this generation's barriers that it cannot form."""
+        msg = f"rank {self.rank}: {reason}"
+        for name in ("recover", "done"):
+            self.store.compare_set(self.key(generation, name, "release"), "", msg)
+
+    def finish_barrier(self, generation: int) -> bool:
+        """All ranks returned → True. A fault posted meanwhile → False (recover instead)."""
+        release = self.key(generation, "done", "release")
+        if self.store.add(self.key(generation, "done", "count"), 1) == self.world_size:
+            self.store.compare_set(release, "", OK)
+        try:
+            self.store.wait([release], timedelta(seconds=self.barrier_timeout))
+        except Exception as e:
+            raise CoordinationError(
+                f"not every rank finished generation {generation} within {self.barrier_timeout:g}s"
+            ) from e
+        verdict = self.store.get(release)
+        if verdict == OK:
+            return True
+        if verdict == b"fault":
+            return False
+        raise PeerAborted(f"generation {generation} aborted: {verdict.decode()}")

@@ -1,0 +1,369 @@
+"""The in-process restart engine: one per process, owning the store, the group and the state.
+
+Lifecycle per generation g (states are :class:`Phase`; transitions in brackets):
+
+    STARTING → [group built on g] → RUNNING → (fn returns) → FINISHING → [all done] → CLOSED
+                                       │                         │ (a peer faulted)
+                                       └──── fault ──→ RECOVERING ←┘
+    RECOVERING: post fault → abort group → policy → health → barrier → agree restore step → g+1 → RUNNING
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from loguru import logger
+
+from resilient.config import Config
+from resilient.errors import (
+    HardFault,
+    HealthCheckFailed,
+    ResilienceError,
+    RestartBudgetExhausted,
+    StateRestoreError,
+    StepInterrupted,
+)
+from resilient.events import Event, EventLog
+from resilient.runtime import coordinator as coord_mod
+from resilient.runtime.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.health import Check, HealthInput, run_checks
+from resilient.runtime.pg import Group, build_group, resolve_backend
+from resilient.runtime.policy import RestartPolicy
+from resilient.runtime.watchdog import HardHangTimer, MainThreadInterrupter, Monitor
+from resilient.state import Registry, SnapshotRing
+from resilient.state.registry import RNG, restore_rng
+
+
+class Phase(str, enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    FINISHING = "finishing"
+    CLOSED = "closed"
+
+
+class Runtime:
+    """Engine behind :func:`resilient.wrap`. Not thread-safe except where the monitor needs it."""
+
+    def __init__(self, cfg: Config, checks: Sequence[Check] = ()) -> None:
+        self.cfg = cfg
+        self.t = cfg.timeouts
+        self.extra_checks = tuple(checks)
+        self.ep = coord_mod.endpoint_from_env()
+        self.rank, self.world_size, self.local_rank = self.ep.rank, self.ep.world_size, self.ep.local_rank
+        self.backend = resolve_backend(cfg.backend)
+        self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        self.phase = Phase.STARTING
+        self.generation = 0
+        self.step: int | None = None
+        self.registry = Registry()
+        self.snapshots = SnapshotRing()
+        self.policy = RestartPolicy(cfg.restart)
+        self.group: Group | None = None
+        self.restore_step: int | None = None
+        self._restore_state: dict[str, Any] | None = None
+        self._restored: set[str] = set()
+        self._fault_ts: float | None = None
+        self._resume_pending = False
+        self._progress = time.monotonic()
+        self._stepped = False
+        self._last_nudge = 0.0
+        self._lock = threading.Lock()
+        self.run_dir: Path | None = None
+
+    # -- setup / teardown -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.store = coord_mod.connect(self.ep, self.t.barrier)
+        self.store_host, self.store_port = self.ep.host, self.store.port
+        self.run_id = coord_mod.agree_run_id(self.store)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        ns = f"resilient/{self.run_id}/a{attempt}"
+        self.coord = coord_mod.Coordinator(self.store, ns, self.rank, self.world_size, self.t.barrier)
+        self.monitor_store = coord_mod.client(self.store_host, self.store_port, self.t.barrier)
+        self.run_dir = self.cfg.events.dir / self.run_id
+        self.events = EventLog(self.run_dir / "events.jsonl", self.rank)
+        self.interrupter = MainThreadInterrupter(self.cfg.interrupt_signal, self._interruptible)
+        self.interrupter.install()
+        self.hard_timer = HardHangTimer()
+        self.hard_timer.install()
+        self.monitor = Monitor(self, self.t)
+        self.monitor.start()
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.local_rank)
+        self.events.emit(
+            Event.RUN_STARTED,
+            generation=0,
+            step=None,
+            world_size=self.world_size,
+            backend=self.backend,
+            hang_timeout=self.t.hang,
+            collective_timeout=self.t.collective,
+        )
+
+    def close(self) -> None:
+        if self.phase is Phase.CLOSED:
+            return
+        self.phase = Phase.CLOSED
+        for step in (self.monitor.stop, self.hard_timer.uninstall, self.interrupter.uninstall):
+            try:
+                step()
+            except Exception as e:
+                logger.debug("close: {}", e)
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        self.events.close()
+
+    # -- the restart loop -------------------------------------------------------------------------
+    def run(self, fn: Callable[[], Any]) -> Any:
+        self.start()
+        try:
+            while True:
+                self._enter_generation()
+                try:
+                    done, result, exc = self._attempt(fn)
+                except StepInterrupted as late:  # an interrupt that raced with the except clause
+                    self.phase = Phase.RECOVERING
+                    done, result, exc = False, None, late
+                if done:
+                    self.events.emit(Event.RUN_FINISHED, generation=self.generation, step=self.step)
+                    return result
+                self._recover(exc)
+        except ResilienceError as e:
+            self.events.emit(Event.RUN_FAILED, generation=self.generation, step=self.step, error=str(e))
+            raise
+        finally:
+            self.close()
+
+    def _attempt(self, fn: Callable[[], Any]) -> tuple[bool, Any, BaseException | None]:
+        try:
+            result = fn()
+        except (Exception, StepInterrupted) as exc:
+            self.phase = Phase.RECOVERING  # first: a late interrupt must not fire in recovery code
+            if isinstance(exc, ResilienceError) and not isinstance(exc, HardFault):
+                self.coord.abort_generation(self.generation, f"{type(exc).__name__}: {exc}")
+                raise
+            return False, None, exc
+        self.phase = Phase.FINISHING
+        self.hard_timer.arm(self.t.barrier + 10.0)
+        if self.coord.finish_barrier(self.generation):
+            self.hard_timer.disarm()
+            return True, result, None
+        self.phase = Phase.RECOVERING
+        return False, None, None
+
+    def _enter_generation(self) -> None:
+        self.hard_timer.arm(self.t.startup + self.t.hard)
+        t0 = time.time()
+        self.group = build_group(
+            backend=self.backend,
+            store=self.store,
+            store_port=self.store_port,
+            rank=self.rank,
+            world_size=self.world_size,
+            generation=self.generation,
+            timeout=self.t.collective,
+            device_id=self.device if self.backend == "nccl" else None,
+        )
+        if self.generation > 0:
+            self.events.emit(
+                Event.GROUP_REBUILT, generation=self.generation, step=self.restore_step, duration_s=time.time() - t0
+            )
+        self.registry.clear()
+        self._restored = set()
+        self._progress, self._stepped = time.monotonic(), False
+        self.phase = Phase.RUNNING
+
+    def _recover(self, exc: BaseException | None) -> None:
+        gen, step = self.generation, self.step
+        self._fault_ts = time.time()
+        if exc is not None:
+            rec = FaultRecord.from_exception(exc, rank=self.rank, generation=gen, step=step)
+            primary = self.coord.post_fault(rec)
+        else:  # we had returned; a peer faulted before everyone finished
+            rec = None
+            primary = self.coord.primary_fault(gen)
+            if primary is None:
+                raise HardFault(f"generation {gen} released without a fault record")
+        self.events.emit(
+            Event.FAULT_DETECTED,
+            generation=gen,
+            step=step,
+            kind=primary.kind,
+            signature=primary.signature,
+            origin_rank=primary.rank,
+            origin_step=primary.step,
+            origin_ts=primary.ts,
+            local=rec.message if rec else "finished; a peer faulted",
+        )
+        t0 = time.time()
+        assert self.group is not None
+        n = self.group.abort()
+        self.group.destroy()
+        self.group = None
+        self.events.emit(Event.GROUP_ABORTED, generation=gen, step=step, connections=n, duration_s=time.time() - t0)
+        if rec is not None and rec.severity == Severity.HARD.value:
+            self.coord.abort_generation(gen, f"hard fault: {rec.signature}")
+            raise HardFault(f"rank {self.rank} cannot recover in-process: {rec.message}") from exc
+        self.hard_timer.arm(self.t.barrier + 10.0)
+        try:
+            delay = self.policy.admit(primary)
+        except RestartBudgetExhausted as e:
+            logger.error("rank {}: giving up: {}", self.rank, e)
+            raise
+        self._check_health(gen, step)
+        if delay > 0:
+            time.sleep(delay)
+        steps_by_rank = self.coord.recovery_barrier(gen, self.snapshots.steps())
+        common = set(steps_by_rank[0]).intersection(*map(set, steps_by_rank[1:]))
+        if not common:
+            raise StateRestoreError(f"no snapshot step held by every rank: {steps_by_rank}")
+        self.restore_step = max(common)
+        self.snapshots.drop_after(self.restore_step)
+        self._restore_state = self.snapshots.materialize(self.restore_step)
+        self._resume_pending = True
+        self.generation = gen + 1
+
+    def _check_health(self, gen: int, step: int | None) -> None:
+        t0 = time.time()
+        results = run_checks(HealthInput(self.rank, gen, self.store, self.cfg.health), self.extra_checks)
+        failed = [r for r in results if not r.ok]
+        self.events.emit(
+            Event.HEALTH_CHECKED,
+            generation=gen,
+            step=step,
+            ok=not failed,
+            duration_s=time.time() - t0,
+            checks={r.name: {"ok": r.ok, "value": r.value} for r in results},
+        )
+        if failed:
+            f = failed[0]
+            logger.error("rank {}: health check {!r} failed: value={} ({})", self.rank, f.name, f.value, f.detail)
+            self.coord.abort_generation(gen, f"health check {f.name!r} failed: {f.value}")
+            raise HealthCheckFailed(f.name, f.value, f.detail)
+
+    # -- user-facing hooks (called through Context) -----------------------------------------------
+    def track(self, objects: dict[str, Any]) -> None:
+        for name, obj in objects.items():
+            self.registry.add(name, obj)
+            if self._restore_state is not None:
+                if name not in self._restore_state:
+                    raise StateRestoreError(
+                        f"{name!r} is tracked now but was not in the snapshot of step {self.restore_step} "
+                        f"(snapshot holds {sorted(k for k in self._restore_state if k != RNG)})"
+                    )
+                self.registry.load(name, self._restore_state[name])
+                self._restored.add(name)
+
+    def steps(self, total: int) -> Iterator[int]:
+        start = self._begin_steps(total)
+        for step in range(start, total):
+            self.step = step
+            yield step
+            self._complete(step, total)
+
+    def _begin_steps(self, total: int) -> int:
+        if self._restore_state is None:
+            self.snapshots.capture(0, self.registry.capture())
+            return 0
+        missing = [n for n in self._restore_state if n != RNG and n not in self._restored]
+        if missing:
+            raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
+        restore_rng(self._restore_state[RNG])
+        step = self.restore_step
+        assert step is not None
+        self.events.emit(
+            Event.STATE_RESTORED,
+            generation=self.generation,
+            step=step,
+            objects=sorted(self._restored),
+            since_fault_s=time.time() - (self._fault_ts or time.time()),
+        )
+        self._restore_state = None
+        self.step = step
+        return step
+
+    def _complete(self, step: int, total: int) -> None:
+        self._progress, self._stepped = time.monotonic(), True
+        self.hard_timer.arm(self.t.hard)
+        nxt = step + 1
+        if nxt % self.cfg.snapshot.interval == 0 or nxt == total:
+            self.snapshots.capture(nxt, self.registry.capture())
+        if self._resume_pending:
+            self._resume_pending = False
+            self.events.emit(
+                Event.STEP_RESUMED,
+                generation=self.generation,
+                step=step,
+                since_fault_s=time.time() - (self._fault_ts or time.time()),
+            )
+
+    # -- monitor-thread callbacks (see watchdog.Watched) ------------------------------------------
+    def _interruptible(self, generation: int) -> bool:
+        return self.phase is Phase.RUNNING and self.generation == generation
+
+    def running_generation(self) -> int | None:
+        return self.generation if self.phase is Phase.RUNNING else None
+
+    def last_progress(self) -> tuple[float, bool]:
+        return self._progress, self._stepped
+
+    def remote_fault(self, generation: int) -> FaultRecord | None:
+        f = self.coord.primary_fault(generation, store=self.monitor_store)
+        return f if f is not None and f.rank != self.rank else None
+
+    def on_remote_fault(self, generation: int, fault: object) -> None:
+        assert isinstance(fault, FaultRecord)
+        if self.group is not None and self.group.generation == generation:
+            self.group.abort()
+        self.interrupter.interrupt(
+            generation, f"peer: rank {fault.rank} faulted at step {fault.step}: {fault.signature}"
+        )
+
+    def on_hang(self, generation: int, idle_s: float) -> None:
+        msg = f"no step progress for {idle_s:.2f}s (limit {self.t.hang if self._stepped else self.t.startup:g}s)"
+        rec = FaultRecord(
+            rank=self.rank,
+            generation=generation,
+            step=self.step,
+            kind=FaultKind.HANG.value,
+            severity=Severity.SOFT.value,
+            signature="hang: no step progress",
+            message=msg,
+        )
+        self.coord.post_fault(rec, store=self.monitor_store)
+        if self.group is not None and self.group.generation == generation:
+            self.group.abort()
+        self.interrupter.interrupt(generation, f"hang: {msg}")
+
+    def nudge(self, generation: int) -> None:
+        now = time.monotonic()
+        if self.interrupter.still_pending(generation) and now - self._last_nudge > 0.5:
+            self._last_nudge = now
+            self.interrupter.interrupt(generation, self.interrupter._pending[1] if self.interrupter._pending else "")
+
+
+def excepthook_exit_codes() -> None:
+    """Make an uncaught resilient error end the process with its documented exit code."""
+    previous = sys.excepthook
+    if getattr(previous, "_resilient", False):
+        return
+
+    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(tp, value, tb)
+        code = getattr(value, "exit_code", None)
+        if code is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(int(code))
+
+    hook._resilient = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

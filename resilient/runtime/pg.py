@@ -1,0 +1,154 @@
+"""Process-group lifecycle: build a group on a fresh store generation, abort it, tear it down.
+
+gloo has no working abort (pytorch#130345): ``abort()``, ``shutdown()`` and
+``destroy_process_group()`` return at once but leave the peer connections open, so a peer blocked
+in a collective waits for the full timeout. We record the TCP connections gloo opens while the
+group is created and, to abort, ``shutdown(SHUT_RDWR)`` them: the local blocked collective and every
+peer's collective fail at once with "Connection closed by peer". Listening sockets are left alone
+(shutting down gloo's listener crashes its accept loop) and so are connections to the store.
+
+NCCL is aborted with ``_abort_process_group`` (it unblocks pending collectives from another thread);
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` must not kill the process on error, see :func:`nccl_env`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    return backend
+
+
+def nccl_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """Set the NCCL variables in-process recovery needs (unless the user set them); return them.
+
+    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly): abort communicators on error without
+      killing the process; the default (3) ends the process, which defeats in-process restart.
+    - ``TORCH_NCCL_RETHROW_CUDA_ERRORS=0``: surface CUDA errors to the step instead of the watchdog.
+    """
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
+    for k, v in wanted.items():
+        if k not in environ:
+            environ[k] = v
+    return {k: environ[k] for k in wanted}
+
+
+def _socket_inodes() -> dict[int, str]:
+    out: dict[int, str] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out[int(fd)] = link
+    return out
+
+
+@dataclass
+class Group:
+    """A default process group built by the runtime for one generation."""
+
+    backend: str
+    generation: int
+    store_port: int
+    _sockets: dict[int, str] = field(default_factory=dict)
+    _aborted: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def abort(self) -> int:
+        """Make every pending collective of this group fail now, on this rank and its peers.
+
+        Safe to call from a thread other than the one blocked in the collective; idempotent.
+        Returns the number of connections shut down (gloo) or 1 (NCCL abort).
+        """
+        with self._lock:
+            if self._aborted:
+                return 0
+            self._aborted = True
+        if self.backend == "nccl":
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception as e:  # already destroyed, or an old torch
+                logger.warning("NCCL abort failed: {}", e)
+                return 0
+            return 1
+        return self._shutdown_gloo_connections()
+
+    def _shutdown_gloo_connections(self) -> int:
+        n = 0
+        for fd, inode in self._sockets.items():
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != inode:
+                    continue  # closed, and the number reused by something else
+            except OSError:
+                continue
+            s = socket.socket(fileno=fd)
+            try:
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                try:
+                    peer_port = s.getpeername()[1]
+                except OSError:
+                    continue  # not connected
+                if peer_port == self.store_port:
+                    continue
+                s.shutdown(socket.SHUT_RDWR)
+                n += 1
+            except OSError:
+                pass
+            finally:
+                s.detach()  # the descriptor stays gloo's to close
+        return n
+
+    def destroy(self) -> None:
+        """Tear the group down after the main thread left every collective (idempotent)."""
+        self.abort()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:
+                logger.warning("destroy_process_group failed after abort: {}", e)
+
+
+def build_group(
+    *,
+    backend: str,
+    store: dist.Store,
+    store_port: int,
+    rank: int,
+    world_size: int,
+    generation: int,
+    timeout: float,
+    device_id: torch.device | None = None,
+) -> Group:
+    """Create the default process group on ``PrefixStore(g<generation>/pg, store)``."""
+    if backend == "nccl":
+        nccl_env()
+    before = _socket_inodes()
+    prefixed = dist.PrefixStore(f"g{generation}/pg", store)
+    kwargs: dict[str, object] = {}
+    if device_id is not None and backend == "nccl":
+        kwargs["device_id"] = device_id
+    dist.init_process_group(
+        backend,
+        store=prefixed,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+        **kwargs,  # type: ignore[arg-type]
+    )
+    after = _socket_inodes()
+    new = {fd: ino for fd, ino in after.items() if before.get(fd) != ino}
+    return Group(backend=backend, generation=generation, store_port=store_port, _sockets=new)

@@ -1,0 +1,153 @@
+"""The monitor thread: watches the store for faults of other ranks and the step clock for hangs.
+
+Both end the same way for this rank's main thread: the group is aborted (so a blocked collective
+fails now, here and on the peers) and the main thread is interrupted with a signal whose handler
+raises :class:`StepInterrupted` — ``time.sleep`` and most blocking calls return early for it.
+Code that holds the GIL in C never lets this thread run; for that case a ``SIGALRM`` interval
+timer, re-armed at every step, kills the process after ``faulthandler`` dumped every stack.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from loguru import logger
+
+from resilient.config import Timeouts
+
+
+class Watched(Protocol):
+    """What the monitor needs from the runtime (kept narrow so tests can drive it)."""
+
+    def running_generation(self) -> int | None: ...
+
+    def last_progress(self) -> tuple[float, bool]: ...
+
+    def remote_fault(self, generation: int) -> object | None: ...
+
+    def on_remote_fault(self, generation: int, fault: object) -> None: ...
+
+    def on_hang(self, generation: int, idle_s: float) -> None: ...
+
+    def nudge(self, generation: int) -> None: ...
+
+
+class Monitor(threading.Thread):
+    """Background thread; ``stop()`` is idempotent and joins."""
+
+    def __init__(self, target: Watched, timeouts: Timeouts, clock: Callable[[], float] = time.monotonic):
+        super().__init__(name="resilient-monitor", daemon=True)
+        self._t = target
+        self._timeouts = timeouts
+        self._clock = clock
+        self._halt = threading.Event()
+        self._handled: set[int] = set()
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=5)
+
+    def poll(self) -> None:
+        """One round of checks (the loop body; callable directly from tests)."""
+        gen = self._t.running_generation()
+        if gen is None:
+            return
+        if gen in self._handled:
+            self._t.nudge(gen)  # the main thread has not left the step yet: signal it again
+            return
+        fault = self._t.remote_fault(gen)
+        if fault is not None:
+            self._handled.add(gen)
+            self._t.on_remote_fault(gen, fault)
+            return
+        last, started = self._t.last_progress()
+        limit = self._timeouts.hang if started else self._timeouts.startup
+        idle = self._clock() - last
+        if idle > limit:
+            self._handled.add(gen)
+            self._t.on_hang(gen, idle)
+
+    def run(self) -> None:
+        while not self._halt.wait(self._timeouts.monitor_interval):
+            try:
+                self.poll()
+            except Exception as e:  # the store went away: nothing to watch any more
+                logger.debug("monitor poll failed: {}", e)
+
+
+class MainThreadInterrupter:
+    """Raises :class:`StepInterrupted` in the main thread, but only while a step may be interrupted.
+
+    ``arm(generation, reason)`` records what to raise; the signal handler raises only if
+    ``is_current(generation)`` still holds, so a late signal can never hit recovery code.
+    """
+
+    def __init__(self, signame: str, is_current: Callable[[int], bool]) -> None:
+        self.signum = getattr(signal, signame)
+        self._is_current = is_current
+        self._pending: tuple[int, str] | None = None
+        self._main_ident = threading.main_thread().ident
+        self._installed = False
+        self._previous: object = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("resilient.wrap must run in the main thread (it installs a signal handler)")
+        self._previous = signal.signal(self.signum, self._handler)
+        self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            signal.signal(self.signum, self._previous)  # type: ignore[arg-type]
+            self._installed = False
+
+    def _handler(self, signum: int, frame: object) -> None:
+        from resilient.errors import StepInterrupted
+
+        pending = self._pending
+        if pending is not None and self._is_current(pending[0]):
+            self._pending = None
+            raise StepInterrupted(pending[1])
+
+    def interrupt(self, generation: int, reason: str) -> None:
+        self._pending = (generation, reason)
+        if self._main_ident is not None:
+            signal.pthread_kill(self._main_ident, self.signum)
+
+    def still_pending(self, generation: int) -> bool:
+        return self._pending is not None and self._pending[0] == generation
+
+
+class HardHangTimer:
+    """``SIGALRM`` backstop for hangs no Python thread can reach (C code holding the GIL).
+
+    The handler is faulthandler's C handler (no GIL needed): it dumps every thread's stack to
+    stderr, then re-raises with the default action, so the process dies by ``SIGALRM``.
+    """
+
+    def __init__(self) -> None:
+        self._armed = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        faulthandler.register(signal.SIGALRM, file=sys.stderr, all_threads=True, chain=True)
+
+    def arm(self, seconds: float) -> None:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        self._armed = True
+
+    def disarm(self) -> None:
+        if self._armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            self._armed = False
+
+    def uninstall(self) -> None:
+        self.disarm()
+        faulthandler.unregister(signal.SIGALRM)

@@ -1,0 +1,85 @@
+"""``resilient.wrap``: the decorator that turns a training function into a restartable one."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, overload
+
+from resilient.config import Config, load_config
+from resilient.runtime.context import Context
+from resilient.runtime.engine import Runtime, excepthook_exit_codes
+from resilient.runtime.health import Check
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_current: Context | None = None
+
+
+def current() -> Context:
+    """The context of the running wrapped function (for code that was not handed ``ctx``)."""
+    if _current is None:
+        from resilient.errors import ResilienceError
+
+        raise ResilienceError("no resilient-wrapped function is running in this process")
+    return _current
+
+
+@overload
+def wrap(fn: F) -> F: ...
+
+
+@overload
+def wrap(
+    fn: None = None,
+    *,
+    config: str | os.PathLike[str] | Config | None = None,
+    checks: Sequence[Check] = (),
+    **overrides: Any,
+) -> Callable[[F], F]: ...
+
+
+def wrap(
+    fn: Callable[..., Any] | None = None,
+    *,
+    config: str | os.PathLike[str] | Config | None = None,
+    checks: Sequence[Check] = (),
+    **overrides: Any,
+) -> Any:
+    """Make ``fn`` survive soft faults in-process.
+
+    Use as ``@resilient.wrap`` or ``@resilient.wrap(config="configs/default.yaml", hang_timeout=30)``.
+    The configuration is validated here, at decoration time. If ``fn`` has a parameter named ``ctx``,
+    the :class:`Context` is passed to it; otherwise ``resilient.current()`` returns it. The runtime
+    creates the default process group (on a fresh store generation) before each entry of ``fn``.
+    """
+    cfg = config if isinstance(config, Config) else load_config(config, **overrides)
+    if isinstance(config, Config) and overrides:
+        cfg = load_config(None, **{**config.model_dump(), **overrides})
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        wants_ctx = "ctx" in inspect.signature(f).parameters
+
+        @functools.wraps(f)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            global _current
+            excepthook_exit_codes()
+            rt = Runtime(cfg, checks)
+
+            def entry() -> Any:
+                global _current
+                ctx = Context(rt)
+                _current = ctx
+                return f(*args, ctx=ctx, **kwargs) if wants_ctx else f(*args, **kwargs)
+
+            try:
+                return rt.run(entry)
+            finally:
+                _current = None
+
+        run.resilient_config = cfg  # type: ignore[attr-defined]
+        return run
+
+    return decorate(fn) if fn is not None else decorate

@@ -1,0 +1,128 @@
+"""In-memory snapshots of the last good steps, copied into reused host buffers.
+
+A ring of two slots: the newest complete snapshot is never overwritten while the next one is
+being written, so an interrupt in the middle of a copy leaves the previous snapshot intact. Ranks
+can be one snapshot apart after a fault (rank 0 finished step k, rank 1 failed inside it); the
+runtime restores the newest step that *every* rank holds, which is why two slots are kept.
+
+Tensor leaves are copied into host buffers allocated once per (path, shape, dtype) and reused:
+no allocation per snapshot. CUDA tensors land in pinned buffers (non-blocking copy, then one
+synchronize), so a CUDA fault cannot take the snapshot with it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from resilient.errors import StateRestoreError
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Placeholder for a tensor leaf in a snapshot tree."""
+
+    path: str
+    device: str
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """A leaf kept by reference: the producer guarantees it is a fresh object nobody mutates
+    (``random.getstate()``, ``np.random.get_state()``), which saves walking 625-tuples each step."""
+
+    value: Any
+
+
+@dataclass
+class _Slot:
+    step: int = -1
+    valid: bool = False
+    tree: Any = None
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class SnapshotRing:
+    """Two-slot ring of host snapshots keyed by the step they resume at."""
+
+    def __init__(self, slots: int = 2) -> None:
+        self._slots = [_Slot() for _ in range(slots)]
+        self.nbytes = 0
+
+    def steps(self) -> list[int]:
+        return sorted((s.step for s in self._slots if s.valid), reverse=True)
+
+    def capture(self, step: int, state: dict[str, Any]) -> None:
+        """Copy ``state`` (nested dicts/lists with tensor leaves) as the snapshot for ``step``."""
+        if any(s.valid and s.step == step for s in self._slots):
+            return
+        slot = min(self._slots, key=lambda s: (s.valid, s.step))  # an empty slot, else the oldest
+        slot.valid = False
+        cuda_copies = False
+
+        def walk(obj: Any, path: str) -> Any:
+            nonlocal cuda_copies
+            if isinstance(obj, torch.Tensor):
+                src = obj.detach()
+                buf = slot.buffers.get(path)
+                if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+                    slot.buffers[path] = buf
+                buf.copy_(src, non_blocking=src.is_cuda)
+                cuda_copies |= src.is_cuda
+                return _Ref(path, str(src.device), obj.requires_grad)
+            if isinstance(obj, Frozen):
+                return obj
+            if isinstance(obj, dict):
+                return {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
+            if isinstance(obj, list | tuple) and not _is_namedtuple(obj):
+                items = [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
+                return items if isinstance(obj, list) else tuple(items)
+            return copy.deepcopy(obj)
+
+        slot.tree = walk(state, "")
+        if cuda_copies:
+            torch.cuda.synchronize()
+        slot.step = step
+        slot.valid = True
+        self.nbytes = sum(b.numel() * b.element_size() for s in self._slots for b in s.buffers.values())
+
+    def materialize(self, step: int) -> dict[str, Any]:
+        """A fresh copy of the snapshot for ``step``: tensors cloned back to their original device.
+
+        Cloning matters: ``Optimizer.load_state_dict`` keeps the tensors it is given, so handing it
+        our buffers would let the next optimizer step write into the snapshot.
+        """
+        slot = next((s for s in self._slots if s.valid and s.step == step), None)
+        if slot is None:
+            raise StateRestoreError(f"no snapshot for step {step}; held: {self.steps()}")
+
+        def walk(obj: Any) -> Any:
+            if isinstance(obj, _Ref):
+                t = slot.buffers[obj.path].to(obj.device, copy=True)
+                return t.requires_grad_(obj.requires_grad) if t.is_floating_point() else t
+            if isinstance(obj, Frozen):
+                return obj.value
+            if isinstance(obj, dict):
+                return {k: walk(v) for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [walk(v) for v in obj]
+            if isinstance(obj, tuple) and not _is_namedtuple(obj):
+                return tuple(walk(v) for v in obj)
+            return copy.deepcopy(obj)
+
+        return dict(walk(slot.tree))
+
+    def drop_after(self, step: int) -> None:
+        """Invalidate snapshots newer than ``step`` (after restoring an older one)."""
+        for s in self._slots:
+            if s.valid and s.step > step:
+                s.valid = False
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
