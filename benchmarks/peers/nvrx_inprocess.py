@@ -29,6 +29,7 @@ Prints one JSON line on stdout; per-trial lines and diagnostics go to stderr.
 
 import argparse
 import datetime
+import faulthandler
 import json
 import logging
 import os
@@ -133,12 +134,14 @@ def train(app_store, model, opt, st, args, call_wrapper: Optional[inprocess.Call
                 st["durations"].append(time.time() - t0)
         dist.barrier()
     finally:
-        ddp = None  # drop DDP's autograd hooks before a restart re-wraps the same model
+        if not os.environ.get("TMP_KEEP_DDP"): ddp = None  # drop DDP's autograd hooks before a restart re-wraps the same model
     dist.destroy_process_group()
 
 
 def worker(args):
     rank = int(os.environ["RANK"])
+    # NVRx's hard timeout SIGTERMs a stuck rank: dump every thread's stack first (diagnostics)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     logging.basicConfig(stream=sys.stderr, level=args.log_level,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s")
     torch.set_num_threads(1)

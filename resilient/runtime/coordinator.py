@@ -46,8 +46,8 @@ def endpoint_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -
     local_rank = int(environ.get("LOCAL_RANK", str(rank)))
     if not 0 <= rank < world:
         raise CoordinationError(f"RANK={rank} is outside WORLD_SIZE={world}")
-    host = environ.get("MASTER_ADDR")
-    port = environ.get("MASTER_PORT")
+    host = environ.get("MASTER_ADDR") or None
+    port = environ.get("MASTER_PORT") or None
     if host is None or port is None:
         if world > 1:
             raise CoordinationError(

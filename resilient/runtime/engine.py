@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,7 @@ class Runtime:
             except Exception as e:
                 logger.debug("close: {}", e)
         if self.group is not None:
-            self.group.destroy()
+            self.group.destroy(abort=False)
             self.group = None
         self.events.close()
 
@@ -358,7 +359,12 @@ def excepthook_exit_codes() -> None:
         return
 
     def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-        previous(tp, value, tb)
+        if previous is sys.__excepthook__:
+            # the C hook printed nothing here for exceptions raised out of the restart loop (seen on
+            # CPython 3.11); the traceback module always prints the chain
+            traceback.print_exception(tp, value, tb, file=sys.stderr)
+        else:
+            previous(tp, value, tb)
         code = getattr(value, "exit_code", None)
         if code is not None:
             sys.stdout.flush()

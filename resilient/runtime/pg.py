@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -92,18 +93,18 @@ class Group:
             try:
                 if os.readlink(f"/proc/self/fd/{fd}") != inode:
                     continue  # closed, and the number reused by something else
+                s = socket.socket(fileno=fd)
             except OSError:
-                continue
-            s = socket.socket(fileno=fd)
+                continue  # closed meanwhile by gloo's own threads
             try:
                 if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     continue
                 try:
-                    peer_port = s.getpeername()[1]
+                    ports = (s.getpeername()[1], s.getsockname()[1])
                 except OSError:
                     continue  # not connected
-                if peer_port == self.store_port:
-                    continue
+                if self.store_port in ports:
+                    continue  # a store connection (ours, or a peer's accepted by the server we host)
                 s.shutdown(socket.SHUT_RDWR)
                 n += 1
             except OSError:
@@ -112,9 +113,13 @@ class Group:
                 s.detach()  # the descriptor stays gloo's to close
         return n
 
-    def destroy(self) -> None:
-        """Tear the group down after the main thread left every collective (idempotent)."""
-        self.abort()
+    def destroy(self, abort: bool = True) -> None:
+        """Tear the group down after the main thread left every collective (idempotent).
+
+        ``abort`` first when peers may still be blocked in a collective of this group.
+        """
+        if abort:
+            self.abort()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -137,6 +142,10 @@ def build_group(
     if backend == "nccl":
         nccl_env()
     before = _socket_inodes()
+    # init_process_group wraps sys.excepthook (rank prefix, stderr captured in a StringIO) every
+    # time it runs: after N in-process restarts every line would carry N prefixes, and a hook that
+    # ends the process would print into the StringIO. Keep the hook the process had.
+    hook = sys.excepthook
     prefixed = dist.PrefixStore(f"g{generation}/pg", store)
     kwargs: dict[str, object] = {}
     if device_id is not None and backend == "nccl":
@@ -149,6 +158,7 @@ def build_group(
         timeout=timedelta(seconds=timeout),
         **kwargs,  # type: ignore[arg-type]
     )
+    sys.excepthook = hook
     after = _socket_inodes()
     new = {fd: ino for fd, ino in after.items() if before.get(fd) != ino}
     return Group(backend=backend, generation=generation, store_port=store_port, _sockets=new)

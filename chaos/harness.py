@@ -1,0 +1,116 @@
+"""Run a training command as N local ranks (env:// like torchrun) and collect what happened.
+
+Each rank is started in its own session so that everything it spawns can be killed by process
+group; a run that exceeds its timeout is killed, never left behind. Used by the tests, the demo
+and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from resilient.events import read_events
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None  # None: killed at the timeout
+    stdout: str
+    stderr: str
+
+
+@dataclass
+class RunResult:
+    ranks: list[RankResult]
+    events: list[dict[str, Any]]
+    wall_s: float
+    timed_out: bool
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(r.returncode == 0 for r in self.ranks)
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == event]
+
+    def describe(self) -> str:
+        parts = [f"timed_out={self.timed_out} wall={self.wall_s:.1f}s"]
+        for r in self.ranks:
+            parts.append(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}")
+        return "\n".join(parts)
+
+
+def _kill_group(p: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_ranks(
+    argv: Sequence[str],
+    nproc: int,
+    *,
+    cwd: Path,
+    run_id: str = "run",
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> RunResult:
+    """Start ``python argv...`` as ``nproc`` ranks; wait, kill on timeout, collect output and events."""
+    port = free_port()
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    base.update({"WORLD_SIZE": str(nproc), "RESILIENT_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"})
+    base.update(env or {})
+    procs: list[subprocess.Popen[str]] = []
+    outs = []
+    t0 = time.monotonic()
+    timed_out = False
+    try:
+        for rank in range(nproc):
+            e = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
+            log_out = open(cwd / f"rank{rank}.out", "w+")  # noqa: SIM115 - closed below
+            log_err = open(cwd / f"rank{rank}.err", "w+")  # noqa: SIM115
+            outs.append((log_out, log_err))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv], cwd=cwd, env=e, stdout=log_out, stderr=log_err,
+                    text=True, start_new_session=True,
+                )
+            )
+        for p in procs:
+            left = timeout - (time.monotonic() - t0)
+            try:
+                p.wait(timeout=max(0.1, left))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+    finally:
+        for p in procs:
+            _kill_group(p)  # also reaps anything a rank spawned
+            p.wait()
+    results = []
+    for rank, (p, (o, e)) in enumerate(zip(procs, outs, strict=True)):
+        o.seek(0)
+        e.seek(0)
+        results.append(RankResult(rank, None if timed_out and p.returncode < 0 else p.returncode, o.read(), e.read()))
+        o.close()
+        e.close()
+    ev_path = cwd / "resilient_runs" / run_id / "events.jsonl"
+    events = read_events(ev_path) if ev_path.exists() else []
+    return RunResult(results, events, time.monotonic() - t0, timed_out)

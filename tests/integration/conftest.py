@@ -1,0 +1,66 @@
+"""Multi-process fixtures: the example as real gloo ranks, and its fault-free reference state."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from chaos.harness import RunResult, run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
+STEPS = 24
+_ids = itertools.count()
+
+
+def run_example(tmp: Path, nproc: int, *args: str, timeout: float = 90.0, env: dict[str, str] | None = None) -> RunResult:
+    tmp.mkdir(parents=True, exist_ok=True)
+    return run_ranks(
+        [EXAMPLE, "--steps", str(STEPS), "--out", str(tmp / "state"), *args],
+        nproc,
+        cwd=tmp,
+        run_id=f"t{next(_ids)}",
+        timeout=timeout,
+        env=env,
+    )
+
+
+def load_states(tmp: Path, nproc: int) -> list[dict[str, Any]]:
+    return [torch.load(tmp / "state" / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
+
+
+def assert_bit_exact(a: Any, b: Any, path: str = "") -> int:
+    """Compare nested state tensors bit for bit; return how many tensors were compared."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), f"tensor differs at {path}"
+        return 1
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), f"keys differ at {path}"
+        return sum(assert_bit_exact(a[k], b[k], f"{path}/{k}") for k in a)
+    if isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        return sum(assert_bit_exact(x, y, f"{path}/{i}") for i, (x, y) in enumerate(zip(a, b, strict=True)))
+    assert a == b, f"{path}: {a!r} != {b!r}"
+    return 0
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
+    """Fault-free final states, by world size (computed lazily, once per session)."""
+    cache: dict[int, list[dict[str, Any]]] = {}
+
+    class Ref(dict):  # type: ignore[type-arg]
+        def __missing__(self, nproc: int) -> list[dict[str, Any]]:
+            d = tmp_path_factory.mktemp(f"ref{nproc}")
+            res = run_example(d, nproc)
+            assert res.ok, res.describe()
+            assert not res.of("fault_detected")
+            self[nproc] = load_states(d, nproc)
+            return self[nproc]
+
+    return Ref(cache)

@@ -1,0 +1,117 @@
+"""Real faults on real gloo ranks; the run must finish with the fault-free run's state, bit for bit."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from chaos.harness import run_ranks
+from resilient.errors import ExitCode
+from tests.integration.conftest import ROOT, assert_bit_exact, load_states, run_example
+
+pytestmark = pytest.mark.integration
+
+
+def _check_recovered(res, reference, nproc: int, tmp: Path) -> None:
+    assert res.ok, res.describe()
+    states = load_states(tmp, nproc)
+    for rank in range(nproc):
+        n = assert_bit_exact(reference[nproc][rank]["model"], states[rank]["model"], f"rank{rank}/model")
+        n += assert_bit_exact(reference[nproc][rank]["optimizer"], states[rank]["optimizer"], f"rank{rank}/opt")
+        assert n > 50  # parameters and Adam moments were really compared
+    # no rank process died: every event of a rank came from one pid
+    for rank in range(nproc):
+        assert len({e["pid"] for e in res.events if e["rank"] == rank}) == 1
+    assert len(res.of("step_resumed")) == nproc
+
+
+def test_exception_on_rank1(tmp_path, reference):
+    res = run_example(tmp_path, 2, "--fault", "exception@9:1")
+    _check_recovered(res, reference, 2, tmp_path)
+    (primary,) = {(e["origin_rank"], e["kind"], e["origin_step"]) for e in res.of("fault_detected")}
+    assert primary == (1, "exception", 9)
+    assert load_states(tmp_path, 2)[1]["fired"] == {"exception@9:1": 1}
+
+
+def test_sleep_hang_on_rank0_is_interrupted_in_process(tmp_path, reference):
+    res = run_example(tmp_path, 2, "--fault", "hang@7:0", "--hang-timeout", "2")
+    _check_recovered(res, reference, 2, tmp_path)
+    kinds = {e["kind"] for e in res.of("fault_detected")}
+    assert kinds == {"hang"}, kinds
+    # the hanging rank left time.sleep(3600) in-process: it resumed, and well before the sleep ends
+    resumed = [e for e in res.of("step_resumed") if e["rank"] == 0]
+    assert resumed and resumed[0]["since_fault_s"] < 10
+
+
+def test_collective_timeout_when_a_rank_stalls(tmp_path, reference):
+    res = run_example(
+        tmp_path, 2, "--fault", "stall@10:1=2.5", "--hang-timeout", "4", "--collective-timeout", "1.5"
+    )
+    _check_recovered(res, reference, 2, tmp_path)
+    primaries = {(e["origin_rank"], e["kind"]) for e in res.of("fault_detected")}
+    assert primaries == {(0, "collective")}, primaries  # rank 0's collective timed out
+    assert all("Timed out" in e["signature"] for e in res.of("fault_detected"))
+
+
+def test_oom_exception_recovers(tmp_path, reference):
+    res = run_example(tmp_path, 2, "--fault", "oom@5:0")
+    _check_recovered(res, reference, 2, tmp_path)
+    assert {e["kind"] for e in res.of("fault_detected")} == {"oom"}
+
+
+def test_repeating_fault_stops_with_diagnosis(tmp_path):
+    res = run_example(tmp_path, 2, "--fault", "exception@6:1x10", "--max-repeats", "3")
+    assert not res.timed_out, res.describe()
+    for r in res.ranks:
+        assert r.returncode == ExitCode.FATAL, res.describe()
+        assert "FaultRepeats: fault repeats at step 6: exception: InjectedFault" in r.stderr
+    assert len(res.of("fault_detected")) == 3 * 2  # three faults seen by both ranks, then stop
+    assert len(res.of("run_failed")) == 2
+
+
+def test_bad_config_names_field_value_and_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hang_timeout: -5\nrestart:\n  max_restarts: 2\n")
+    res = run_example(tmp_path, 2, "--config", str(bad))
+    for r in res.ranks:
+        assert r.returncode != 0
+        assert f"{bad}: hang_timeout = -5: Input should be greater than 0" in r.stderr
+    assert not res.events  # failed at decoration time: nothing started
+
+
+def test_single_process_without_launcher(tmp_path):
+    """No torchrun, no env: the runtime hosts its own store; an exception is still recovered."""
+    solo = {"MASTER_ADDR": "", "MASTER_PORT": "", "RANK": "0", "WORLD_SIZE": "1"}
+    argv = [str(ROOT / "examples/train_tiny.py"), "--steps", "12"]
+    ref = run_ranks([*argv, "--out", "ref"], 1, cwd=tmp_path, run_id="ref", env=solo)
+    hit = run_ranks([*argv, "--out", "hit", "--fault", "exception@5:0"], 1, cwd=tmp_path, run_id="hit", env=solo)
+    assert ref.ok and hit.ok, ref.describe() + hit.describe()
+    a = torch.load(tmp_path / "ref" / "rank0.pt", weights_only=True)
+    b = torch.load(tmp_path / "hit" / "rank0.pt", weights_only=True)
+    assert assert_bit_exact(a["model"], b["model"]) + assert_bit_exact(a["optimizer"], b["optimizer"]) > 50
+    assert [e["origin_step"] for e in hit.of("fault_detected")] == [5]
+
+
+def test_failed_health_check_exits_hard_fault_naming_the_check(tmp_path):
+    cfg = tmp_path / "unhealthy.yaml"
+    cfg.write_text("health:\n  min_host_memory_mb: 100000000\n")
+    res = run_example(tmp_path, 2, "--fault", "exception@4:1", "--config", str(cfg))
+    assert not res.timed_out, res.describe()
+    for r in res.ranks:
+        assert r.returncode == ExitCode.HARD_FAULT, res.describe()
+        assert "health check 'host_memory' failed" in r.stderr
+    assert all(not e["ok"] for e in res.of("health_checked"))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SIGALRM/faulthandler backstop is Linux-tested")
+def test_gil_holding_hang_ends_by_sigalrm_with_stacks(tmp_path):
+    res = run_example(tmp_path, 2, "--fault", "gil_hang@5:1", "--hang-timeout", "1", timeout=60)
+    assert not res.timed_out, res.describe()
+    r1 = res.ranks[1]
+    assert r1.returncode == -signal.SIGALRM, res.describe()
+    assert "most recent call first" in r1.stderr  # faulthandler dumped the stacks
+    assert "chaos/inject.py" in r1.stderr
