@@ -9,6 +9,7 @@ Inject faults (kind@step[:rank], see chaos/inject.py):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -74,6 +75,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-repeats", type=int, default=None)
     p.add_argument("--step-ms", type=float, default=0.0, help="pad each step to this duration (compute stand-in)")
     p.add_argument("--out", type=Path, default=None, help="write final model+optimizer state here (per rank)")
+    p.add_argument("--dim", type=int, default=32, help="model width (benchmarks use a wider model)")
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--plain", action="store_true", help="run the same loop without resilient (baseline)")
+    p.add_argument("--report", action="store_true", help="rank 0 prints a JSON line with loop timing")
     return p.parse_args()
 
 
@@ -88,16 +93,20 @@ def main() -> None:
     if args.max_repeats is not None:
         overrides["restart"] = {"max_repeats": args.max_repeats}
 
-    @resilient.wrap(config=args.config, **overrides)  # (1) decorate
     def train(ctx: resilient.Context) -> None:
         rank = dist.get_rank()
         torch.manual_seed(0)
-        model = DDP(TinyLM())
+        model = DDP(TinyLM(dim=args.dim, seq=args.seq))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
-        data = Tokens(seed=1000 + rank)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
+        )
+        data = Tokens(seed=1000 + rank, seq=args.seq)
         ctx.track(model=model, optimizer=opt, scheduler=sched, data=data)  # (2) track state
+        t_loop = None
         for step in ctx.steps(args.steps):  # (3) resumable steps
+            if step == min(5, args.steps - 1):
+                t_loop = time.perf_counter()
             t0 = time.perf_counter()
             x, y = data.next()
             injector.maybe_fire(rank, step)
@@ -108,10 +117,13 @@ def main() -> None:
             loss.backward()  # DDP all-reduce
             opt.step()
             sched.step()
-            if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+            if rank == 0 and not args.report and (step % 10 == 0 or step == args.steps - 1):
                 print(f"step {step:4d} loss {loss.item():.4f} gen {ctx.generation}", flush=True)
             if args.step_ms:
                 time.sleep(max(0.0, args.step_ms / 1e3 - (time.perf_counter() - t0)))
+        if args.report and rank == 0 and t_loop is not None:
+            n = args.steps - min(5, args.steps - 1)
+            print(json.dumps({"loop_s": time.perf_counter() - t_loop, "steps": n}), flush=True)
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             torch.save(
@@ -119,7 +131,24 @@ def main() -> None:
                 args.out / f"rank{rank}.pt",
             )
 
-    train()
+    if args.plain:  # the same loop with no runtime: the baseline for overhead figures
+        dist.init_process_group("gloo")
+        train(_Plain())  # type: ignore[arg-type]
+        dist.destroy_process_group()
+    else:
+        resilient.wrap(config=args.config, **overrides)(train)()  # (1) decorate
+
+
+class _Plain:
+    """Stand-in context for --plain: no tracking, no snapshots, no watchdog."""
+
+    generation = 0
+
+    def track(self, **objects: object) -> None:
+        pass
+
+    def steps(self, total: int) -> range:
+        return range(total)
 
 
 if __name__ == "__main__":

@@ -43,9 +43,22 @@ class RestartConfig(_Model):
 
 
 class SnapshotConfig(_Model):
-    """In-memory snapshot of the last good step."""
+    """In-memory snapshot of the last good step.
 
-    interval: int = Field(1, ge=1, description="take a snapshot every N completed steps")
+    ``interval: auto`` snapshots every step while the run calibrates, then rank 0 measures the copy
+    against the step time and picks the smallest interval whose cost stays under ``max_overhead``
+    (every rank adopts rank 0's choice, so all ranks hold the same steps).
+    """
+
+    interval: int | Literal["auto"] = Field("auto", description="every N completed steps, or auto")
+    max_overhead: float = Field(0.005, gt=0, le=1, description="auto: snapshot time / step time budget")
+
+    @field_validator("interval")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return v
 
 
 class HealthConfig(_Model):
@@ -110,6 +123,7 @@ class Timeouts:
     hard: float
     barrier: float
     monitor_interval: float
+    victim_grace: float
 
     @classmethod
     def derive(cls, hang: float, collective: float | None) -> Timeouts:
@@ -124,7 +138,8 @@ class Timeouts:
             startup=startup,
             hard=hard,
             barrier=barrier,
-            monitor_interval=min(0.02, hang / 50.0),
+            monitor_interval=min(0.05, hang / 40.0),
+            victim_grace=min(1.0, 0.25 * hang),
         )
 
 

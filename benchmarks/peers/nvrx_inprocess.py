@@ -134,7 +134,9 @@ def train(app_store, model, opt, st, args, call_wrapper: Optional[inprocess.Call
                 st["durations"].append(time.time() - t0)
         dist.barrier()
     finally:
-        if not os.environ.get("TMP_KEEP_DDP"): ddp = None  # drop DDP's autograd hooks before a restart re-wraps the same model
+        _t = time.time(); logging.warning(f"TMP finally exc={sys.exc_info()[1]!r:.200}")
+        if not os.environ.get("TMP_KEEP_DDP"): ddp = None  # drop
+        logging.warning(f"TMP ddp=None took {time.time()-_t:.3f}") DDP's autograd hooks before a restart re-wraps the same model
     dist.destroy_process_group()
 
 

@@ -38,9 +38,18 @@ from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.health import Check, HealthInput, run_checks
 from resilient.runtime.pg import Group, build_group, resolve_backend
 from resilient.runtime.policy import RestartPolicy
+from resilient.runtime.schedule import SnapshotSchedule
 from resilient.runtime.watchdog import HardHangTimer, MainThreadInterrupter, Monitor
 from resilient.state import Registry, SnapshotRing
 from resilient.state.registry import RNG, restore_rng
+
+
+# Files whose frames, innermost on the main thread, mean "blocked waiting for peers".
+_COLLECTIVE_MODULES = (
+    "torch/distributed/",
+    "torch/autograd/",
+    "torch/nn/parallel/distributed.py",
+)
 
 
 class Phase(str, enum.Enum):
@@ -73,6 +82,7 @@ class Runtime:
         self._restore_state: dict[str, Any] | None = None
         self._restored: set[str] = set()
         self._fault_ts: float | None = None
+        self._fault_step: int | None = None
         self._resume_pending = False
         self._progress = time.monotonic()
         self._stepped = False
@@ -88,6 +98,7 @@ class Runtime:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         ns = f"resilient/{self.run_id}/a{attempt}"
         self.coord = coord_mod.Coordinator(self.store, ns, self.rank, self.world_size, self.t.barrier)
+        self.schedule = SnapshotSchedule(self.cfg.snapshot, self.rank, self.store, f"{ns}/snapshot_interval")
         self.monitor_store = coord_mod.client(self.store_host, self.store_port, self.t.barrier)
         self.run_dir = self.cfg.events.dir / self.run_id
         self.events = EventLog(self.run_dir / "events.jsonl", self.rank)
@@ -185,7 +196,7 @@ class Runtime:
 
     def _recover(self, exc: BaseException | None) -> None:
         gen, step = self.generation, self.step
-        self._fault_ts = time.time()
+        self._fault_ts, self._fault_step = time.time(), step
         if exc is not None:
             rec = FaultRecord.from_exception(exc, rank=self.rank, generation=gen, step=step)
             primary = self.coord.post_fault(rec)
@@ -203,6 +214,7 @@ class Runtime:
             origin_rank=primary.rank,
             origin_step=primary.step,
             origin_ts=primary.ts,
+            origin_latency_s=primary.latency_s,
             local=rec.message if rec else "finished; a peer faulted",
         )
         t0 = time.time()
@@ -286,6 +298,8 @@ class Runtime:
             generation=self.generation,
             step=step,
             objects=sorted(self._restored),
+            steps_rerun=(self._fault_step or step) - step,
+            snapshot_interval=self.schedule.interval,
             since_fault_s=time.time() - (self._fault_ts or time.time()),
         )
         self._restore_state = None
@@ -293,11 +307,16 @@ class Runtime:
         return step
 
     def _complete(self, step: int, total: int) -> None:
-        self._progress, self._stepped = time.monotonic(), True
+        now = time.monotonic()
+        step_s = now - self._progress if self._stepped else None
+        self._progress, self._stepped = now, True
         self.hard_timer.arm(self.t.hard)
         nxt = step + 1
-        if nxt % self.cfg.snapshot.interval == 0 or nxt == total:
+        capture_s = None
+        if self.schedule.due(nxt, total):
             self.snapshots.capture(nxt, self.registry.capture())
+            capture_s = time.monotonic() - now
+        self.schedule.observe(nxt, step_s, capture_s)
         if self._resume_pending:
             self._resume_pending = False
             self.events.emit(
@@ -329,8 +348,25 @@ class Runtime:
             generation, f"peer: rank {fault.rank} faulted at step {fault.step}: {fault.signature}"
         )
 
+    def main_thread_where(self) -> tuple[str, bool]:
+        """Innermost frame of the main thread, and whether it sits in a collective / backward pass."""
+        frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        if frame is None:
+            return "?", False
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        f = frame
+        for _ in range(4):  # the innermost Python frames around the blocking C++ call
+            if f is None:
+                break
+            if any(m in f.f_code.co_filename for m in _COLLECTIVE_MODULES):
+                return where, True
+            f = f.f_back
+        return where, False
+
     def on_hang(self, generation: int, idle_s: float) -> None:
-        msg = f"no step progress for {idle_s:.2f}s (limit {self.t.hang if self._stepped else self.t.startup:g}s)"
+        where, _ = self.main_thread_where()
+        limit = self.t.hang if self._stepped else self.t.startup
+        msg = f"no step progress for {idle_s:.2f}s (limit {limit:g}s); main thread at {where}"
         rec = FaultRecord(
             rank=self.rank,
             generation=generation,
@@ -339,6 +375,7 @@ class Runtime:
             severity=Severity.SOFT.value,
             signature="hang: no step progress",
             message=msg,
+            latency_s=idle_s,
         )
         self.coord.post_fault(rec, store=self.monitor_store)
         if self.group is not None and self.group.generation == generation:

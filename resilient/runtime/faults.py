@@ -86,6 +86,7 @@ class FaultRecord:
     signature: str
     message: str
     ts: float = field(default_factory=time.time)
+    latency_s: float = 0.0  # fault start → detection, where known (a hang: the idle time)
 
     @classmethod
     def from_exception(cls, exc: BaseException, *, rank: int, generation: int, step: int | None) -> FaultRecord:

@@ -37,6 +37,8 @@ class Watched(Protocol):
 
     def nudge(self, generation: int) -> None: ...
 
+    def main_thread_where(self) -> tuple[str, bool]: ...
+
 
 class Monitor(threading.Thread):
     """Background thread; ``stop()`` is idempotent and joins."""
@@ -71,6 +73,11 @@ class Monitor(threading.Thread):
         limit = self._timeouts.hang if started else self._timeouts.startup
         idle = self._clock() - last
         if idle > limit:
+            # A rank blocked inside a collective is usually the victim of a peer that hangs
+            # elsewhere; give the culprit a moment to post first so the diagnosis names it.
+            _, in_collective = self._t.main_thread_where()
+            if in_collective and idle < limit + self._timeouts.victim_grace:
+                return
             self._handled.add(gen)
             self._t.on_hang(gen, idle)
 

@@ -1,0 +1,48 @@
+"""Sessions: `tests` (what CI runs), `demo` (the main job), `lint` (ruff + mypy), `bench`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+PY = "3.11"
+# A bare `torch` requirement pulls a multi-GB CUDA build; the CPU wheel of this version is what
+# machines like ours (and CI) install first. Real users get the range from pyproject.
+TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, *extra: str) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[dev]", *extra)
+
+
+@nox.session(python=PY)
+def tests(session: nox.Session) -> None:
+    """Unit tests, then the multi-process gloo tests with real faults."""
+    _install(session)
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run("pytest", "tests/unit", "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
+    session.run("pytest", "tests/integration", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                *session.posargs, env=env)
+
+
+@nox.session(python=PY)
+def demo(session: nox.Session) -> None:
+    """The bundled example under injected faults, checked against a fault-free run."""
+    _install(session)
+    session.run("python", "examples/demo.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(python=PY)
+def lint(session: nox.Session) -> None:
+    _install(session)
+    session.run("ruff", "check", ".")
+    session.run("mypy")
+
+
+@nox.session(python=PY)
+def bench(session: nox.Session) -> None:
+    """Recovery and overhead figures vs NVRx's in-process Wrapper (prints a table, writes JSON)."""
+    _install(session)
+    session.run("python", "benchmarks/recovery.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})

@@ -1,0 +1,185 @@
+"""The store protocol, with one in-process HashStore shared by one Coordinator per simulated rank."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from resilient.errors import CoordinationError, PeerAborted
+from resilient.runtime.coordinator import Coordinator, Endpoint, agree_run_id, endpoint_from_env
+from resilient.runtime.faults import FaultRecord
+
+NS = "resilient/run1/a0"
+
+
+def ranks(world: int, timeout: float = 2.0, store: dist.Store | None = None) -> list[Coordinator]:
+    store = store if store is not None else dist.HashStore()
+    return [Coordinator(store, NS, r, world, timeout) for r in range(world)]
+
+
+def record(
+    rank: int, generation: int = 0, step: int = 7, sig: str = "exception: ValueError: x"
+) -> FaultRecord:
+    return FaultRecord(rank, generation, step, "exception", "soft", sig, f"ValueError: from rank {rank}")
+
+
+class Concurrently:
+    """Run callables in threads (ranks that must wait at the same time); collect results or errors."""
+
+    def __init__(self, *fns: Callable[[], Any]) -> None:
+        self.results: list[Any] = [None] * len(fns)
+        self.errors: list[BaseException | None] = [None] * len(fns)
+        self._threads = [
+            threading.Thread(target=self._run, args=(i, f), daemon=True) for i, f in enumerate(fns)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, i: int, fn: Callable[[], Any]) -> None:
+        try:
+            self.results[i] = fn()
+        except BaseException as e:
+            self.errors[i] = e
+
+    @classmethod
+    def each(cls, coords: list[Coordinator], fn: Callable[[Coordinator], Any]) -> Concurrently:
+        """Every rank runs ``fn(its coordinator)`` at the same time."""
+        return cls(*[lambda co=co: fn(co) for co in coords])
+
+    def join(self, timeout: float = 10.0) -> Concurrently:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            assert not t.is_alive(), "a simulated rank is still blocked"
+        return self
+
+
+def test_first_poster_is_the_primary_for_everyone():
+    c = ranks(3)
+    first = record(rank=2, sig="collective: RuntimeError: Connection closed by peer")
+    assert c[2].post_fault(first) == first
+    assert c[0].post_fault(record(rank=0)) == first
+    assert c[1].post_fault(record(rank=1)) == first
+    for co in c:
+        assert co.primary_fault(0) == first
+    obs = c[0].observations(0)
+    assert sorted(o["rank"] for o in obs) == [0, 1, 2]
+
+
+def test_concurrent_posters_agree_on_one_primary():
+    c = ranks(4)
+    run = Concurrently.each(c, lambda co: co.post_fault(record(rank=co.rank))).join()
+    assert run.errors == [None] * 4
+    assert len({r.rank for r in run.results}) == 1
+    assert c[0].primary_fault(0) == run.results[0]
+
+
+def test_faults_are_scoped_to_their_generation_and_namespace():
+    store = dist.HashStore()
+    c = ranks(2, store=store)
+    c[0].post_fault(record(rank=0, generation=0))
+    assert c[1].primary_fault(0) is not None
+    assert c[1].primary_fault(1) is None
+    other_attempt = Coordinator(store, "resilient/run1/a1", 0, 2, 2.0)
+    assert other_attempt.primary_fault(0) is None
+
+
+def test_recovery_barrier_returns_every_ranks_snapshot_steps():
+    c = ranks(3)
+    steps = [[12, 11], [12, 11], [11, 10]]
+    run = Concurrently.each(c, lambda co: co.recovery_barrier(0, steps[co.rank])).join()
+    assert run.errors == [None] * 3
+    assert run.results == [steps] * 3
+
+
+def test_abort_generation_releases_waiting_ranks_with_the_reason():
+    c = ranks(3)
+    run = Concurrently(lambda: c[0].recovery_barrier(1, [5]), lambda: c[1].recovery_barrier(1, [5]))
+    c[2].abort_generation(1, "health check 'gpu' failed")
+    run.join()
+    for e in run.errors:
+        assert isinstance(e, PeerAborted)
+        assert "generation 1" in str(e) and "rank 2: health check 'gpu' failed" in str(e)
+    # a rank arriving at the done barrier of that generation is turned away too
+    with pytest.raises(PeerAborted, match="rank 2: health check"):
+        c[0].finish_barrier(1)
+
+
+def test_barrier_times_out_naming_how_many_arrived():
+    c = ranks(3, timeout=0.3)
+    run = Concurrently(lambda: c[0].recovery_barrier(0, [3]), lambda: c[1].recovery_barrier(0, [3])).join()
+    for e in run.errors:
+        assert isinstance(e, CoordinationError)
+        assert "only 2/3 ranks arrived" in str(e)
+        assert "'recover'" in str(e)
+
+
+def test_finish_barrier_true_when_every_rank_returned():
+    c = ranks(3)
+    run = Concurrently.each(c, lambda co: co.finish_barrier(0)).join()
+    assert run.errors == [None] * 3
+    assert run.results == [True] * 3
+
+
+def test_finish_barrier_false_when_a_fault_was_posted():
+    c = ranks(3)
+    # ranks 0 and 1 returned from the function; rank 2 fails its last step
+    run = Concurrently(lambda: c[0].finish_barrier(2), lambda: c[1].finish_barrier(2))
+    c[2].post_fault(record(rank=2, generation=2))
+    run.join()
+    assert run.errors == [None, None]
+    assert run.results == [False, False]
+    # all three then meet in the recovery barrier of the same generation
+    rec = Concurrently.each(c, lambda co: co.recovery_barrier(2, [co.rank])).join()
+    assert rec.results == [[[0], [1], [2]]] * 3
+
+
+def test_finish_barrier_times_out():
+    c = ranks(2, timeout=0.2)
+    with pytest.raises(CoordinationError, match="generation 0"):
+        c[0].finish_barrier(0)
+
+
+# -- endpoint and run id --------------------------------------------------------------------------
+
+TORCHRUN = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "RANK": "5"}
+
+
+def test_single_process_defaults():
+    assert endpoint_from_env({}) == Endpoint("127.0.0.1", 0, 0, 1, 0, True)
+
+
+def test_torchrun_variables():
+    env = dict(TORCHRUN, RANK="1", WORLD_SIZE="8")
+    assert endpoint_from_env(env) == Endpoint("node0", 29500, 1, 8, 1, False)
+    assert endpoint_from_env(dict(env, RANK="0", LOCAL_RANK="0")).hosts_store is True
+
+
+def test_agent_store_makes_rank_zero_a_client():
+    env = dict(TORCHRUN, RANK="0", LOCAL_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True")
+    ep = endpoint_from_env(env)
+    assert ep.rank == 0 and ep.hosts_store is False
+
+
+def test_multi_rank_without_master_addr_is_an_error():
+    with pytest.raises(CoordinationError, match="MASTER_ADDR"):
+        endpoint_from_env({"WORLD_SIZE": "2", "RANK": "1"})
+
+
+def test_rank_outside_world_is_an_error():
+    with pytest.raises(CoordinationError, match="RANK=5"):
+        endpoint_from_env(TORCHRUN)
+
+
+def test_run_id_from_env_or_agreed_through_the_store():
+    store = dist.HashStore()
+    assert agree_run_id(store, {"RESILIENT_RUN_ID": "mine", "TORCHELASTIC_RUN_ID": "tel"}) == "mine"
+    assert agree_run_id(store, {"TORCHELASTIC_RUN_ID": "tel"}) == "tel"
+    a = agree_run_id(store, {"TORCHELASTIC_RUN_ID": "none"})
+    b = agree_run_id(store, {})
+    assert a == b and len(a) == 12
