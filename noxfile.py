@@ -23,8 +23,17 @@ def tests(session: nox.Session) -> None:
     _install(session)
     env = {"OMP_NUM_THREADS": "1"}
     session.run("pytest", "tests/unit", "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
-    session.run("pytest", "tests/integration", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-                *session.posargs, env=env)
+    session.run(
+        "pytest",
+        "tests/integration",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not slow",
+        *session.posargs,
+        env=env,
+    )
 
 
 @nox.session(python=PY)

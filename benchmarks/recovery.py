@@ -42,15 +42,24 @@ def exception_trials(nproc: int, trials: int, step_ms: float) -> dict[str, objec
     failed = 0
     for t in range(trials):
         with tempfile.TemporaryDirectory() as d:
-            res = run_ranks([EXAMPLE, "--steps", "30", "--step-ms", str(step_ms), "--fault", "exception@15:1"],
-                            nproc, cwd=Path(d), run_id=f"exc{t}", timeout=120)
+            res = run_ranks(
+                [EXAMPLE, "--steps", "30", "--step-ms", str(step_ms), "--fault", "exception@15:1"],
+                nproc,
+                cwd=Path(d),
+                run_id=f"exc{t}",
+                timeout=120,
+            )
             if not res.ok or not res.of("step_resumed"):
                 failed += 1
                 continue
             origin = res.of("fault_detected")[0]["origin_ts"]
             per_rank += [e["ts"] - origin for e in res.of("step_resumed")]
-    return {"median_s": _median(per_rank), "max_s": max(per_rank, default=float("nan")),
-            "samples": len(per_rank), "failed_trials": failed}
+    return {
+        "median_s": _median(per_rank),
+        "max_s": max(per_rank, default=float("nan")),
+        "samples": len(per_rank),
+        "failed_trials": failed,
+    }
 
 
 def hang_trials(nproc: int, trials: int, hang_timeout: float) -> dict[str, object]:
@@ -58,8 +67,13 @@ def hang_trials(nproc: int, trials: int, hang_timeout: float) -> dict[str, objec
     failed = died = 0
     for t in range(trials):
         with tempfile.TemporaryDirectory() as d:
-            res = run_ranks([EXAMPLE, "--steps", "30", "--fault", "hang@15:0", "--hang-timeout", str(hang_timeout)],
-                            nproc, cwd=Path(d), run_id=f"hang{t}", timeout=120)
+            res = run_ranks(
+                [EXAMPLE, "--steps", "30", "--fault", "hang@15:0", "--hang-timeout", str(hang_timeout)],
+                nproc,
+                cwd=Path(d),
+                run_id=f"hang{t}",
+                timeout=120,
+            )
             if not res.ok:
                 failed += 1
                 continue
@@ -68,8 +82,14 @@ def hang_trials(nproc: int, trials: int, hang_timeout: float) -> dict[str, objec
             primary = res.of("fault_detected")[0]
             detect.append(primary["origin_latency_s"])
             recover += [e["ts"] - primary["origin_ts"] for e in res.of("step_resumed")]
-    return {"hang_timeout_s": hang_timeout, "detect_median_s": _median(detect), "detect_max_s": max(detect, default=0),
-            "recover_median_s": _median(recover), "failed_trials": failed, "trials_with_a_dead_process": died}
+    return {
+        "hang_timeout_s": hang_timeout,
+        "detect_median_s": _median(detect),
+        "detect_max_s": max(detect, default=0),
+        "recover_median_s": _median(recover),
+        "failed_trials": failed,
+        "trials_with_a_dead_process": died,
+    }
 
 
 def overhead(nproc: int, runs: int, dim: int, seq: int) -> dict[str, object]:
@@ -77,14 +97,23 @@ def overhead(nproc: int, runs: int, dim: int, seq: int) -> dict[str, object]:
     for i in range(2 * runs):
         mode = ["--plain"] if i % 2 else []
         with tempfile.TemporaryDirectory() as d:
-            res = run_ranks([EXAMPLE, "--steps", "60", "--dim", str(dim), "--seq", str(seq), "--report", *mode],
-                            nproc, cwd=Path(d), run_id=f"ovh{i}", timeout=300)
+            res = run_ranks(
+                [EXAMPLE, "--steps", "60", "--dim", str(dim), "--seq", str(seq), "--report", *mode],
+                nproc,
+                cwd=Path(d),
+                run_id=f"ovh{i}",
+                timeout=300,
+            )
             assert res.ok, res.describe()
             rep = json.loads(res.ranks[0].stdout.strip().splitlines()[-1])
             (plain if mode else wrapped).append(rep["loop_s"] / rep["steps"])
     w, p = _median(wrapped), _median(plain)
-    return {"step_ms_plain": p * 1e3, "step_ms_wrapped": w * 1e3, "overhead_pct": 100 * (w - p) / p,
-            "runs_each": runs}
+    return {
+        "step_ms_plain": p * 1e3,
+        "step_ms_wrapped": w * 1e3,
+        "overhead_pct": 100 * (w - p) / p,
+        "runs_each": runs,
+    }
 
 
 def snapshot_cost(dim: int, seq: int) -> dict[str, object]:
@@ -114,8 +143,21 @@ def snapshot_cost(dim: int, seq: int) -> dict[str, object]:
 def nvrx(nproc: int, trials: int, step_ms: float) -> dict[str, object]:
     script = ROOT / "benchmarks" / "peers" / "nvrx_inprocess.py"
     try:
-        out = subprocess.run([sys.executable, str(script), "--nproc", str(nproc), "--repeat", str(trials),
-                              "--step-ms", str(step_ms)], capture_output=True, text=True, timeout=900)
+        out = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                "--nproc",
+                str(nproc),
+                "--repeat",
+                str(trials),
+                "--step-ms",
+                str(step_ms),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     except subprocess.TimeoutExpired:
         return {"error": "timed out"}
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
@@ -130,7 +172,9 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--step-ms", type=float, default=50.0)
     ap.add_argument("--hang-timeout", type=float, default=2.0)
-    ap.add_argument("--dim", type=int, default=160, help="model width for the overhead run (~50 ms steps here)")
+    ap.add_argument(
+        "--dim", type=int, default=160, help="model width for the overhead run (~50 ms steps here)"
+    )
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--skip-nvrx", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "recovery.json")
@@ -149,23 +193,57 @@ def main() -> None:
         hang = hang_trials(n, max(2, args.trials // 2), args.hang_timeout)
         results[f"ranks{n}"] = {"exception": ours, "nvrx_exception": peer, "hang": hang}
         pm = peer.get("median_s") if isinstance(peer.get("median_s"), float) else None
-        table.add_row(str(n), "exception → next step (median)", f"{ours['median_s']:.3f} s",
-                      f"{pm:.3f} s" if pm else str(peer.get("error", "skipped"))[:40],
-                      f"{pm / ours['median_s']:.1f}×" if pm else "-", "≤ 0.5 s, ≥ 2.5×")
-        table.add_row(str(n), "  failed trials", str(ours["failed_trials"]), str(peer.get("failed_trials", "-")), "", "0")
-        table.add_row(str(n), f"sleep hang detected (hang_timeout {args.hang_timeout:g} s)",
-                      f"{hang['detect_median_s']:.2f} s (max {hang['detect_max_s']:.2f})", "", "",
-                      f"≤ {args.hang_timeout + 0.5:g} s")
-        table.add_row(str(n), "  hang → next step, processes died", f"{hang['recover_median_s']:.2f} s, "
-                      f"{hang['trials_with_a_dead_process']}", "", "", "no process dies")
+        table.add_row(
+            str(n),
+            "exception → next step (median)",
+            f"{ours['median_s']:.3f} s",
+            f"{pm:.3f} s" if pm else str(peer.get("error", "skipped"))[:40],
+            f"{pm / ours['median_s']:.1f}×" if pm else "-",
+            "≤ 0.5 s, ≥ 2.5×",
+        )
+        table.add_row(
+            str(n),
+            "  failed trials",
+            str(ours["failed_trials"]),
+            str(peer.get("failed_trials", "-")),
+            "",
+            "0",
+        )
+        table.add_row(
+            str(n),
+            f"sleep hang detected (hang_timeout {args.hang_timeout:g} s)",
+            f"{hang['detect_median_s']:.2f} s (max {hang['detect_max_s']:.2f})",
+            "",
+            "",
+            f"≤ {args.hang_timeout + 0.5:g} s",
+        )
+        table.add_row(
+            str(n),
+            "  hang → next step, processes died",
+            f"{hang['recover_median_s']:.2f} s, {hang['trials_with_a_dead_process']}",
+            "",
+            "",
+            "no process dies",
+        )
     ovh = overhead(2, 3, args.dim, args.seq)
     snap = snapshot_cost(args.dim, args.seq)
     results["overhead"] = {**ovh, **snap}
-    table.add_row("2", "fault-free step (plain → wrapped)",
-                  f"{ovh['step_ms_plain']:.1f} → {ovh['step_ms_wrapped']:.1f} ms ({ovh['overhead_pct']:+.2f}%)",
-                  "", "", "≤ 1%")
-    table.add_row("-", f"snapshot copy per step ({snap['state_mb']:.1f} MB state)", f"{snap['snapshot_ms']:.2f} ms",
-                  "", "", "")
+    table.add_row(
+        "2",
+        "fault-free step (plain → wrapped)",
+        f"{ovh['step_ms_plain']:.1f} → {ovh['step_ms_wrapped']:.1f} ms ({ovh['overhead_pct']:+.2f}%)",
+        "",
+        "",
+        "≤ 1%",
+    )
+    table.add_row(
+        "-",
+        f"snapshot copy per step ({snap['state_mb']:.1f} MB state)",
+        f"{snap['snapshot_ms']:.2f} ms",
+        "",
+        "",
+        "",
+    )
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, default=str))

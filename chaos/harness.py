@@ -7,6 +7,7 @@ and the benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -57,10 +58,8 @@ class RunResult:
 
 
 def _kill_group(p: subprocess.Popen[str]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def run_ranks(
@@ -89,8 +88,13 @@ def run_ranks(
             outs.append((log_out, log_err))
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, *argv], cwd=cwd, env=e, stdout=log_out, stderr=log_err,
-                    text=True, start_new_session=True,
+                    [sys.executable, *argv],
+                    cwd=cwd,
+                    env=e,
+                    stdout=log_out,
+                    stderr=log_err,
+                    text=True,
+                    start_new_session=True,
                 )
             )
         for p in procs:
@@ -105,12 +109,13 @@ def run_ranks(
             _kill_group(p)  # also reaps anything a rank spawned
             p.wait()
     results = []
-    for rank, (p, (o, e)) in enumerate(zip(procs, outs, strict=True)):
-        o.seek(0)
-        e.seek(0)
-        results.append(RankResult(rank, None if timed_out and p.returncode < 0 else p.returncode, o.read(), e.read()))
-        o.close()
-        e.close()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        out.seek(0)
+        err.seek(0)
+        code = None if timed_out and p.returncode < 0 else p.returncode
+        results.append(RankResult(rank, code, out.read(), err.read()))
+        out.close()
+        err.close()
     ev_path = cwd / "resilient_runs" / run_id / "events.jsonl"
     events = read_events(ev_path) if ev_path.exists() else []
     return RunResult(results, events, time.monotonic() - t0, timed_out)

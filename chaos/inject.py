@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 import psutil
 
 KINDS = ("exception", "hang", "stall", "oom", "gil_hang")
-_SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?$")
+_SPEC = re.compile(
+    r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?$"
+)
 
 
-class InjectedFault(Exception):  # noqa: N818 - the name says what it is in tracebacks
+class InjectedFault(Exception):
     """The exception a chaos injector raises; its message names the injection."""
 
 
@@ -56,7 +58,9 @@ class Injector:
         for part in filter(None, (p.strip() for p in (plan or "").split(","))):
             m = _SPEC.match(part)
             if not m or m["kind"] not in KINDS:
-                raise ValueError(f"bad fault spec {part!r}: expected kind@step[:rank][=arg][xN], kind in {KINDS}")
+                raise ValueError(
+                    f"bad fault spec {part!r}: expected kind@step[:rank][=arg][xN], kind in {KINDS}"
+                )
             faults.append(
                 Fault(
                     kind=m["kind"],

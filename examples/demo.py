@@ -29,12 +29,21 @@ console = Console(width=120)
 
 
 def torchrun(workdir: Path, run_id: str, nproc: int, *args: str) -> float:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HERE / "train_tiny.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(HERE / "train_tiny.py"),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_RUN_ID": run_id}
     t0 = time.monotonic()
     with open(workdir / f"{run_id}.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600).returncode
+        rc = subprocess.run(
+            cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600
+        ).returncode
     if rc != 0:
         console.print((workdir / f"{run_id}.log").read_text()[-4000:])
         raise SystemExit(f"{run_id} run failed with exit code {rc}")
@@ -73,7 +82,16 @@ def main() -> int:
         events = read_events(work / "resilient_runs" / "faulted" / "events.jsonl")
 
         table = Table(title="faults injected → detected → recovered (from the event log)")
-        for col in ("gen", "fault", "origin", "step", "detected after", "recovered in", "steps re-run", "processes"):
+        for col in (
+            "gen",
+            "fault",
+            "origin",
+            "step",
+            "detected after",
+            "recovered in",
+            "steps re-run",
+            "processes",
+        ):
             table.add_column(col)
         by_gen: dict[int, list[dict]] = {}
         for e in events:
@@ -87,7 +105,10 @@ def main() -> int:
             resumed = [e["ts"] for e in nxt if e["event"] == "step_resumed"]
             restored = next((e for e in nxt if e["event"] == "state_restored"), {})
             table.add_row(
-                str(gen), primary["kind"], f"rank {primary['origin_rank']}", str(primary["origin_step"]),
+                str(gen),
+                primary["kind"],
+                f"rank {primary['origin_rank']}",
+                str(primary["origin_step"]),
                 f"{primary['origin_latency_s']:.2f} s" if primary["origin_latency_s"] else "at once (raised)",
                 f"{max(resumed) - primary['origin_ts']:.3f} s" if resumed else "—",
                 str(restored.get("steps_rerun", "—")),
@@ -105,9 +126,13 @@ def main() -> int:
             except AssertionError:
                 ok = False
         verdict = "[green]✓ identical[/]" if ok else "[red]✗ DIFFERENT[/]"
-        console.print(f"final parameters + optimizer state vs fault-free run: {verdict} ({n} tensors, bit for bit)")
-        console.print(f"wall time: reference {t_ref:.1f} s, with faults {t_hit:.1f} s; events: "
-                      f"{len(events)} records in resilient_runs/faulted/events.jsonl")
+        console.print(
+            f"final parameters + optimizer state vs fault-free run: {verdict} ({n} tensors, bit for bit)"
+        )
+        console.print(
+            f"wall time: reference {t_ref:.1f} s, with faults {t_hit:.1f} s; events: "
+            f"{len(events)} records in resilient_runs/faulted/events.jsonl"
+        )
         return 0 if ok else 1
 
 

@@ -3,7 +3,8 @@
 Run (2 ranks, gloo, a few seconds):
     torchrun --standalone --nproc-per-node 2 examples/train_tiny.py --steps 40
 Inject faults (kind@step[:rank], see chaos/inject.py):
-    torchrun --standalone --nproc-per-node 2 examples/train_tiny.py --fault exception@12:1,hang@25:0 --hang-timeout 2
+    torchrun --standalone --nproc-per-node 2 examples/train_tiny.py \
+        --fault exception@12:1,hang@25:0 --hang-timeout 2
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from chaos import Injector
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 2, layers: int = 2, seq: int = 16) -> None:
+    def __init__(
+        self, vocab: int = 64, dim: int = 32, heads: int = 2, layers: int = 2, seq: int = 16
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
@@ -68,12 +71,16 @@ class Tokens:
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--fault", default=os.environ.get("RESILIENT_FAULT", ""), help="fault plan, see chaos/inject.py")
+    p.add_argument(
+        "--fault", default=os.environ.get("RESILIENT_FAULT", ""), help="fault plan, see chaos/inject.py"
+    )
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("--hang-timeout", type=float, default=None)
     p.add_argument("--collective-timeout", type=float, default=None)
     p.add_argument("--max-repeats", type=int, default=None)
-    p.add_argument("--step-ms", type=float, default=0.0, help="pad each step to this duration (compute stand-in)")
+    p.add_argument(
+        "--step-ms", type=float, default=0.0, help="pad each step to this duration (compute stand-in)"
+    )
     p.add_argument("--out", type=Path, default=None, help="write final model+optimizer state here (per rank)")
     p.add_argument("--dim", type=int, default=32, help="model width (benchmarks use a wider model)")
     p.add_argument("--seq", type=int, default=16)
@@ -127,7 +134,11 @@ def main() -> None:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             torch.save(
-                {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "fired": injector.counts()},
+                {
+                    "model": model.module.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "fired": injector.counts(),
+                },
                 args.out / f"rank{rank}.pt",
             )
 

@@ -6,7 +6,7 @@ import warnings
 # we depend on nvidia-ml-py (same import name), so the warning is noise for our users.
 warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
 
-from resilient.config import Config, Timeouts, load_config  # noqa: E402
+from resilient.config import Config, Timeouts, load_config
 from resilient.errors import (
     CheckpointError,
     ConfigError,

@@ -93,10 +93,10 @@ class Config(_Model):
         None, gt=0, description="per-collective timeout; default 2 × hang_timeout (the watchdog fires first)"
     )
     interrupt_signal: str = "SIGUSR2"
-    restart: RestartConfig = RestartConfig()
-    snapshot: SnapshotConfig = SnapshotConfig()
-    health: HealthConfig = HealthConfig()
-    events: EventsConfig = EventsConfig()
+    restart: RestartConfig = Field(default_factory=RestartConfig)
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
 
     @field_validator("interrupt_signal")
     @classmethod

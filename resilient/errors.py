@@ -91,7 +91,7 @@ class CheckpointError(ResilienceError):
     """A checkpoint could not be written or read."""
 
 
-class StepInterrupted(BaseException):  # noqa: N818 - mirrors KeyboardInterrupt
+class StepInterrupted(BaseException):
     """Raised in the main thread to pull it out of a step (a hang, or a fault on another rank).
 
     It derives from ``BaseException`` on purpose, like ``KeyboardInterrupt``: user code that

@@ -8,6 +8,7 @@ different ranks never interleave. A failing sink never kills training.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
@@ -70,10 +71,8 @@ class EventLog:
     def close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from resilient.errors import CoordinationError, PeerAborted
 from resilient.runtime.faults import FaultRecord
 
-OK = b"ok"
+OK = "ok"
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Coordinator:
         s.set(self.key(rec.generation, "fault", rec.rank), raw)
         primary = s.compare_set(self.key(rec.generation, "fault"), "", raw)
         # wake ranks that already returned from the function and wait in the done barrier
-        s.compare_set(self.key(rec.generation, "done", "release"), "", b"fault")
+        s.compare_set(self.key(rec.generation, "done", "release"), "", "fault")
         return FaultRecord.from_json(primary)
 
     def primary_fault(self, generation: int, store: dist.Store | None = None) -> FaultRecord | None:
@@ -144,9 +144,9 @@ class Coordinator:
                 f"barrier {name!r} of generation {generation}: only {n}/{self.world_size} ranks arrived "
                 f"within {self.barrier_timeout:g}s"
             ) from e
-        verdict = self.store.get(release)
+        verdict = self.store.get(release).decode()
         if verdict != OK:
-            raise PeerAborted(f"generation {generation} cannot form: {verdict.decode()}")
+            raise PeerAborted(f"generation {generation} cannot form: {verdict}")
         keys = [self.key(generation, name, r) for r in range(self.world_size)]
         return [v.decode() for v in self.store.multi_get(keys)]
 
@@ -171,9 +171,9 @@ class Coordinator:
             raise CoordinationError(
                 f"not every rank finished generation {generation} within {self.barrier_timeout:g}s"
             ) from e
-        verdict = self.store.get(release)
+        verdict = self.store.get(release).decode()
         if verdict == OK:
             return True
-        if verdict == b"fault":
+        if verdict == "fault":
             return False
-        raise PeerAborted(f"generation {generation} aborted: {verdict.decode()}")
+        raise PeerAborted(f"generation {generation} aborted: {verdict}")

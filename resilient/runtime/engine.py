@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,6 @@ from resilient.runtime.schedule import SnapshotSchedule
 from resilient.runtime.watchdog import HardHangTimer, MainThreadInterrupter, Monitor
 from resilient.state import Registry, SnapshotRing
 from resilient.state.registry import RNG, restore_rng
-
 
 # Files whose frames, innermost on the main thread, mean "blocked waiting for peers".
 _COLLECTIVE_MODULES = (
@@ -187,7 +187,10 @@ class Runtime:
         )
         if self.generation > 0:
             self.events.emit(
-                Event.GROUP_REBUILT, generation=self.generation, step=self.restore_step, duration_s=time.time() - t0
+                Event.GROUP_REBUILT,
+                generation=self.generation,
+                step=self.restore_step,
+                duration_s=time.time() - t0,
             )
         self.registry.clear()
         self._restored = set()
@@ -197,14 +200,15 @@ class Runtime:
     def _recover(self, exc: BaseException | None) -> None:
         gen, step = self.generation, self.step
         self._fault_ts, self._fault_step = time.time(), step
+        rec: FaultRecord | None = None
         if exc is not None:
             rec = FaultRecord.from_exception(exc, rank=self.rank, generation=gen, step=step)
             primary = self.coord.post_fault(rec)
         else:  # we had returned; a peer faulted before everyone finished
-            rec = None
-            primary = self.coord.primary_fault(gen)
-            if primary is None:
+            found = self.coord.primary_fault(gen)
+            if found is None:
                 raise HardFault(f"generation {gen} released without a fault record")
+            primary = found
         self.events.emit(
             Event.FAULT_DETECTED,
             generation=gen,
@@ -222,7 +226,9 @@ class Runtime:
         n = self.group.abort()
         self.group.destroy()
         self.group = None
-        self.events.emit(Event.GROUP_ABORTED, generation=gen, step=step, connections=n, duration_s=time.time() - t0)
+        self.events.emit(
+            Event.GROUP_ABORTED, generation=gen, step=step, connections=n, duration_s=time.time() - t0
+        )
         if rec is not None and rec.severity == Severity.HARD.value:
             self.coord.abort_generation(gen, f"hard fault: {rec.signature}")
             raise HardFault(f"rank {self.rank} cannot recover in-process: {rec.message}") from exc
@@ -259,7 +265,9 @@ class Runtime:
         )
         if failed:
             f = failed[0]
-            logger.error("rank {}: health check {!r} failed: value={} ({})", self.rank, f.name, f.value, f.detail)
+            logger.error(
+                "rank {}: health check {!r} failed: value={} ({})", self.rank, f.name, f.value, f.detail
+            )
             self.coord.abort_generation(gen, f"health check {f.name!r} failed: {f.value}")
             raise HealthCheckFailed(f.name, f.value, f.detail)
 
@@ -354,7 +362,7 @@ class Runtime:
         if frame is None:
             return "?", False
         where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-        f = frame
+        f: types.FrameType | None = frame
         for _ in range(4):  # the innermost Python frames around the blocking C++ call
             if f is None:
                 break
@@ -386,7 +394,9 @@ class Runtime:
         now = time.monotonic()
         if self.interrupter.still_pending(generation) and now - self._last_nudge > 0.5:
             self._last_nudge = now
-            self.interrupter.interrupt(generation, self.interrupter._pending[1] if self.interrupter._pending else "")
+            self.interrupter.interrupt(
+                generation, self.interrupter._pending[1] if self.interrupter._pending else ""
+            )
 
 
 def excepthook_exit_codes() -> None:

@@ -89,7 +89,9 @@ class FaultRecord:
     latency_s: float = 0.0  # fault start → detection, where known (a hang: the idle time)
 
     @classmethod
-    def from_exception(cls, exc: BaseException, *, rank: int, generation: int, step: int | None) -> FaultRecord:
+    def from_exception(
+        cls, exc: BaseException, *, rank: int, generation: int, step: int | None
+    ) -> FaultRecord:
         kind, sev = classify(exc)
         return cls(
             rank=rank,

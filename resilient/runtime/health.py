@@ -85,7 +85,9 @@ def checkpoint_dir(inp: HealthInput) -> CheckResult:
     except OSError as e:
         return CheckResult("checkpoint_dir", False, str(path), f"not writable: {e}")
     ok = free_mb >= inp.cfg.min_free_disk_mb
-    return CheckResult("checkpoint_dir", ok, f"{free_mb:.0f} MB free at {path}", f"need >= {inp.cfg.min_free_disk_mb:g} MB")
+    return CheckResult(
+        "checkpoint_dir", ok, f"{free_mb:.0f} MB free at {path}", f"need >= {inp.cfg.min_free_disk_mb:g} MB"
+    )
 
 
 def store(inp: HealthInput) -> CheckResult:
@@ -94,7 +96,7 @@ def store(inp: HealthInput) -> CheckResult:
     key = f"health/g{inp.generation}/r{inp.rank}"
     t0 = time.perf_counter()
     try:
-        inp.store.set(key, b"1")
+        inp.store.set(key, "1")
         ok = inp.store.get(key) == b"1"
     except Exception as e:
         return CheckResult("store", False, type(e).__name__, f"store round trip failed: {e}")

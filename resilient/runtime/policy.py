@@ -73,7 +73,7 @@ class RestartPolicy:
         self._restarts.append(now)
         if quick == 0:
             return 0.0
-        state = tenacity.RetryCallState(None, None, (), {})
+        state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
         state.attempt_number = quick
         delay = float(self._wait(state)) + self._rng.uniform(0, self.cfg.backoff_initial_s)
         return min(delay, self.cfg.backoff_max_s)

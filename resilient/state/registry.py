@@ -61,7 +61,7 @@ class Registry:
     def add(self, name: str, obj: Any) -> None:
         if name == RNG:
             raise ValueError(f"{RNG!r} is reserved for the RNG state")
-        if not (isinstance(obj, torch.Generator) or isinstance(obj, Stateful)):
+        if not isinstance(obj, torch.Generator | Stateful):
             raise TypeError(
                 f"cannot track {name}={type(obj).__name__}: it needs state_dict()/load_state_dict() "
                 "(or be a torch.Generator)"
@@ -75,7 +75,9 @@ class Registry:
         """The current state of every tracked object plus the RNGs (tensors are not copied here)."""
         out: dict[str, Any] = {}
         for name, obj in self._objects.items():
-            out[name] = {"generator": obj.get_state()} if isinstance(obj, torch.Generator) else obj.state_dict()
+            out[name] = (
+                {"generator": obj.get_state()} if isinstance(obj, torch.Generator) else obj.state_dict()
+            )
         out[RNG] = capture_rng()
         return out
 
@@ -87,4 +89,6 @@ class Registry:
             else:
                 obj.load_state_dict(state)
         except Exception as e:
-            raise StateRestoreError(f"restoring tracked object {name!r} ({type(obj).__name__}) failed: {e}") from e
+            raise StateRestoreError(
+                f"restoring tracked object {name!r} ({type(obj).__name__}) failed: {e}"
+            ) from e

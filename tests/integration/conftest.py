@@ -17,7 +17,9 @@ STEPS = 24
 _ids = itertools.count()
 
 
-def run_example(tmp: Path, nproc: int, *args: str, timeout: float = 90.0, env: dict[str, str] | None = None) -> RunResult:
+def run_example(
+    tmp: Path, nproc: int, *args: str, timeout: float = 90.0, env: dict[str, str] | None = None
+) -> RunResult:
     tmp.mkdir(parents=True, exist_ok=True)
     return run_ranks(
         [EXAMPLE, "--steps", str(STEPS), "--out", str(tmp / "state"), *args],

@@ -21,7 +21,9 @@ def _check_recovered(res, reference, nproc: int, tmp: Path) -> None:
     states = load_states(tmp, nproc)
     for rank in range(nproc):
         n = assert_bit_exact(reference[nproc][rank]["model"], states[rank]["model"], f"rank{rank}/model")
-        n += assert_bit_exact(reference[nproc][rank]["optimizer"], states[rank]["optimizer"], f"rank{rank}/opt")
+        n += assert_bit_exact(
+            reference[nproc][rank]["optimizer"], states[rank]["optimizer"], f"rank{rank}/opt"
+        )
         assert n > 50  # parameters and Adam moments were really compared
     # no rank process died: every event of a rank came from one pid
     for rank in range(nproc):
@@ -88,7 +90,9 @@ def test_single_process_without_launcher(tmp_path):
     solo = {"MASTER_ADDR": "", "MASTER_PORT": "", "RANK": "0", "WORLD_SIZE": "1"}
     argv = [str(ROOT / "examples/train_tiny.py"), "--steps", "12"]
     ref = run_ranks([*argv, "--out", "ref"], 1, cwd=tmp_path, run_id="ref", env=solo)
-    hit = run_ranks([*argv, "--out", "hit", "--fault", "exception@5:0"], 1, cwd=tmp_path, run_id="hit", env=solo)
+    hit = run_ranks(
+        [*argv, "--out", "hit", "--fault", "exception@5:0"], 1, cwd=tmp_path, run_id="hit", env=solo
+    )
     assert ref.ok and hit.ok, ref.describe() + hit.describe()
     a = torch.load(tmp_path / "ref" / "rank0.pt", weights_only=True)
     b = torch.load(tmp_path / "hit" / "rank0.pt", weights_only=True)
