@@ -22,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from resilient.cli import summarize
 from resilient.events import read_events
 
 HERE = Path(__file__).resolve().parent
@@ -93,26 +94,17 @@ def main() -> int:
             "processes",
         ):
             table.add_column(col)
-        by_gen: dict[int, list[dict]] = {}
-        for e in events:
-            by_gen.setdefault(e["generation"], []).append(e)
-        pids = {(e["rank"], e["pid"]) for e in events}
-        for gen in sorted(by_gen):
-            primary = next((e for e in by_gen[gen] if e["event"] == "fault_detected"), None)
-            if primary is None:
-                continue
-            nxt = by_gen.get(gen + 1, [])
-            resumed = [e["ts"] for e in nxt if e["event"] == "step_resumed"]
-            restored = next((e for e in nxt if e["event"] == "state_restored"), {})
+        alive = len({(e["rank"], e["pid"]) for e in events}) == args.nproc
+        for row in summarize(events):
             table.add_row(
-                str(gen),
-                primary["kind"],
-                f"rank {primary['origin_rank']}",
-                str(primary["origin_step"]),
-                f"{primary['origin_latency_s']:.2f} s" if primary["origin_latency_s"] else "at once (raised)",
-                f"{max(resumed) - primary['origin_ts']:.3f} s" if resumed else "—",
-                str(restored.get("steps_rerun", "—")),
-                "all alive" if len(pids) == args.nproc else f"{len(pids) - args.nproc} replaced",
+                str(row["generation"]),
+                row["kind"],
+                f"rank {row['origin_rank']}",
+                str(row["step"]),
+                f"{row['detect_s']:.2f} s" if row["detect_s"] else "at once (raised)",
+                "—" if row["recover_s"] is None else f"{row['recover_s']:.3f} s",
+                str(row["steps_rerun"]),
+                "all alive" if alive else "some replaced",
             )
         console.print(table)
 

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from loguru import logger
 
@@ -141,9 +141,10 @@ class HardHangTimer:
 
     def __init__(self) -> None:
         self._armed = False
+        self._previous: Any = signal.SIG_DFL
 
     def install(self) -> None:
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        self._previous = signal.signal(signal.SIGALRM, signal.SIG_DFL)
         faulthandler.register(signal.SIGALRM, file=sys.stderr, all_threads=True, chain=True)
 
     def arm(self, seconds: float) -> None:
@@ -158,3 +159,4 @@ class HardHangTimer:
     def uninstall(self) -> None:
         self.disarm()
         faulthandler.unregister(signal.SIGALRM)
+        signal.signal(signal.SIGALRM, self._previous)

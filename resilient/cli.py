@@ -1,0 +1,133 @@
+"""``resilient`` command line.
+
+- ``resilient config [PATH] [--set key=value ...]``: validate a configuration and print it with the
+  timeouts derived from it (what the runtime will really use).
+- ``resilient events PATH``: summarize a run's events.jsonl — each fault, who detected it, how long
+  recovery took, steps re-run — as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from resilient.config import load_config
+from resilient.errors import ConfigError
+from resilient.events import read_events
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(raw)
+    return out
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.path, **_parse_set(args.set))
+    print(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False).rstrip())
+    print("# derived timeouts (seconds)")
+    print(yaml.safe_dump({"timeouts": asdict(cfg.timeouts)}, sort_keys=False).rstrip())
+    return 0
+
+
+def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per fault generation, computed from the event log alone."""
+    rows = []
+    gens = sorted({e["generation"] for e in events})
+    for g in gens:
+        faults = [e for e in events if e["generation"] == g and e["event"] == "fault_detected"]
+        if not faults:
+            continue
+        p = faults[0]
+        nxt = [e for e in events if e["generation"] == g + 1]
+        resumed = [e["ts"] for e in nxt if e["event"] == "step_resumed"]
+        restored = next((e for e in nxt if e["event"] == "state_restored"), {})
+        failed = [e for e in events if e["generation"] == g and e["event"] == "run_failed"]
+        rows.append(
+            {
+                "generation": g,
+                "kind": p["kind"],
+                "origin_rank": p["origin_rank"],
+                "step": p["origin_step"],
+                "signature": p["signature"],
+                "detect_s": p.get("origin_latency_s", 0.0),
+                "recover_s": (max(resumed) - p["origin_ts"]) if resumed else None,
+                "steps_rerun": restored.get("steps_rerun"),
+                "outcome": failed[0]["error"] if failed else ("recovered" if resumed else "not recovered"),
+            }
+        )
+    return rows
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    path = Path(args.path)
+    if path.is_dir():
+        path = path / "events.jsonl"
+    if not path.is_file():
+        print(f"resilient events: no event log at {path}", file=sys.stderr)
+        return 2
+    events = read_events(path)
+    rows = summarize(events)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    t = Table(title=f"{path} — {len(events)} events, {len(rows)} faults")
+    for col in ("gen", "kind", "origin", "step", "detect", "recover", "re-run", "outcome"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            str(r["generation"]),
+            r["kind"],
+            f"rank {r['origin_rank']}",
+            str(r["step"]),
+            f"{r['detect_s']:.2f} s",
+            "—" if r["recover_s"] is None else f"{r['recover_s']:.3f} s",
+            str(r["steps_rerun"] if r["steps_rerun"] is not None else "—"),
+            r["outcome"][:60],
+        )
+    Console().print(t)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="resilient", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("config", help="validate a config and print it with derived timeouts")
+    c.add_argument("path", nargs="?", default=None)
+    c.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. restart.max_restarts=3"
+    )
+    c.set_defaults(fn=cmd_config)
+    e = sub.add_parser("events", help="summarize a run's events.jsonl")
+    e.add_argument("path", help="events.jsonl or the run directory holding it")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(fn=cmd_events)
+    args = p.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
