@@ -39,14 +39,17 @@ class ConfigError(ResilienceError):
     """A configuration value is invalid; the message names the field, the value and the source."""
 
 
-class CoordinationError(ResilienceError):
-    """The ranks could not agree (a peer never arrived at a barrier, the store is gone)."""
-
-
 class HardFault(ResilienceError):
     """A fault that in-process recovery cannot fix; the process should exit for the launcher."""
 
     exit_code = ExitCode.HARD_FAULT
+
+
+class CoordinationError(HardFault):
+    """The ranks could not agree (a peer never arrived at a barrier, the store is gone).
+
+    A hard fault: a relaunch of the worker group (fresh processes, fresh rendezvous) can help.
+    """
 
 
 class HealthCheckFailed(HardFault):

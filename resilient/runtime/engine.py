@@ -26,6 +26,7 @@ from loguru import logger
 
 from resilient.config import Config
 from resilient.errors import (
+    CoordinationError,
     HardFault,
     HealthCheckFailed,
     ResilienceError,
@@ -175,16 +176,21 @@ class Runtime:
     def _enter_generation(self) -> None:
         self.hard_timer.arm(self.t.startup + self.t.hard)
         t0 = time.time()
-        self.group = build_group(
-            backend=self.backend,
-            store=self.store,
-            store_port=self.store_port,
-            rank=self.rank,
-            world_size=self.world_size,
-            generation=self.generation,
-            timeout=self.t.collective,
-            device_id=self.device if self.backend == "nccl" else None,
-        )
+        try:
+            self.group = build_group(
+                backend=self.backend,
+                store=self.store,
+                store_port=self.store_port,
+                rank=self.rank,
+                world_size=self.world_size,
+                generation=self.generation,
+                timeout=self.t.collective,
+                device_id=self.device if self.backend == "nccl" else None,
+            )
+        except Exception as e:
+            raise CoordinationError(
+                f"rank {self.rank}: building the process group of generation {self.generation} failed: {e}"
+            ) from e
         if self.generation > 0:
             self.events.emit(
                 Event.GROUP_REBUILT,
@@ -350,8 +356,9 @@ class Runtime:
 
     def on_remote_fault(self, generation: int, fault: object) -> None:
         assert isinstance(fault, FaultRecord)
-        if self.group is not None and self.group.generation == generation:
-            self.group.abort()
+        group = self.group  # the main thread may drop it concurrently
+        if group is not None and group.generation == generation:
+            group.abort()
         self.interrupter.interrupt(
             generation, f"peer: rank {fault.rank} faulted at step {fault.step}: {fault.signature}"
         )
@@ -386,8 +393,9 @@ class Runtime:
             latency_s=idle_s,
         )
         self.coord.post_fault(rec, store=self.monitor_store)
-        if self.group is not None and self.group.generation == generation:
-            self.group.abort()
+        group = self.group
+        if group is not None and group.generation == generation:
+            group.abort()
         self.interrupter.interrupt(generation, f"hang: {msg}")
 
     def nudge(self, generation: int) -> None:
