@@ -90,8 +90,13 @@ def _fire(f: Fault) -> None:
     elif f.kind == "stall":
         time.sleep(f.arg if f.arg is not None else 5.0)
     elif f.kind == "oom":
-        # More than the machine has: the allocator fails for real (no overcommit of this size).
+        # More than the machine has: the allocator fails for real. Under vm.overcommit_memory=1 the
+        # kernel would grant it and the OOM killer would strike later instead: refuse, naming why.
         import torch
+
+        with open("/proc/sys/vm/overcommit_memory") as fh:
+            if fh.read().strip() == "1":
+                raise RuntimeError("oom injector needs vm.overcommit_memory != 1 (it is 1 here)")
 
         too_much = int(psutil.virtual_memory().total * 4)
         torch.empty(too_much, dtype=torch.uint8).fill_(1)

@@ -101,7 +101,12 @@ class Config(_Model):
     @field_validator("interrupt_signal")
     @classmethod
     def _signal(cls, v: str) -> str:
-        if not hasattr(signal, v) or v in ("SIGKILL", "SIGSTOP", "SIGALRM", "SIGINT"):
+        if not isinstance(getattr(signal, v, None), signal.Signals) or v in (
+            "SIGKILL",
+            "SIGSTOP",
+            "SIGALRM",
+            "SIGINT",
+        ):
             raise ValueError(f"not a usable signal name: {v!r} (e.g. SIGUSR2)")
         return v
 
@@ -159,7 +164,12 @@ def _describe(err: ValidationError, data: dict[str, Any], source: str) -> str:
         loc = ".".join(str(p) for p in e["loc"])
         value: Any = data
         for p in e["loc"]:
-            value = value.get(p, "<missing>") if isinstance(value, dict) else "<?>"
+            if isinstance(value, dict):
+                value = value.get(p, "<missing>")
+            elif isinstance(value, list | tuple) and isinstance(p, int) and p < len(value):
+                value = value[p]
+            else:
+                value = "<?>"
         if e["type"] == "extra_forbidden":
             lines.append(f"{source}: unknown field {loc!r} (value {value!r})")
         else:

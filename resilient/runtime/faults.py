@@ -33,11 +33,13 @@ class Severity(str, enum.Enum):
 
 
 _COLLECTIVE_PATTERNS = re.compile(
-    r"connection closed by peer|connection reset|broken pipe|timed out|timeout|nccl|gloo|"
-    r"process group|socket|communicator|watchdog caught collective",
+    r"connection closed by peer|connection reset|broken pipe|timed out waiting|operation timed out|"
+    r"nccl|gloo|process ?group|communicator|watchdog caught collective",
     re.IGNORECASE,
 )
-_OOM_PATTERNS = re.compile(r"out of memory|cannot allocate memory|std::bad_alloc", re.IGNORECASE)
+_OOM_PATTERNS = re.compile(
+    r"out of memory|can(no|')t allocate memory|not enough memory|std::bad_alloc", re.IGNORECASE
+)
 _STICKY_CUDA = re.compile(
     r"illegal memory access|device-side assert|unspecified launch failure|uncorrectable ecc|"
     r"illegal instruction|misaligned address|cuda error: (?!out of memory)",

@@ -82,6 +82,8 @@ def test_derived_timeouts_are_ordered(hang: float):
     assert t.collective == 2.0 * hang
     assert t.barrier > t.collective
     assert 0 < t.monitor_interval <= t.hang / 10
+    assert 0 < t.victim_grace < t.hang
+    assert t.hang + t.victim_grace <= t.hard  # a victim's deferred hang still precedes the backstop
 
 
 def test_explicit_collective_timeout_is_kept():
@@ -129,3 +131,15 @@ def test_config_is_frozen():
     cfg = Config()
     with pytest.raises(ValidationError):
         cfg.hang_timeout = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["SIG_IGN", "SIG_DFL", "NSIG", "getsignal"])
+def test_non_signal_attribute_names_rejected(name: str):
+    with pytest.raises(ConfigError):
+        load_config(interrupt_signal=name)
+
+
+def test_bad_list_element_value_is_shown():
+    with pytest.raises(ConfigError) as ei:
+        load_config(health={"checks": ["gpu", 7]})
+    assert "health.checks.1 = 7" in str(ei.value)

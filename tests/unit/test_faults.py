@@ -40,7 +40,9 @@ def test_python_memory_error_is_oom():
     assert classify(MemoryError()) == (FaultKind.OOM, Severity.SOFT)
 
 
-@pytest.mark.parametrize("msg", [GLOO_CLOSED, GLOO_TIMEOUT])
+@pytest.mark.parametrize(
+    "msg", [GLOO_CLOSED, GLOO_TIMEOUT, "Connection closed by peer [10.0.0.1]:4000", "Broken pipe"]
+)
 def test_gloo_failures_are_soft_collective(msg: str):
     assert classify(RuntimeError(msg)) == (FaultKind.COLLECTIVE, Severity.SOFT)
 
@@ -78,6 +80,8 @@ def test_signature_ignores_volatile_numbers_ports_and_addresses():
     a = RuntimeError(GLOO_CLOSED)
     b = RuntimeError(GLOO_CLOSED.replace("[127.0.0.1]:29500", "[10.1.2.3]:41877").replace(":534]", ":612]"))
     assert sig_of(a) == sig_of(b)
+    v6 = RuntimeError("Connection closed by peer [::1]:29500")
+    assert sig_of(v6) == sig_of(RuntimeError("Connection closed by peer [fe80::2]:41877"))
     t1 = RuntimeError("Timed out waiting 1500ms for recv operation")
     t2 = RuntimeError("Timed out waiting 30000ms for recv operation")
     assert sig_of(t1) == sig_of(t2)

@@ -71,6 +71,16 @@ def assert_identical(a: Any, b: Any, path: str = "") -> int:
     return 0
 
 
+def clone_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(clone_tree(v) for v in obj)
+    return obj
+
+
 def restore_into(t: Trainer, state: dict[str, Any]) -> None:
     for name in t.registry.names():
         t.registry.load(name, state[name])
@@ -166,7 +176,7 @@ def test_materialize_returns_independent_clones(seeded):
         t.step()
     ring = SnapshotRing()
     ring.capture(2, t.registry.capture())
-    pristine = ring.materialize(2)
+    pristine = clone_tree(ring.materialize(2))
 
     restored = ring.materialize(2)
     fresh = Trainer(init_seed=5)

@@ -32,6 +32,7 @@ class FakeRuntime:
         self.started = False
         self.fault: object | None = None
         self.calls: list[tuple[object, ...]] = []
+        self.in_collective = False  # where the main thread is blocked
         self.hang_seen = threading.Event()
 
     def running_generation(self) -> int | None:
@@ -52,6 +53,9 @@ class FakeRuntime:
 
     def nudge(self, generation: int) -> None:
         self.calls.append(("nudge", generation))
+
+    def main_thread_where(self) -> tuple[str, bool]:
+        return ("train.py:42 in step", self.in_collective)
 
     def kinds(self) -> list[object]:
         return [c[0] for c in self.calls]
@@ -96,6 +100,28 @@ def test_hang_fires_once_after_the_hang_timeout_then_nudges(rt, clock, mon):
         mon.poll()
     assert rt.kinds() == ["hang", "nudge", "nudge", "nudge"]
     assert all(c[1] == 0 for c in rt.calls)
+
+
+def test_a_rank_blocked_in_a_collective_gives_the_culprit_a_grace_period(rt, clock, mon):
+    rt.started = True
+    rt.in_collective = True  # probably the victim of a peer that hangs elsewhere
+    assert TIMEOUTS.victim_grace > 0
+    clock.now += TIMEOUTS.hang + TIMEOUTS.victim_grace / 2
+    mon.poll()
+    assert rt.calls == []
+    clock.now += TIMEOUTS.victim_grace
+    mon.poll()
+    assert rt.kinds() == ["hang"]
+
+
+def test_the_culprits_fault_during_the_grace_period_wins(rt, clock, mon):
+    rt.started = True
+    rt.in_collective = True
+    clock.now += TIMEOUTS.hang + TIMEOUTS.victim_grace / 2
+    mon.poll()
+    rt.fault = {"rank": 2, "kind": "hang"}  # the culprit posted its hang
+    mon.poll()
+    assert rt.calls == [("remote", 0, rt.fault)]
 
 
 def test_progress_resets_the_idle_time(rt, clock, mon):
