@@ -119,3 +119,37 @@ def test_gil_holding_hang_ends_by_sigalrm_with_stacks(tmp_path):
     assert r1.returncode == -signal.SIGALRM, res.describe()
     assert "most recent call first" in r1.stderr  # faulthandler dumped the stacks
     assert "chaos/inject.py" in r1.stderr
+
+
+def test_under_torchrun_with_agent_store(tmp_path, reference):
+    """torchrun's env:// with TORCHELASTIC_USE_AGENT_STORE: the runtime joins the agent's store."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_RUN_ID": "torchrun"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "examples/train_tiny.py"),
+        "--steps",
+        "24",
+        "--out",
+        str(tmp_path / "state"),
+        "--fault",
+        "exception@9:1",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, start_new_session=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    states = load_states(tmp_path, 2)
+    for rank in range(2):
+        assert assert_bit_exact(reference[2][rank]["model"], states[rank]["model"]) > 20
+        assert assert_bit_exact(reference[2][rank]["optimizer"], states[rank]["optimizer"]) > 20
+    from resilient.events import read_events
+
+    events = read_events(tmp_path / "resilient_runs" / "torchrun" / "events.jsonl")
+    assert [e["origin_rank"] for e in events if e["event"] == "fault_detected"] == [1, 1]
