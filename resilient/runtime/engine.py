@@ -88,8 +88,17 @@ class Runtime:
         self._progress = time.monotonic()
         self._stepped = False
         self._last_nudge = 0.0
-        self._lock = threading.Lock()
+        # constructed here without side effects; start() installs and starts them
+        self.interrupter = MainThreadInterrupter(cfg.interrupt_signal, self._interruptible)
+        self.hard_timer = HardHangTimer()
+        self.monitor = Monitor(self, self.t)
+        self.events: EventLog | None = None  # needs the run id, agreed in start()
         self.run_dir: Path | None = None
+
+    @property
+    def _ev(self) -> EventLog:
+        assert self.events is not None, "events are available once start() ran"
+        return self.events
 
     # -- setup / teardown -------------------------------------------------------------------------
     def start(self) -> None:
@@ -102,16 +111,13 @@ class Runtime:
         self.schedule = SnapshotSchedule(self.cfg.snapshot, self.rank, self.store, f"{ns}/snapshot_interval")
         self.monitor_store = coord_mod.client(self.store_host, self.store_port, self.t.barrier)
         self.run_dir = self.cfg.events.dir / self.run_id
-        self.events = EventLog(self.run_dir / "events.jsonl", self.rank)
-        self.interrupter = MainThreadInterrupter(self.cfg.interrupt_signal, self._interruptible)
+        self.events = events = EventLog(self.run_dir / "events.jsonl", self.rank)
         self.interrupter.install()
-        self.hard_timer = HardHangTimer()
         self.hard_timer.install()
-        self.monitor = Monitor(self, self.t)
         self.monitor.start()
         if self.backend == "nccl":
             torch.cuda.set_device(self.local_rank)
-        self.events.emit(
+        events.emit(
             Event.RUN_STARTED,
             generation=0,
             step=None,
@@ -125,20 +131,22 @@ class Runtime:
         if self.phase is Phase.CLOSED:
             return
         self.phase = Phase.CLOSED
-        for step in (self.monitor.stop, self.hard_timer.uninstall, self.interrupter.uninstall):
+        for stop in (self.monitor.stop, self.hard_timer.uninstall, self.interrupter.uninstall):
             try:
-                step()
-            except Exception as e:
+                stop()
+            except Exception as e:  # start() may have failed half-way
                 logger.debug("close: {}", e)
         if self.group is not None:
             self.group.destroy(abort=False)
             self.group = None
-        self.events.close()
+        if self.events is not None:
+            self.events.close()
+        self.store = self.monitor_store = None  # type: ignore[assignment]  # release the connections
 
     # -- the restart loop -------------------------------------------------------------------------
     def run(self, fn: Callable[[], Any]) -> Any:
-        self.start()
         try:
+            self.start()
             while True:
                 self._enter_generation()
                 try:
@@ -147,11 +155,12 @@ class Runtime:
                     self.phase = Phase.RECOVERING
                     done, result, exc = False, None, late
                 if done:
-                    self.events.emit(Event.RUN_FINISHED, generation=self.generation, step=self.step)
+                    self._ev.emit(Event.RUN_FINISHED, generation=self.generation, step=self.step)
                     return result
                 self._recover(exc)
         except ResilienceError as e:
-            self.events.emit(Event.RUN_FAILED, generation=self.generation, step=self.step, error=str(e))
+            if self.events is not None:
+                self.events.emit(Event.RUN_FAILED, generation=self.generation, step=self.step, error=str(e))
             raise
         finally:
             self.close()
@@ -192,7 +201,7 @@ class Runtime:
                 f"rank {self.rank}: building the process group of generation {self.generation} failed: {e}"
             ) from e
         if self.generation > 0:
-            self.events.emit(
+            self._ev.emit(
                 Event.GROUP_REBUILT,
                 generation=self.generation,
                 step=self.restore_step,
@@ -215,7 +224,7 @@ class Runtime:
             if found is None:
                 raise HardFault(f"generation {gen} released without a fault record")
             primary = found
-        self.events.emit(
+        self._ev.emit(
             Event.FAULT_DETECTED,
             generation=gen,
             step=step,
@@ -232,7 +241,7 @@ class Runtime:
         n = self.group.abort()
         self.group.destroy()
         self.group = None
-        self.events.emit(
+        self._ev.emit(
             Event.GROUP_ABORTED, generation=gen, step=step, connections=n, duration_s=time.time() - t0
         )
         if rec is not None and rec.severity == Severity.HARD.value:
@@ -261,7 +270,7 @@ class Runtime:
         t0 = time.time()
         results = run_checks(HealthInput(self.rank, gen, self.store, self.cfg.health), self.extra_checks)
         failed = [r for r in results if not r.ok]
-        self.events.emit(
+        self._ev.emit(
             Event.HEALTH_CHECKED,
             generation=gen,
             step=step,
@@ -307,7 +316,7 @@ class Runtime:
         restore_rng(self._restore_state[RNG])
         step = self.restore_step
         assert step is not None
-        self.events.emit(
+        self._ev.emit(
             Event.STATE_RESTORED,
             generation=self.generation,
             step=step,
@@ -333,7 +342,7 @@ class Runtime:
         self.schedule.observe(nxt, step_s, capture_s)
         if self._resume_pending:
             self._resume_pending = False
-            self.events.emit(
+            self._ev.emit(
                 Event.STEP_RESUMED,
                 generation=self.generation,
                 step=step,
@@ -400,11 +409,9 @@ class Runtime:
 
     def nudge(self, generation: int) -> None:
         now = time.monotonic()
-        if self.interrupter.still_pending(generation) and now - self._last_nudge > 0.5:
+        if now - self._last_nudge > 0.5:
             self._last_nudge = now
-            self.interrupter.interrupt(
-                generation, self.interrupter._pending[1] if self.interrupter._pending else ""
-            )
+            self.interrupter.resend(generation)
 
 
 def excepthook_exit_codes() -> None:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from loguru import logger
 
 from resilient.config import Timeouts
+from resilient.errors import StepInterrupted
 
 
 class Watched(Protocol):
@@ -105,7 +106,7 @@ class MainThreadInterrupter:
         self._previous: object = None
 
     def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():  # signal handlers live there
             raise RuntimeError("resilient.wrap must run in the main thread (it installs a signal handler)")
         self._previous = signal.signal(self.signum, self._handler)
         self._installed = True
@@ -116,8 +117,6 @@ class MainThreadInterrupter:
             self._installed = False
 
     def _handler(self, signum: int, frame: object) -> None:
-        from resilient.errors import StepInterrupted
-
         pending = self._pending
         if pending is not None and self._is_current(pending[0]):
             self._pending = None
@@ -131,6 +130,15 @@ class MainThreadInterrupter:
     def still_pending(self, generation: int) -> bool:
         return self._pending is not None and self._pending[0] == generation
 
+    def resend(self, generation: int) -> bool:
+        """Signal again if the interrupt for ``generation`` was not raised yet (the main thread
+        may have been in C code when it arrived, and left it into a frame that swallowed nothing)."""
+        if not self.still_pending(generation):
+            return False
+        if self._main_ident is not None:
+            signal.pthread_kill(self._main_ident, self.signum)
+        return True
+
 
 class HardHangTimer:
     """``SIGALRM`` backstop for hangs no Python thread can reach (C code holding the GIL).
@@ -141,10 +149,12 @@ class HardHangTimer:
 
     def __init__(self) -> None:
         self._armed = False
+        self._installed = False
         self._previous: Any = signal.SIG_DFL
 
     def install(self) -> None:
         self._previous = signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        self._installed = True
         faulthandler.register(signal.SIGALRM, file=sys.stderr, all_threads=True, chain=True)
 
     def arm(self, seconds: float) -> None:
@@ -158,5 +168,7 @@ class HardHangTimer:
 
     def uninstall(self) -> None:
         self.disarm()
-        faulthandler.unregister(signal.SIGALRM)
-        signal.signal(signal.SIGALRM, self._previous)
+        if self._installed:
+            faulthandler.unregister(signal.SIGALRM)
+            signal.signal(signal.SIGALRM, self._previous)
+            self._installed = False
