@@ -10,14 +10,22 @@ so the restarted loop resumes from the in-memory step counter.
 
 At ``--fault-step`` rank ``--fault-rank`` raises a Python exception after the forward pass and
 before backward (first attempt only, tracked with a marker file). The other ranks are then blocked
-in DDP's gradient all-reduce. NVRx detects the fault through its store, aborts/destroys the
-process group (``abort`` hook), restarts the wrapped function on every rank, which re-creates the
-gloo process group and DDP.
+in DDP's gradient all-reduce. NVRx detects the fault through its store, runs its ``abort`` hook
+(destroy_process_group) on every rank, interrupts the main threads with an async exception and
+restarts the wrapped function, which re-creates the gloo process group and DDP.
+
+gloo caveat: nothing in torch 2.13 aborts a gloo collective already in flight (NVRx's abort only
+handles NCCL; ProcessGroupGloo.abort()/shutdown() do not wake a pending recv). Blocked peers are
+released only when the faulting rank's gloo sockets close, i.e. when its PG object is freed, so
+train() drops its DDP (the PG's last owner) on the way out; otherwise peers wait the gloo timeout
+(``--pg-timeout``, measured ~5.3 s with 5 s). See the comment in train() for a deadlock avoided there.
 
 ``fault_to_next_step_s`` (per rank) = time.time() at the first optimizer step completed after the
 restart on that rank minus time.time() at the raise on the fault rank (same host, same clock).
 ``fault_free_step_ms`` = median wall time of the steps before the fault (step 0 excluded), i.e.
-compute plus the ``--step-ms`` sleep padding.
+compute plus the ``--step-ms`` sleep padding. ``breakdown_s`` splits the latency (median over
+ranks): fault -> wrapped fn re-entered -> gloo PG up -> DDP rebuilt -> first step done. With
+``--repeat K`` the per-rank values and ``median_s`` are medians over finished trials.
 
 Workload (identical to our own benchmark): torch.manual_seed(0); Linear(32,64)-ReLU-Linear(64,64)-
 ReLU-Linear(64,8); AdamW(lr=1e-3); per step data from Generator().manual_seed(1000*rank+step):
@@ -28,6 +36,7 @@ Prints one JSON line on stdout; per-trial lines and diagnostics go to stderr.
 """
 
 import argparse
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -46,57 +55,52 @@ from typing import Optional
 
 warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
 
+import nvidia_resiliency_ext.inprocess as inprocess  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import nvidia_resiliency_ext.inprocess as inprocess  # noqa: E402
-
 S = datetime.timedelta
-
-
-class AbortGloo(inprocess.abort.Abort):
-    """Abort hook for gloo. NVRx's stock AbortTorchDistributed only aborts NCCL backends (it looks
-    them up with torch.device('cuda')) and then calls destroy_process_group(); a rank blocked in a
-    gloo collective would stay blocked until the gloo timeout. This also calls abort() on the
-    gloo backend (torch >= 2.6), which makes pending gloo work fail immediately."""
-
-    def __call__(self, state):
-        if dist.is_available() and dist.is_initialized():
-            for pg in list(dist.distributed_c10d._world.pg_names):
-                try:
-                    pg._get_backend(torch.device("cpu")).abort()
-                except Exception as ex:  # abort is best-effort; destroy below still runs
-                    logging.getLogger(__name__).warning(f"gloo abort failed: {ex!r}")
-            dist.destroy_process_group()
-        return state
+# Wrapper timing knobs (seconds). NVRx requires soft < hard < barrier, every interval < soft, and
+# heartbeat_interval < heartbeat_timeout < barrier. Defaults are 60/90/120 s, 1 s intervals and
+# last_call_wait 1 s; these are shortened for a single host but leave room for 4 ranks on 2 cores.
+TIMEOUTS = {
+    "soft_timeout": 5,  # no progress for 5 s -> monitor process flags an interruption (restart)
+    "hard_timeout": 10,  # no progress for 10 s -> monitor process SIGTERMs the rank
+    "barrier_timeout": 30,  # NVRx store barriers between restart iterations
+    "completion_timeout": 30,
+    "heartbeat_timeout": 5,  # sibling monitor: a rank silent for 5 s is declared dead
+    "heartbeat_interval": 0.5,
+    "monitor_thread_interval": 0.5,
+    "monitor_process_interval": 0.5,
+    "progress_watchdog_interval": 0.5,
+    "termination_grace_time": 2,  # SIGTERM -> SIGKILL
+}
 
 
 def make_wrapper(args, out_dir):
     return inprocess.Wrapper(
         store_factory=inprocess.store.TCPStore,
-        store_kwargs={"host_name": "127.0.0.1", "port": int(os.environ["NVRX_STORE_PORT"]),
-                      "timeout": S(seconds=30)},
+        store_kwargs={
+            "host_name": "127.0.0.1",
+            "port": int(os.environ["NVRX_STORE_PORT"]),
+            "timeout": S(seconds=30),
+        },
         initialize=inprocess.initialize.RetryController(max_iterations=3),
-        abort=AbortGloo() if args.abort == "gloo" else inprocess.abort.AbortTorchDistributed(),
+        # stock abort: destroy_process_group(); its NCCL-only abort step is a no-op for gloo (the
+        # backend looked up for 'cuda' is the gloo one) and needs no GPU. It cannot interrupt a
+        # gloo collective already in flight; gloo's abort()/shutdown() can't either (torch 2.13).
+        abort=inprocess.abort.AbortTorchDistributed(),
         finalize=None,  # nothing rank-local to tear down besides the PG (done by abort)
         health_check=inprocess.health_check.FaultCounter(max_rank_faults=2),  # no CUDA checks
-        monitor_thread_interval=S(seconds=0.5),
-        monitor_process_interval=S(seconds=0.5),
-        heartbeat_interval=S(seconds=0.5),
-        heartbeat_timeout=S(seconds=5),
-        progress_watchdog_interval=S(seconds=0.5),
-        soft_timeout=S(seconds=5),
-        hard_timeout=S(seconds=10),
-        barrier_timeout=S(seconds=30),
-        completion_timeout=S(seconds=30),
-        last_call_wait=S(seconds=args.last_call_wait),
-        termination_grace_time=S(seconds=2),
+        last_call_wait=S(seconds=args.last_call_wait),  # wait for concurrent faults before abort
+        **{k: S(seconds=v) for k, v in TIMEOUTS.items()},
         monitor_process_logfile=os.path.join(out_dir, "monitor_{rank}.log"),
     )
 
 
-def train(app_store, model, opt, st, args, call_wrapper: Optional[inprocess.CallWrapper] = None):
+# NVRx injects its CallWrapper into the parameter annotated Optional[CallWrapper] (its documented form)
+def train(app_store, model, opt, st, args, call_wrapper: Optional[inprocess.CallWrapper] = None):  # noqa: UP045
     it, t_enter = call_wrapper.iteration, time.time()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = args.out_dir
@@ -104,12 +108,13 @@ def train(app_store, model, opt, st, args, call_wrapper: Optional[inprocess.Call
         with open(os.path.join(out, f"monitor_pid_{st['rank0']}"), "w") as f:
             json.dump(call_wrapper.monitor_process.process_monitor_proc.pid, f)
     store = dist.PrefixStore(f"iter{it}", app_store)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=S(seconds=args.pg_timeout))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=S(seconds=args.pg_timeout)
+    )
     t_pg = time.time()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     t_ddp = time.time()
-    marker = os.path.join(out, "fault_injected")
+    marker, loss = os.path.join(out, "fault_injected"), None
     try:
         while st["step"] < args.steps:
             step, t0 = st["step"], time.time()
@@ -134,9 +139,16 @@ def train(app_store, model, opt, st, args, call_wrapper: Optional[inprocess.Call
                 st["durations"].append(time.time() - t0)
         dist.barrier()
     finally:
-        _t = time.time(); logging.warning(f"TMP finally exc={sys.exc_info()[1]!r:.200}")
-        if not os.environ.get("TMP_KEEP_DDP"): ddp = None  # drop
-        logging.warning(f"TMP ddp=None took {time.time()-_t:.3f}") DDP's autograd hooks before a restart re-wraps the same model
+        # On a fault, drop DDP (it holds the last ref to the gloo PG that NVRx's abort already
+        # destroyed) right here, so this rank's gloo sockets close and peers blocked in a
+        # collective fail fast instead of waiting out the gloo timeout; this also removes DDP's
+        # autograd hooks before the restart wraps the same model again. Sleep first, releasing
+        # the GIL: a gloo worker thread finishing a failed collective needs the GIL to free its
+        # work object, and ~ProcessGroupGloo joins that thread while holding the GIL, so freeing
+        # the PG too early deadlocks (seen with torch 2.13; the rank is then hard-timeout killed).
+        if sys.exc_info()[0] is not None:
+            time.sleep(args.drop_grace)
+        ddp = loss = None
     dist.destroy_process_group()
 
 
@@ -144,16 +156,23 @@ def worker(args):
     rank = int(os.environ["RANK"])
     # NVRx's hard timeout SIGTERMs a stuck rank: dump every thread's stack first (diagnostics)
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level,
+        format="%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s",
+    )
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-                                torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    lin, relu = torch.nn.Linear, torch.nn.ReLU
+    model = torch.nn.Sequential(lin(32, 64), relu(), lin(64, 64), relu(), lin(64, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    app_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              int(os.environ["WORLD_SIZE"]), is_master=rank == 0, multi_tenant=True,
-                              wait_for_workers=True, use_libuv=True, timeout=S(seconds=30))
+    # application store (created once, reused by every restart through a per-iteration prefix)
+    addr, port, world = (
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+    )
+    app_store = dist.TCPStore(addr, port, world, rank == 0, S(seconds=30), multi_tenant=True, use_libuv=True)
     st = {"step": 0, "durations": [], "rank0": rank}
     try:
         make_wrapper(args, args.out_dir)(train)(app_store, model, opt, st, args)
@@ -177,26 +196,38 @@ def read_json(path, default=None):
 
 
 def kill_group(pid):
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_trial(args, trial):
     out = tempfile.mkdtemp(prefix=f"nvrx_trial{trial}_")
     port, store_port = free_port(), free_port()
-    fwd = [a for a in sys.argv[1:]]
     procs, logs, start = [], [], time.time()
     for r in range(args.nproc):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                   LOCAL_RANK=str(r), WORLD_SIZE=str(args.nproc), NVRX_STORE_PORT=str(store_port),
-                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
-        log = open(os.path.join(out, f"rank_{r}.out"), "w")
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(args.nproc),
+            NVRX_STORE_PORT=str(store_port),
+            OMP_NUM_THREADS="1",
+            PYTHONWARNINGS="ignore::FutureWarning",
+        )
+        log = open(os.path.join(out, f"rank_{r}.out"), "w")  # noqa: SIM115 (closed below)
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *fwd, "--worker",
-                                       "--out-dir", out], env=env, stdout=log, stderr=log,
-                                      stdin=subprocess.DEVNULL, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--worker", "--out-dir", out],
+                env=env,
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )
     deadline = start + args.trial_timeout
     while time.time() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.1)
@@ -218,8 +249,10 @@ def run_trial(args, trial):
         log.close()
     fault_t = read_json(os.path.join(out, "fault_injected"))
     resumes = [read_json(os.path.join(out, f"resume_{r}")) for r in range(args.nproc)]
-    ranks = [read_json(os.path.join(out, f"rank_{r}.json"), {"steps": 0, "durations": []})
-             for r in range(args.nproc)]
+    ranks = [
+        read_json(os.path.join(out, f"rank_{r}.json"), {"steps": 0, "durations": []})
+        for r in range(args.nproc)
+    ]
     lat = [round(t["step"] - fault_t, 4) if t and fault_t else None for t in resumes]
     # where the time goes (median over ranks): fault -> wrapped fn re-entered -> gloo PG
     # re-initialised -> DDP rebuilt (param broadcast) -> first optimizer step done
@@ -228,18 +261,25 @@ def run_trial(args, trial):
     if fault_t and None not in resumes:
         prev = [fault_t] * args.nproc
         for name, key in marks:
-            phases[name] = round(statistics.median(t[key] - p for t, p in zip(resumes, prev)), 4)
+            phases[name] = round(statistics.median(t[key] - p for t, p in zip(resumes, prev, strict=True)), 4)
             prev = [t[key] for t in resumes]
     steps = min(r["steps"] for r in ranks)
-    finished = (not timed_out and all(p.returncode == 0 for p in procs) and steps == args.steps
-                and None not in lat)
+    finished = (
+        not timed_out and all(p.returncode == 0 for p in procs) and steps == args.steps and None not in lat
+    )
     durs = [d for r in ranks for d in r["durations"]]
-    res = {"trial": trial, "fault_to_next_step_s": lat,
-           "median_s": statistics.median(lat) if None not in lat else None,
-           "steps_completed": steps, "finished": finished, "timed_out": timed_out,
-           "returncodes": [p.returncode for p in procs], "trial_wall_s": round(wall, 2),
-           "fault_free_step_ms": round(1000 * statistics.median(durs), 2) if durs else None,
-           "breakdown_s": phases}
+    res = {
+        "trial": trial,
+        "fault_to_next_step_s": lat,
+        "median_s": statistics.median(lat) if None not in lat else None,
+        "steps_completed": steps,
+        "finished": finished,
+        "timed_out": timed_out,
+        "returncodes": [p.returncode for p in procs],
+        "trial_wall_s": round(wall, 2),
+        "fault_free_step_ms": round(1000 * statistics.median(durs), 2) if durs else None,
+        "breakdown_s": phases,
+    }
     print(json.dumps(res), file=sys.stderr, flush=True)
     if finished and not args.keep:
         shutil.rmtree(out, ignore_errors=True)
@@ -261,10 +301,9 @@ def main():
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--trial-timeout", type=float, default=120.0)
-    p.add_argument("--abort", choices=["gloo", "nvrx"], default="gloo",
-                   help="gloo: AbortGloo (aborts gloo backend); nvrx: stock AbortTorchDistributed")
     p.add_argument("--pg-timeout", type=float, default=5.0, help="gloo process group timeout, s")
     p.add_argument("--last-call-wait", type=float, default=0.1, help="Wrapper last_call_wait, s")
+    p.add_argument("--drop-grace", type=float, default=0.05, help="GIL-free sleep before freeing DDP, s")
     p.add_argument("--keep", action="store_true", help="keep per-trial log dirs")
     p.add_argument("--log-level", default="INFO", help="worker/NVRx logging level (logs in trial dir)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -274,24 +313,32 @@ def main():
         return worker(args)
     trials = [run_trial(args, t) for t in range(args.repeat)]
     ok = [t for t in trials if t["finished"]]
-    per_rank = [statistics.median(t["fault_to_next_step_s"][r] for t in ok) for r in range(args.nproc)]
+    per_rank = (
+        [statistics.median(t["fault_to_next_step_s"][r] for t in ok) for r in range(args.nproc)] if ok else []
+    )
     ff = [t["fault_free_step_ms"] for t in trials if t["fault_free_step_ms"]]
-    print(json.dumps({
-        "peer": "nvrx-inprocess", "nproc": args.nproc,
-        "fault_to_next_step_s": [round(v, 4) for v in per_rank] if ok else [],
+    summary = {
+        "peer": "nvrx-inprocess",
+        "nproc": args.nproc,
+        "fault_to_next_step_s": [round(v, 4) for v in per_rank],
         "median_s": round(statistics.median(t["median_s"] for t in ok), 4) if ok else None,
         "steps_completed": min(t["steps_completed"] for t in trials),
         "finished": len(ok) == len(trials),
         "fault_free_step_ms": round(statistics.median(ff), 2) if ff else None,
-        "trials": len(trials), "trials_finished": len(ok),
-        "breakdown_s": {k: round(statistics.median(t["breakdown_s"][k] for t in ok), 4)
-                        for k in (ok[0]["breakdown_s"] if ok else {})},
+        "trials": len(trials),
+        "trials_finished": len(ok),
+        "breakdown_s": {
+            k: round(statistics.median(t["breakdown_s"][k] for t in ok), 4)
+            for k in (ok[0]["breakdown_s"] if ok else {})
+        },
         "trial_wall_s": [t["trial_wall_s"] for t in trials],
-        "config": {"abort": args.abort, "pg_timeout_s": args.pg_timeout,
-                   "last_call_wait_s": args.last_call_wait, "soft_timeout_s": 5, "hard_timeout_s": 10,
-                   "barrier_timeout_s": 30, "step_ms": args.step_ms, "steps": args.steps,
-                   "fault_step": args.fault_step, "fault_rank": args.fault_rank},
-    }), flush=True)
+        "config": {
+            **TIMEOUTS,
+            **{k: getattr(args, k) for k in ("pg_timeout", "last_call_wait", "drop_grace", "step_ms")},
+            **{k: getattr(args, k) for k in ("steps", "fault_step", "fault_rank")},
+        },
+    }
+    print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":
