@@ -27,6 +27,8 @@ from resilient.errors import CoordinationError, PeerAborted
 from resilient.runtime.faults import FaultRecord
 
 OK = "ok"
+CLOSED = "__closed__"  # written to a generation's fault key once every rank finished it
+FOREVER = 365 * 24 * 3600.0  # store-client timeout for a thread that blocks until a fault arrives
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,19 @@ class Coordinator:
         k = self.key(generation, "fault")
         if not s.check([k]):
             return None
-        return FaultRecord.from_json(s.get(k))
+        raw = s.get(k)
+        return None if raw.decode() == CLOSED else FaultRecord.from_json(raw)
+
+    def wait_fault(self, generation: int, store: dist.Store) -> FaultRecord | None:
+        """Block until generation's fault key is written; the record, or None if it closed cleanly."""
+        k = self.key(generation, "fault")
+        store.wait([k])
+        raw = store.get(k)
+        return None if raw.decode() == CLOSED else FaultRecord.from_json(raw)
+
+    def close_generation(self, generation: int) -> None:
+        """After every rank finished: release listeners blocked on this generation's fault key."""
+        self.store.compare_set(self.key(generation, "fault"), "", CLOSED)
 
     def observations(self, generation: int) -> list[dict[str, object]]:
         out = []

@@ -41,7 +41,7 @@ from resilient.runtime.health import Check, HealthInput, run_checks
 from resilient.runtime.pg import Group, build_group, resolve_backend
 from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.schedule import SnapshotSchedule
-from resilient.runtime.watchdog import HardHangTimer, MainThreadInterrupter, Monitor
+from resilient.runtime.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
 from resilient.state import Registry, SnapshotRing
 from resilient.state.registry import RNG, restore_rng
 
@@ -92,6 +92,10 @@ class Runtime:
         self.interrupter = MainThreadInterrupter(cfg.interrupt_signal, self._interruptible)
         self.hard_timer = HardHangTimer()
         self.monitor = Monitor(self, self.t)
+        self.listener = FaultListener(self._wait_for_fault, self._on_listened_fault)
+        self._remote: dict[int, FaultRecord] = {}
+        self._remote_handled: set[int] = set()
+        self._remote_lock = threading.Lock()
         self.events: EventLog | None = None  # needs the run id, agreed in start()
         self.run_dir: Path | None = None
 
@@ -110,11 +114,13 @@ class Runtime:
         self.coord = coord_mod.Coordinator(self.store, ns, self.rank, self.world_size, self.t.barrier)
         self.schedule = SnapshotSchedule(self.cfg.snapshot, self.rank, self.store, f"{ns}/snapshot_interval")
         self.monitor_store = coord_mod.client(self.store_host, self.store_port, self.t.barrier)
+        self.listener_store = coord_mod.client(self.store_host, self.store_port, coord_mod.FOREVER)
         self.run_dir = self.cfg.events.dir / self.run_id
         self.events = events = EventLog(self.run_dir / "events.jsonl", self.rank)
         self.interrupter.install()
         self.hard_timer.install()
         self.monitor.start()
+        self.listener.start()
         if self.backend == "nccl":
             torch.cuda.set_device(self.local_rank)
         events.emit(
@@ -131,7 +137,12 @@ class Runtime:
         if self.phase is Phase.CLOSED:
             return
         self.phase = Phase.CLOSED
-        for stop in (self.monitor.stop, self.hard_timer.uninstall, self.interrupter.uninstall):
+        for stop in (
+            self.listener.stop,
+            self.monitor.stop,
+            self.hard_timer.uninstall,
+            self.interrupter.uninstall,
+        ):
             try:
                 stop()
             except Exception as e:  # start() may have failed half-way
@@ -178,6 +189,7 @@ class Runtime:
         self.hard_timer.arm(self.t.barrier + 10.0)
         if self.coord.finish_barrier(self.generation):
             self.hard_timer.disarm()
+            self.coord.close_generation(self.generation)
             return True, result, None
         self.phase = Phase.RECOVERING
         return False, None, None
@@ -211,6 +223,7 @@ class Runtime:
         self._restored = set()
         self._progress, self._stepped = time.monotonic(), False
         self.phase = Phase.RUNNING
+        self.listener.watch(self.generation)
 
     def _recover(self, exc: BaseException | None) -> None:
         gen, step = self.generation, self.step
@@ -359,12 +372,25 @@ class Runtime:
     def last_progress(self) -> tuple[float, bool]:
         return self._progress, self._stepped
 
+    def _wait_for_fault(self, generation: int) -> FaultRecord | None:
+        return self.coord.wait_fault(generation, self.listener_store)
+
+    def _on_listened_fault(self, generation: int, fault: object) -> None:
+        assert isinstance(fault, FaultRecord)
+        self._remote[generation] = fault
+        if fault.rank != self.rank and self._interruptible(generation):
+            self.on_remote_fault(generation, fault)
+
     def remote_fault(self, generation: int) -> FaultRecord | None:
-        f = self.coord.primary_fault(generation, store=self.monitor_store)
+        f = self._remote.get(generation)  # what the listener heard: no store traffic here
         return f if f is not None and f.rank != self.rank else None
 
     def on_remote_fault(self, generation: int, fault: object) -> None:
         assert isinstance(fault, FaultRecord)
+        with self._remote_lock:  # the listener and the monitor may both report it
+            if generation in self._remote_handled:
+                return
+            self._remote_handled.add(generation)
         group = self.group  # the main thread may drop it concurrently
         if group is not None and group.generation == generation:
             group.abort()

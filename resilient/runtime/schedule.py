@@ -41,7 +41,7 @@ class SnapshotSchedule:
         return (nxt - ADOPT_AT) % self.interval == 0
 
     def observe(self, nxt: int, step_s: float | None, capture_s: float | None) -> None:
-        if self.fixed is not None:
+        if self.fixed is not None or nxt > ADOPT_AT:
             return
         if nxt > 1 and step_s is not None:  # the first step carries warm-up
             self._step_s.append(step_s)

@@ -1,4 +1,7 @@
-"""The monitor thread: watches the store for faults of other ranks and the step clock for hangs.
+"""Two background threads: one blocks on the store for faults of other ranks, one watches the
+step clock for hangs. Neither polls: the listener sleeps in a store ``wait`` that returns the
+moment any rank posts the generation's fault; the monitor sleeps until the next hang deadline.
+In steady state they cost nothing per step.
 
 Both end the same way for this rank's main thread: the group is aborted (so a blocked collective
 fails now, here and on the peers) and the main thread is interrupted with a signal whose handler
@@ -57,19 +60,23 @@ class Monitor(threading.Thread):
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=5)
 
-    def poll(self) -> None:
-        """One round of checks (the loop body; callable directly from tests)."""
+    def poll(self) -> float:
+        """One round of checks (the loop body; callable directly from tests).
+
+        Returns how long the thread may sleep before the next round is needed.
+        """
+        short = self._timeouts.monitor_interval
         gen = self._t.running_generation()
         if gen is None:
-            return
+            return short  # recovering or finishing: look again soon for the next generation
         if gen in self._handled:
             self._t.nudge(gen)  # the main thread has not left the step yet: signal it again
-            return
+            return short
         fault = self._t.remote_fault(gen)
         if fault is not None:
             self._handled.add(gen)
             self._t.on_remote_fault(gen, fault)
-            return
+            return short
         last, started = self._t.last_progress()
         limit = self._timeouts.hang if started else self._timeouts.startup
         idle = self._clock() - last
@@ -78,16 +85,77 @@ class Monitor(threading.Thread):
             # elsewhere; give the culprit a moment to post first so the diagnosis names it.
             _, in_collective = self._t.main_thread_where()
             if in_collective and idle < limit + self._timeouts.victim_grace:
-                return
+                return short
             self._handled.add(gen)
             self._t.on_hang(gen, idle)
+            return short
+        # asleep until the hang deadline; a quarter of hang_timeout at most, since the deadline
+        # moves earlier when the first step of a generation completes (startup → hang limit)
+        return max(short, min(limit - idle, self._timeouts.hang / 4))
 
     def run(self) -> None:
-        while not self._halt.wait(self._timeouts.monitor_interval):
+        delay = self._timeouts.monitor_interval
+        while not self._halt.wait(delay):
             try:
-                self.poll()
+                delay = self.poll()
             except Exception as e:  # the store went away: nothing to watch any more
                 logger.debug("monitor poll failed: {}", e)
+                delay = self._timeouts.monitor_interval
+
+
+class FaultListener(threading.Thread):
+    """Blocks on the store until a fault of the watched generation is posted, then reports it.
+
+    ``wait`` on a store key returns for every waiter as soon as any rank sets it, so every rank
+    learns of a fault within one store round trip, with no polling traffic in between. The
+    connection is the listener's own (a blocked ``wait`` holds it) and never times out: a wait
+    that times out on a TCPStore client leaves the connection out of step with the server.
+    """
+
+    def __init__(
+        self, wait_for_fault: Callable[[int], object], on_fault: Callable[[int, object], None]
+    ) -> None:
+        super().__init__(name="resilient-fault-listener", daemon=True)
+        self._wait_for_fault = wait_for_fault
+        self._on_fault = on_fault
+        self._cond = threading.Condition()
+        self._watch: int | None = None
+        self._closed = False
+
+    def watch(self, generation: int) -> None:
+        """Start listening for faults of ``generation`` (called when it starts running)."""
+        with self._cond:
+            self._watch = generation
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        # A listener still blocked in the store wait is a daemon; it is not joined.
+
+    def run(self) -> None:
+        last = -1
+        while True:
+            with self._cond:
+                seen = last
+                self._cond.wait_for(lambda: self._closed or (self._watch or -1) > seen)  # noqa: B023
+                if self._closed:
+                    return
+                gen = self._watch
+            assert gen is not None
+            last = gen
+            try:
+                fault = self._wait_for_fault(gen)
+            except Exception as e:  # the store went away: nothing to listen to any more
+                logger.debug("fault listener stopped: {}", e)
+                return
+            if fault is None:  # the generation closed without a fault
+                continue
+            try:
+                self._on_fault(gen, fault)
+            except Exception as e:
+                logger.warning("handling a remote fault failed: {}", e)
 
 
 class MainThreadInterrupter:

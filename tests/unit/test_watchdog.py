@@ -254,3 +254,47 @@ def test_step_interrupted_is_not_swallowed_by_except_exception():
             raise StepInterrupted("hang: x")
         except Exception:  # what user code around its step typically does
             pytest.fail("StepInterrupted was caught by `except Exception`")
+
+
+def test_monitor_sleeps_until_the_hang_deadline_not_on_a_fixed_poll(rt, clock, mon):
+    rt.started = True
+    assert mon.poll() == pytest.approx(TIMEOUTS.hang / 4)  # far from the deadline: a long sleep
+    clock.now += TIMEOUTS.hang - 0.3
+    assert mon.poll() == pytest.approx(max(TIMEOUTS.monitor_interval, 0.3))  # wakes at the deadline
+    clock.now += 0.31
+    mon.poll()
+    assert rt.kinds() == ["hang"]
+
+
+def test_fault_listener_reports_a_posted_fault_and_releases_on_close():
+    import torch.distributed as dist
+
+    from resilient.runtime.coordinator import Coordinator
+    from resilient.runtime.faults import FaultRecord
+    from resilient.runtime.watchdog import FaultListener
+
+    store = dist.HashStore()
+    coord0, coord1 = (Coordinator(store, "ns", r, 2, 2.0) for r in (0, 1))
+    heard: list[tuple[int, object]] = []
+    got = threading.Event()
+
+    def on_fault(gen: int, fault: object) -> None:
+        heard.append((gen, fault))
+        got.set()
+
+    listener = FaultListener(lambda g: coord0.wait_fault(g, store), on_fault)
+    listener.start()
+    try:
+        listener.watch(0)
+        coord1.post_fault(FaultRecord(1, 0, 5, "exception", "soft", "exception: E: x", "E: x"))
+        assert got.wait(5), "the listener did not wake on the posted fault"
+        assert heard[0][0] == 0 and heard[0][1].rank == 1  # type: ignore[attr-defined]
+        # generation 1 finishes cleanly: the closing sentinel wakes the listener without a report
+        listener.watch(1)
+        coord0.close_generation(1)
+        assert coord0.primary_fault(1) is None
+    finally:
+        listener.stop()
+        listener.join(5)
+    assert not listener.is_alive()
+    assert len(heard) == 1
