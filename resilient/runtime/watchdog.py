@@ -139,7 +139,7 @@ class FaultListener(threading.Thread):
         while True:
             with self._cond:
                 seen = last
-                self._cond.wait_for(lambda: self._closed or (self._watch or -1) > seen)  # noqa: B023
+                self._cond.wait_for(lambda: self._closed or (self._watch is not None and self._watch > seen))  # noqa: B023
                 if self._closed:
                     return
                 gen = self._watch

@@ -50,13 +50,19 @@ def test_sleep_hang_on_rank0_is_interrupted_in_process(tmp_path, reference):
 
 
 def test_collective_timeout_when_a_rank_stalls(tmp_path, reference):
+    """Rank 1 stalls 30 s before a collective; rank 0's collective times out (1.5 s). No socket can
+    reach the sleeping rank 1: only the store notification can, and it must leave the sleep at once
+    rather than at hang_timeout (20 s) or the end of its stall."""
     res = run_example(
-        tmp_path, 2, "--fault", "stall@10:1=2.5", "--hang-timeout", "4", "--collective-timeout", "1.5"
+        tmp_path, 2, "--fault", "stall@10:1=30", "--hang-timeout", "20", "--collective-timeout", "1.5"
     )
     _check_recovered(res, reference, 2, tmp_path)
     primaries = {(e["origin_rank"], e["kind"]) for e in res.of("fault_detected")}
     assert primaries == {(0, "collective")}, primaries  # rank 0's collective timed out
     assert all("Timed out" in e["signature"] for e in res.of("fault_detected"))
+    local = {e["rank"]: e["local"] for e in res.of("fault_detected")}
+    assert local[1].startswith("StepInterrupted: peer: rank 0 faulted at step 10"), local
+    assert max(e["since_fault_s"] for e in res.of("step_resumed")) < 3.0, res.of("step_resumed")
 
 
 def test_oom_exception_recovers(tmp_path, reference):
