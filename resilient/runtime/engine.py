@@ -18,6 +18,7 @@ import time
 import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,15 @@ class Phase(str, enum.Enum):
     CLOSED = "closed"
 
 
+@dataclass
+class _Cost:
+    """What the runtime costs the main thread in steady state (reported in ``run_finished``)."""
+
+    steps: int = 0
+    snapshots: int = 0
+    hook_s: float = 0.0  # time in the per-step hook: progress, timer, snapshot copy
+
+
 class Runtime:
     """Engine behind :func:`resilient.wrap`. Not thread-safe except where the monitor needs it."""
 
@@ -88,6 +98,7 @@ class Runtime:
         self._progress = time.monotonic()
         self._stepped = False
         self._last_nudge = 0.0
+        self.cost = _Cost()
         # constructed here without side effects; start() installs and starts them
         self.interrupter = MainThreadInterrupter(cfg.interrupt_signal, self._interruptible)
         self.hard_timer = HardHangTimer()
@@ -166,7 +177,16 @@ class Runtime:
                     self.phase = Phase.RECOVERING
                     done, result, exc = False, None, late
                 if done:
-                    self._ev.emit(Event.RUN_FINISHED, generation=self.generation, step=self.step)
+                    self._ev.emit(
+                        Event.RUN_FINISHED,
+                        generation=self.generation,
+                        step=self.step,
+                        steps_completed=self.cost.steps,
+                        snapshots=self.cost.snapshots,
+                        snapshot_interval=self.schedule.interval,
+                        runtime_ms_per_step=1e3 * self.cost.hook_s / max(1, self.cost.steps),
+                        monitor_wakeups=self.monitor.wakeups,
+                    )
                     return result
                 self._recover(exc)
         except ResilienceError as e:
@@ -353,6 +373,9 @@ class Runtime:
             self.snapshots.capture(nxt, self.registry.capture())
             capture_s = time.monotonic() - now
         self.schedule.observe(nxt, step_s, capture_s)
+        self.cost.steps += 1
+        self.cost.snapshots += capture_s is not None
+        self.cost.hook_s += time.monotonic() - now
         if self._resume_pending:
             self._resume_pending = False
             self._ev.emit(

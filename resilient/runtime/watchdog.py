@@ -54,6 +54,7 @@ class Monitor(threading.Thread):
         self._clock = clock
         self._halt = threading.Event()
         self._handled: set[int] = set()
+        self.wakeups = 0
 
     def stop(self) -> None:
         self._halt.set()
@@ -96,6 +97,7 @@ class Monitor(threading.Thread):
     def run(self) -> None:
         delay = self._timeouts.monitor_interval
         while not self._halt.wait(delay):
+            self.wakeups += 1
             try:
                 delay = self.poll()
             except Exception as e:  # the store went away: nothing to watch any more
