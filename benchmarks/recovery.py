@@ -92,27 +92,31 @@ def hang_trials(nproc: int, trials: int, hang_timeout: float) -> dict[str, objec
     }
 
 
-def overhead(nproc: int, runs: int, dim: int, seq: int) -> dict[str, object]:
-    wrapped, plain = [], []
+def overhead(nproc: int, runs: int, dim: int, seq: int, steps: int = 300) -> dict[str, object]:
+    """Wall clock, wrapped vs plain (interleaved runs), plus the runtime's own accounting of the
+    main-thread time it spent per step (from the run_finished events): the wall-clock difference
+    on this shared 2-core machine is noisier than 1%, the accounting is not."""
+    wrapped, plain, hook_ms = [], [], []
     for i in range(2 * runs):
         mode = ["--plain"] if i % 2 else []
         with tempfile.TemporaryDirectory() as d:
-            res = run_ranks(
-                [EXAMPLE, "--steps", "60", "--dim", str(dim), "--seq", str(seq), "--report", *mode],
-                nproc,
-                cwd=Path(d),
-                run_id=f"ovh{i}",
-                timeout=300,
-            )
+            argv = [EXAMPLE, "--steps", str(steps), "--dim", str(dim), "--seq", str(seq), "--report", *mode]
+            res = run_ranks(argv, nproc, cwd=Path(d), run_id=f"ovh{i}", timeout=600)
             assert res.ok, res.describe()
             rep = json.loads(res.ranks[0].stdout.strip().splitlines()[-1])
-            (plain if mode else wrapped).append(rep["loop_s"] / rep["steps"])
+            (plain if mode else wrapped).append(rep["loop_s"] / rep["steps"] * 1e3)
+            hook_ms += [e["runtime_ms_per_step"] for e in res.of("run_finished")]
     w, p = _median(wrapped), _median(plain)
     return {
-        "step_ms_plain": p * 1e3,
-        "step_ms_wrapped": w * 1e3,
+        "step_ms_plain": p,
+        "step_ms_wrapped": w,
         "overhead_pct": 100 * (w - p) / p,
+        "plain_range_ms": [min(plain), max(plain)],
+        "wrapped_range_ms": [min(wrapped), max(wrapped)],
+        "runtime_ms_per_step": _median(hook_ms),
+        "runtime_pct_of_step": 100 * _median(hook_ms) / p,
         "runs_each": runs,
+        "steps": steps,
     }
 
 
@@ -177,6 +181,7 @@ def main() -> None:
     )
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--skip-nvrx", action="store_true")
+    ap.add_argument("--overhead-runs", type=int, default=6)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "recovery.json")
     args = ap.parse_args()
 
@@ -225,13 +230,22 @@ def main() -> None:
             "",
             "no process dies",
         )
-    ovh = overhead(2, 3, args.dim, args.seq)
+    ovh = overhead(2, args.overhead_runs, args.dim, args.seq)
     snap = snapshot_cost(args.dim, args.seq)
     results["overhead"] = {**ovh, **snap}
     table.add_row(
         "2",
-        "fault-free step (plain → wrapped)",
-        f"{ovh['step_ms_plain']:.1f} → {ovh['step_ms_wrapped']:.1f} ms ({ovh['overhead_pct']:+.2f}%)",
+        "fault-free step, wall clock (plain → wrapped, medians)",
+        f"{ovh['step_ms_plain']:.1f} → {ovh['step_ms_wrapped']:.1f} ms ({ovh['overhead_pct']:+.2f}%); "
+        f"spread {ovh['plain_range_ms'][0]:.1f}–{ovh['plain_range_ms'][1]:.1f} ms plain",
+        "",
+        "",
+        "≤ 1%",
+    )
+    table.add_row(
+        "2",
+        "  runtime's main-thread time per step",
+        f"{ovh['runtime_ms_per_step']:.3f} ms = {ovh['runtime_pct_of_step']:.2f}% of a step",
         "",
         "",
         "≤ 1%",
