@@ -10,7 +10,9 @@ Lifecycle per generation g (states are :class:`Phase`; transitions in brackets):
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import gc
 import os
 import sys
 import threading
@@ -148,6 +150,14 @@ class Runtime:
         if self.phase is Phase.CLOSED:
             return
         self.phase = Phase.CLOSED
+        # Our threads must be finished before the interpreter finalizes: a daemon thread that
+        # returns from a store call during finalization is unwound through C++ frames and the
+        # process aborts ("terminate called without an active exception"). A listener still
+        # blocked on this generation's fault key is released with the closing sentinel (a no-op
+        # if a fault was posted; peers of a finished generation have closed it already).
+        if self.listener.is_alive() and hasattr(self, "coord"):
+            with contextlib.suppress(Exception):
+                self.coord.close_generation(self.generation)
         for stop in (
             self.listener.stop,
             self.monitor.stop,
@@ -189,6 +199,7 @@ class Runtime:
                     )
                     return result
                 self._recover(exc)
+                exc = None  # drop the failed generation (see _recover)
         except ResilienceError as e:
             if self.events is not None:
                 self.events.emit(Event.RUN_FAILED, generation=self.generation, step=self.step, error=str(e))
@@ -217,6 +228,8 @@ class Runtime:
     def _enter_generation(self) -> None:
         self.hard_timer.arm(self.t.startup + self.t.hard)
         t0 = time.time()
+        if self.generation > 0:
+            gc.collect()  # free the previous generation's group and DDP here, in order, not at exit
         try:
             self.group = build_group(
                 backend=self.backend,
@@ -251,6 +264,10 @@ class Runtime:
         rec: FaultRecord | None = None
         if exc is not None:
             rec = FaultRecord.from_exception(exc, rank=self.rank, generation=gen, step=step)
+            # The traceback pins the failed generation's frames, and through them its model, DDP
+            # reducer and process group, in a reference cycle. Left to a random GC pass (or to
+            # interpreter exit, where gloo's destructors abort the process), they must go now.
+            traceback.clear_frames(exc.__traceback__)
             primary = self.coord.post_fault(rec)
         else:  # we had returned; a peer faulted before everyone finished
             found = self.coord.primary_fault(gen)

@@ -134,7 +134,8 @@ class FaultListener(threading.Thread):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        # A listener still blocked in the store wait is a daemon; it is not joined.
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=5)  # released by the closing sentinel (see Runtime.close)
 
     def run(self) -> None:
         last = -1
