@@ -119,6 +119,14 @@ class Runtime:
 
     # -- setup / teardown -------------------------------------------------------------------------
     def start(self) -> None:
+        if self.cfg.freeze_gc:
+            # Everything alive now (torch's ~180k import-time objects) leaves the collector's
+            # view: the full collection after a fault, which frees the failed generation's model,
+            # optimizer state and group before the new ones are built, then scans only what the
+            # training function created. Refcounting still frees frozen objects; only cycles
+            # among them are kept.
+            gc.collect()
+            gc.freeze()
         self.store = coord_mod.connect(self.ep, self.t.barrier)
         self.store_host, self.store_port = self.ep.host, self.store.port
         self.run_id = coord_mod.agree_run_id(self.store)
@@ -228,8 +236,10 @@ class Runtime:
     def _enter_generation(self) -> None:
         self.hard_timer.arm(self.t.startup + self.t.hard)
         t0 = time.time()
+        gc_s = 0.0
         if self.generation > 0:
             gc.collect()  # free the previous generation's group and DDP here, in order, not at exit
+            gc_s = time.time() - t0
         try:
             self.group = build_group(
                 backend=self.backend,
@@ -251,6 +261,7 @@ class Runtime:
                 generation=self.generation,
                 step=self.restore_step,
                 duration_s=time.time() - t0,
+                gc_s=gc_s,
             )
         self.registry.clear()
         self._restored = set()
