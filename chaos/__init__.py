@@ -1,5 +1,6 @@
 """chaos: real fault injection for resilient (injectors keyed by rank and step)."""
 
+from chaos.compare import assert_bit_exact
 from chaos.inject import KINDS, Fault, InjectedFault, Injector
 
-__all__ = ["KINDS", "Fault", "InjectedFault", "Injector"]
+__all__ = ["KINDS", "Fault", "InjectedFault", "Injector", "assert_bit_exact"]

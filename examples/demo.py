@@ -22,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from chaos.compare import assert_bit_exact
 from resilient.cli import summarize
 from resilient.events import read_events
 
@@ -49,20 +50,6 @@ def torchrun(workdir: Path, run_id: str, nproc: int, *args: str) -> float:
         console.print((workdir / f"{run_id}.log").read_text()[-4000:])
         raise SystemExit(f"{run_id} run failed with exit code {rc}")
     return time.monotonic() - t0
-
-
-def compare(a: object, b: object) -> int:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b) and a.dtype == b.dtype
-        return 1
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys()
-        return sum(compare(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b)
-        return sum(compare(x, y) for x, y in zip(a, b, strict=True))
-    assert a == b
-    return 0
 
 
 def main() -> int:
@@ -114,7 +101,9 @@ def main() -> int:
             a = torch.load(work / "ref" / f"rank{r}.pt", weights_only=True)
             b = torch.load(work / "hit" / f"rank{r}.pt", weights_only=True)
             try:
-                n += compare(a["model"], b["model"]) + compare(a["optimizer"], b["optimizer"])
+                n += assert_bit_exact(a["model"], b["model"]) + assert_bit_exact(
+                    a["optimizer"], b["optimizer"]
+                )
             except AssertionError:
                 ok = False
         verdict = "[green]✓ identical[/]" if ok else "[red]✗ DIFFERENT[/]"

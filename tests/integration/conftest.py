@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from chaos.compare import assert_bit_exact  # noqa: F401 - re-exported for the tests
 from chaos.harness import RunResult, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,22 +34,6 @@ def run_example(
 
 def load_states(tmp: Path, nproc: int) -> list[dict[str, Any]]:
     return [torch.load(tmp / "state" / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
-
-
-def assert_bit_exact(a: Any, b: Any, path: str = "") -> int:
-    """Compare nested state tensors bit for bit; return how many tensors were compared."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), f"tensor differs at {path}"
-        return 1
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), f"keys differ at {path}"
-        return sum(assert_bit_exact(a[k], b[k], f"{path}/{k}") for k in a)
-    if isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        return sum(assert_bit_exact(x, y, f"{path}/{i}") for i, (x, y) in enumerate(zip(a, b, strict=True)))
-    assert a == b, f"{path}: {a!r} != {b!r}"
-    return 0
 
 
 @pytest.fixture(scope="session")

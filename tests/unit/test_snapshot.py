@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from chaos.compare import assert_bit_exact
 from resilient.errors import StateRestoreError
 from resilient.state import Registry, SnapshotRing, restore_rng
 from resilient.state.registry import RNG
@@ -52,25 +53,6 @@ class Trainer:
         }
 
 
-def assert_identical(a: Any, b: Any, path: str = "") -> int:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), f"tensor differs at {path}"
-        return 1
-    if isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), path
-        return 0
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        return sum(assert_identical(a[k], b[k], f"{path}/{k}") for k in a)
-    if isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        return sum(assert_identical(x, y, f"{path}/{i}") for i, (x, y) in enumerate(zip(a, b, strict=True)))
-    assert a == b, f"{path}: {a!r} != {b!r}"
-    return 0
-
-
 def clone_tree(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.clone()
@@ -111,8 +93,8 @@ def test_restore_into_fresh_objects_replays_bit_identically(seeded):
     restore_into(fresh, ring.materialize(k))
     replay = [fresh.step() for _ in range(m)]
 
-    assert assert_identical(expected, replay) == 2 * m
-    n = assert_identical(expected_state, fresh.state())
+    assert assert_bit_exact(expected, replay) == 2 * m
+    n = assert_bit_exact(expected_state, fresh.state())
     assert n >= 10  # parameters, BN buffers, Adam moments and steps, the generator state
     assert fresh.sched.get_last_lr() == t.sched.get_last_lr()
 
@@ -125,7 +107,7 @@ def test_snapshot_is_a_copy_not_a_view_of_live_state(seeded):
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     t.step()  # mutates parameters and optimizer state in place
     snap = ring.materialize(1)
-    assert_identical(before, snap["model"])
+    assert_bit_exact(before, snap["model"])
 
 
 def test_buffers_are_reused_across_captures(seeded):
@@ -167,7 +149,7 @@ def test_capturing_the_same_step_twice_keeps_the_first(seeded):
     t.step()
     ring.capture(1, t.registry.capture())
     assert ring.steps() == [1]
-    assert_identical(first, ring.materialize(1)["model"])
+    assert_bit_exact(first, ring.materialize(1)["model"])
 
 
 def test_materialize_returns_independent_clones(seeded):
@@ -186,7 +168,7 @@ def test_materialize_returns_independent_clones(seeded):
         v["exp_avg"].add_(100.0)
     restored["model"]["0.weight"].zero_()
 
-    assert_identical(pristine, ring.materialize(2))
+    assert_bit_exact(pristine, ring.materialize(2))
 
 
 def test_drop_after_invalidates_newer_snapshots(seeded):
