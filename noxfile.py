@@ -55,3 +55,10 @@ def bench(session: nox.Session) -> None:
     """Recovery and overhead figures vs NVRx's in-process Wrapper (prints a table, writes JSON)."""
     _install(session)
     session.run("python", "benchmarks/recovery.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(python=PY)
+def gpu(session: nox.Session) -> None:
+    """The NCCL/CUDA tests, on a machine with a GPU (a CUDA build of torch: no CPU pin here)."""
+    session.install("-e", ".[dev]")
+    session.run("pytest", "tests/gpu", "-m", "gpu", "-q", "-rs", *session.posargs)

@@ -9,6 +9,7 @@ up to N); without it a fault fires once. Kinds:
 - ``stall``: ``time.sleep(seconds)`` before the step's first collective (``stall@4:1=2.5``): a peer's
   collective waits past its timeout.
 - ``oom``: allocate far more host memory than exists — a real allocation failure from the allocator.
+- ``cuda_oom``: allocate far more device memory than the GPU has — a real ``torch.OutOfMemoryError``.
 - ``gil_hang``: a regular-expression match with catastrophic backtracking: C code that holds the
   GIL for hours, unreachable by signals and other Python threads (a hard fault).
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-KINDS = ("exception", "hang", "stall", "oom", "gil_hang")
+KINDS = ("exception", "hang", "stall", "oom", "cuda_oom", "gil_hang")
 _SPEC = re.compile(
     r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?$"
 )
@@ -100,5 +101,12 @@ def _fire(f: Fault) -> None:
 
         too_much = int(psutil.virtual_memory().total * 4)
         torch.empty(too_much, dtype=torch.uint8).fill_(1)
+    elif f.kind == "cuda_oom":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("cuda_oom injector needs a GPU (none is present)")
+        _free, total = torch.cuda.mem_get_info()
+        torch.empty(int(total * 4), dtype=torch.uint8, device="cuda")
     elif f.kind == "gil_hang":
         re.match(r"(a+)+$", "a" * 64 + "b")

@@ -85,6 +85,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=32, help="model width (benchmarks use a wider model)")
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--plain", action="store_true", help="run the same loop without resilient (baseline)")
+    p.add_argument(
+        "--backend", default="gloo", choices=["gloo", "nccl", "auto"], help="nccl: one GPU per rank"
+    )
     p.add_argument("--report", action="store_true", help="rank 0 prints a JSON line with loop timing")
     return p.parse_args()
 
@@ -97,13 +100,15 @@ def main() -> None:
         overrides["hang_timeout"] = args.hang_timeout
     if args.collective_timeout is not None:
         overrides["collective_timeout"] = args.collective_timeout
+    overrides["backend"] = args.backend
     if args.max_repeats is not None:
         overrides["restart"] = {"max_repeats": args.max_repeats}
 
     def train(ctx: resilient.Context) -> None:
         rank = dist.get_rank()
         torch.manual_seed(0)
-        model = DDP(TinyLM(dim=args.dim, seq=args.seq))
+        device = ctx.device
+        model = DDP(TinyLM(dim=args.dim, seq=args.seq).to(device))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
@@ -115,7 +120,7 @@ def main() -> None:
             if step == min(5, args.steps - 1):
                 t_loop = time.perf_counter()
             t0 = time.perf_counter()
-            x, y = data.next()
+            x, y = (t.to(device) for t in data.next())
             injector.maybe_fire(rank, step)
             logits = model(x)  # dropout draws from the (tracked) torch RNG
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -154,6 +159,7 @@ class _Plain:
     """Stand-in context for --plain: no tracking, no snapshots, no watchdog."""
 
     generation = 0
+    device = torch.device("cpu")
 
     def track(self, **objects: object) -> None:
         pass

@@ -33,3 +33,46 @@ def test_resolve_backend():
     assert resolve_backend("gloo") == "gloo"
     assert resolve_backend("nccl") == "nccl"
     assert resolve_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def test_abort_uses_the_nccl_abort_for_nccl_groups(monkeypatch):
+    import torch.distributed as dist
+
+    from resilient.runtime.pg import Group
+
+    calls: list[str] = []
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda *a, **k: calls.append("abort"))
+    g = Group(backend="nccl", generation=3, store_port=1234)
+    assert g.abort() == 1
+    assert g.abort() == 0  # idempotent
+    assert calls == ["abort"]
+
+
+def test_gloo_abort_never_touches_listeners_or_store_connections():
+    import socket
+
+    from resilient.runtime.pg import Group
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    store_like = socket.create_connection(listener.getsockname())  # peer port == "store" port
+    served, _ = listener.accept()
+    other_listener = socket.socket()
+    other_listener.bind(("127.0.0.1", 0))
+    other_listener.listen()
+    peer = socket.create_connection(other_listener.getsockname())
+    accepted, _ = other_listener.accept()
+    try:
+        fds = {
+            s.fileno(): f"socket:[{__import__('os').fstat(s.fileno()).st_ino}]"
+            for s in (listener, store_like, served, peer)
+        }
+        g = Group(backend="gloo", generation=0, store_port=listener.getsockname()[1], _sockets=fds)
+        assert g.abort() == 1  # only the gloo-like peer connection
+        assert accepted.recv(1) == b""  # its far end sees the connection closed at once
+        store_like.sendall(b"x")
+        assert served.recv(1) == b"x"  # the store connection still works
+    finally:
+        for s in (listener, store_like, served, other_listener, peer, accepted):
+            s.close()
