@@ -163,18 +163,26 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _describe(err: ValidationError, data: dict[str, Any], source: str) -> str:
+def _lookup(data: Any, loc: tuple[Any, ...]) -> tuple[bool, Any]:
+    value = data
+    for p in loc:
+        in_dict = isinstance(value, dict) and p in value
+        in_list = isinstance(value, list | tuple) and isinstance(p, int) and p < len(value)
+        if not (in_dict or in_list):
+            return False, "<missing>"
+        value = value[p]
+    return True, value
+
+
+def _describe(err: ValidationError, data: dict[str, Any], file: str | None, overrides: dict[str, Any]) -> str:
+    """One line per error: where the value came from (the file or a keyword override), the
+    dotted field name, the value and what is wrong with it."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
-        value: Any = data
-        for p in e["loc"]:
-            if isinstance(value, dict):
-                value = value.get(p, "<missing>")
-            elif isinstance(value, list | tuple) and isinstance(p, int) and p < len(value):
-                value = value[p]
-            else:
-                value = "<?>"
+        _, value = _lookup(data, e["loc"])
+        overridden, _ = _lookup(overrides, e["loc"])
+        source = "keyword override" if overridden or file is None else file
         if e["type"] == "extra_forbidden":
             lines.append(f"{source}: unknown field {loc!r} (value {value!r})")
         else:
@@ -188,10 +196,10 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     Raises :class:`ConfigError` naming the field, the value and where it came from.
     """
     data: dict[str, Any] = {}
-    source = "<defaults>"
+    file = None
     if path is not None:
         p = Path(path)
-        source = str(p)
+        file = str(p)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
@@ -203,8 +211,7 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         data = loaded
     if overrides:
         data = _deep_merge(data, overrides)
-        source = f"{source} + keyword overrides" if path is not None else "keyword overrides"
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_describe(e, data, source)) from e
+        raise ConfigError(_describe(e, data, file, overrides)) from e

@@ -65,12 +65,13 @@ def test_keyword_overrides_merge_into_nested_sections(tmp_path: Path):
     assert cfg.restart.backoff_max_s == RestartConfig().backoff_max_s
 
 
-def test_override_error_names_its_source(tmp_path: Path):
-    p = write(tmp_path, "hang_timeout: 5\n")
+def test_error_names_the_source_of_the_bad_value(tmp_path: Path):
+    p = write(tmp_path, "hang_timeout: 5\nrestart:\n  max_restarts: -2\n")
     with pytest.raises(ConfigError) as ei:
-        load_config(p, hang_timeout=0)
+        load_config(p, hang_timeout=0, backend="gloo")
     msg = str(ei.value)
-    assert "keyword overrides" in msg and str(p) in msg and "hang_timeout" in msg
+    assert "keyword override: hang_timeout = 0:" in msg  # the override is blamed, not the file
+    assert f"{p}: restart.max_restarts = -2:" in msg  # the file's own bad value names the file
 
 
 @pytest.mark.parametrize("hang", [0.01, 0.5, 1.0, 4.0, 60.0, 3600.0])
