@@ -312,7 +312,8 @@ class Runtime:
         try:
             delay = self.policy.admit(primary)
         except RestartBudgetExhausted as e:
-            logger.error("rank {}: giving up: {}", self.rank, e)
+            seen = "; ".join(f"rank {o['rank']}: {o['message']}" for o in self.coord.observations(gen))
+            logger.error("rank {}: giving up: {} (last fault as each rank saw it: {})", self.rank, e, seen)
             raise
         self._check_health(gen, step)
         if delay > 0:
