@@ -106,6 +106,33 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from resilient.state import planner
+
+    if args.mtbf_h is None and args.gpus is None:
+        print("resilient plan: give --mtbf-h, or --gpus with --gpu-mtbf-h", file=sys.stderr)
+        return 2
+    mtbf = (
+        args.mtbf_h * 3600.0
+        if args.mtbf_h is not None
+        else planner.mtbf_from_gpus(args.gpus, args.gpu_mtbf_h)
+    )
+    d, r = args.write_s, args.restart_s
+    rows = [("Young", planner.young(d, mtbf)), ("Daly", planner.daly(d, mtbf))]
+    print(f"MTBF {mtbf / 3600:.3f} h ({mtbf:.0f} s), checkpoint write {d:g} s, restart {r:g} s")
+    for name, tau in rows:
+        print(f"  {name:5s} interval {tau:10.1f} s   expected goodput {planner.goodput(tau, d, r, mtbf):.4f}")
+    tau = rows[1][1]
+    sim = planner.simulate(tau, d, r, mtbf, segments=args.segments, seed=args.seed)
+    closed = planner.goodput(tau, d, r, mtbf)
+    rel = abs(sim.goodput - closed) / closed
+    print(
+        f"  Monte-Carlo at Daly's interval: goodput {sim.goodput:.4f} over {sim.segments} segments, "
+        f"{sim.failures} failures; |sim - closed form| = {100 * rel:.2f}% (tolerance {args.tolerance:g}%)"
+    )
+    return 0 if 100 * rel <= args.tolerance else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="resilient", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -121,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("path", help="events.jsonl or the run directory holding it")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_events)
+    pl = sub.add_parser("plan", help="optimal checkpoint interval (Young, Daly) and expected goodput")
+    pl.add_argument("--mtbf-h", type=float, default=None, help="job mean time between failures, hours")
+    pl.add_argument("--gpus", type=int, default=None, help="or: number of GPUs ...")
+    pl.add_argument("--gpu-mtbf-h", type=float, default=None, help="... and one GPU's MTBF, hours")
+    pl.add_argument("--write-s", type=float, required=True, help="checkpoint write (blocking) time, s")
+    pl.add_argument("--restart-s", type=float, required=True, help="restart time after a failure, s")
+    pl.add_argument("--segments", type=int, default=20_000)
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--tolerance", type=float, default=2.0, help="allowed simulation error, percent")
+    pl.set_defaults(fn=cmd_plan)
     args = p.parse_args(argv)
     try:
         return int(args.fn(args))
