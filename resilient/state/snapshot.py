@@ -70,8 +70,12 @@ class SnapshotRing:
                 src = obj.detach()
                 buf = slot.buffers.get(path)
                 if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                    old = slot.buffers.get(path)
+                    if old is not None:
+                        self.nbytes -= old.numel() * old.element_size()
                     buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
                     slot.buffers[path] = buf
+                    self.nbytes += buf.numel() * buf.element_size()  # counted on allocation only
                 buf.copy_(src, non_blocking=src.is_cuda)
                 cuda_copies |= src.is_cuda
                 return _Ref(path, str(src.device), obj.requires_grad)
@@ -89,7 +93,6 @@ class SnapshotRing:
             torch.cuda.synchronize()
         slot.step = step
         slot.valid = True
-        self.nbytes = sum(b.numel() * b.element_size() for s in self._slots for b in s.buffers.values())
 
     def materialize(self, step: int) -> dict[str, Any]:
         """A fresh copy of the snapshot for ``step``: tensors cloned back to their original device.
