@@ -1,0 +1,130 @@
+"""State trees to (JSON skeleton, tensors) and back, so that nothing in a checkpoint is pickled.
+
+A ``state_dict`` tree (nested dicts, lists, tuples; optimizer states keyed by int; RNG states made
+of tuples and NumPy arrays) becomes a JSON skeleton with tagged nodes plus a flat list of tensors
+keyed by their path in the tree. Loading a checkpoint then parses JSON and views raw bytes: no
+``pickle``, no ``torch.load`` of untrusted data, no code execution from a file.
+
+Tags (every container is a one-key object; scalars are plain JSON):
+``{"d": {...}}`` dict with str keys, ``{"D": [[k, v], ...]}`` dict with other keys, ``{"l": [...]}``
+list, ``{"t": [...]}`` tuple, ``{"T": i}`` tensor i, ``{"a": i}`` NumPy array stored as tensor i,
+``{"dt": "float32"}`` a torch dtype, ``{"b": base64}`` bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from resilient.errors import CheckpointError
+from resilient.state.snapshot import Frozen
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+    )
+}  # fmt: skip
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise CheckpointError(f"tensor dtype {dtype} is not supported in checkpoints")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unknown tensor dtype {name!r} in checkpoint") from None
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A tensor of the tree, with the path that names it across checkpoints (for incremental saves)."""
+
+    key: str
+    tensor: torch.Tensor
+
+
+def encode(tree: Any) -> tuple[Any, list[Leaf]]:
+    """Split ``tree`` into a JSON-able skeleton and its tensor leaves (not copied)."""
+    leaves: list[Leaf] = []
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, Frozen):
+            obj = obj.value
+        if obj is None or isinstance(obj, bool | int | float | str):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            if obj.is_sparse or obj.is_quantized or obj.is_nested:
+                raise CheckpointError(f"cannot checkpoint {path or '/'}: sparse/quantized/nested tensor")
+            if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+                raise CheckpointError(
+                    f"cannot checkpoint {path or '/'}: {type(obj).__name__} (sharded tensors go through "
+                    "resilient.checkpoint.sharded)"
+                )
+            dtype_name(obj.dtype)
+            leaves.append(Leaf(path, obj.detach()))
+            return {"T": len(leaves) - 1}
+        if isinstance(obj, np.ndarray):
+            leaves.append(Leaf(path, torch.from_numpy(np.ascontiguousarray(obj))))
+            return {"a": len(leaves) - 1}
+        if isinstance(obj, np.generic):
+            return walk(obj.item(), path)
+        if isinstance(obj, torch.dtype):
+            return {"dt": dtype_name(obj)}
+        if isinstance(obj, bytes):
+            return {"b": base64.b64encode(obj).decode()}
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) for k in obj):
+                return {"d": {k: walk(v, f"{path}/{k}") for k, v in obj.items()}}
+            return {"D": [[walk(k, f"{path}/<key>"), walk(v, f"{path}/{k}")] for k, v in obj.items()]}
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return {"t": [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return {"l": [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+        raise CheckpointError(
+            f"cannot checkpoint {path or '/'}: {type(obj).__name__} is not a tensor, array, number, "
+            "string, bytes, dtype or container of those"
+        )
+
+    return walk(tree, ""), leaves
+
+
+def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Rebuild the tree from its skeleton and the tensors in leaf order."""
+
+    def walk(node: Any) -> Any:
+        if node is None or isinstance(node, bool | int | float | str):
+            return node
+        if not isinstance(node, dict) or len(node) != 1:
+            raise CheckpointError(f"malformed checkpoint skeleton node: {str(node)[:80]}")
+        ((tag, v),) = node.items()
+        if tag == "d":
+            return {k: walk(x) for k, x in v.items()}
+        if tag == "D":
+            return {walk(k): walk(x) for k, x in v}
+        if tag == "l":
+            return [walk(x) for x in v]
+        if tag == "t":
+            return tuple(walk(x) for x in v)
+        if tag == "T":
+            return tensors[v]
+        if tag == "a":
+            return tensors[v].numpy().copy()
+        if tag == "dt":
+            return dtype_from_name(v)
+        if tag == "b":
+            return base64.b64decode(v)
+        raise CheckpointError(f"unknown checkpoint skeleton tag {tag!r}")
+
+    return walk(skeleton)

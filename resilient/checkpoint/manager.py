@@ -1,0 +1,281 @@
+"""``Checkpointer``: async saves that block only for a copy, committed atomically, kept N deep.
+
+``save(step, state)`` encodes the tree, copies its tensors into reused host buffers (the only time
+the caller waits) and hands the rest to one background thread: checksum, write, fsync, commit (rank
+0, after every rank's shard is on disk), retention, upload to the persistent tier. At most one
+save is in flight; the next one waits for it or is skipped (``on_busy``). A failure is raised as
+``CheckpointError`` from the next ``save`` and from ``close`` — never left in a log.
+
+Pipelined mode (``save(..., pipeline=[optimizer])``) does not even wait for the copy: it runs in the
+writer thread while the caller computes the next forward/backward, and a step pre-hook on each
+optimizer blocks only if the optimizer would modify tensors not yet copied.
+
+Why a thread and not a process: writing and hashing release the GIL (``os.write``, xxhash), so the
+writer costs the training thread little; a process would need the staged bytes in shared memory
+and a second copy of the commit logic's state. ``benchmarks/checkpoint.py`` measures both.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import functools
+import os
+import re
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from loguru import logger
+
+from resilient.checkpoint.codec import encode
+from resilient.checkpoint.manifest import MANIFEST, Manifest, read_manifest, step_name
+from resilient.checkpoint.reader import Loaded, load_latest, load_step
+from resilient.checkpoint.staging import Arena, Slot
+from resilient.checkpoint.writer import commit, persist_rank, remove_stale, report_failure, retain
+from resilient.errors import CheckpointError
+
+
+class OnBusy(str, enum.Enum):
+    """What ``save`` does while the previous save is still being written."""
+
+    WAIT = "wait"  # block until it is committed, then save (no checkpoint is lost)
+    SKIP = "skip"  # return at once without saving (the step never waits on the disk)
+
+
+def default_token() -> str:
+    """A name shared by every rank of this launch, so all write into the same temporary directory."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        token = [uuid.uuid4().hex[:12]]
+        torch.distributed.broadcast_object_list(token, src=0)
+        return str(token[0])
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run:
+        return re.sub(r"[^A-Za-z0-9._-]", "_", f"{run}-r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    return uuid.uuid4().hex[:12]
+
+
+class Checkpointer:
+    """Saves and loads this rank's part of a job's checkpoints under ``root``."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        token: str | None = None,
+        keep: int = 3,
+        incremental: bool = True,
+        on_busy: OnBusy | str = OnBusy.WAIT,
+        commit_timeout: float = 600.0,
+        persistent_url: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if keep < 1:
+            raise CheckpointError(f"keep must be >= 1 (the newest checkpoint is never deleted), got {keep}")
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint directory {self.root} cannot be created: {e}") from e
+        self.rank, self.world_size = rank, world_size
+        self.token = token or default_token()
+        self.keep, self.incremental = keep, incremental
+        self.on_busy = OnBusy(on_busy)
+        self.commit_timeout = commit_timeout
+        self.tier: Any = None
+        self._uploader: Any = None
+        if persistent_url:
+            from resilient.checkpoint.tiers import AsyncUploader, PersistentTier
+
+            self.tier = PersistentTier(persistent_url, **(storage_options or {}))
+            if rank == 0:
+                self._uploader = AsyncUploader(self.tier)
+        self._arena = Arena()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="resilient-ckpt")
+        self._inflight: Future[Manifest | None] | None = None
+        self._inflight_step = -1
+        self._staged = threading.Event()
+        self._staged.set()
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._closed = False
+        self.saved = self.skipped = 0
+        self.last_block_s = 0.0
+        if rank == 0:
+            for path in remove_stale(self.root, self.token):
+                logger.info(f"removed {path.name}, left by a writer that died mid-save")
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # ---- saving ---------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        extra: dict[str, Any] | None = None,
+        pipeline: Sequence[torch.optim.Optimizer] = (),
+    ) -> Future[Manifest | None] | None:
+        """Start saving ``state`` as checkpoint ``step``; returns a future (rank 0's resolves to the
+        committed manifest), or None when skipped because the previous save is still in flight."""
+        if self._closed:
+            raise CheckpointError("save() on a closed Checkpointer")
+        self._settle(wait=False)
+        t0 = time.perf_counter()
+        if self._inflight is not None and not self._inflight.done():
+            if self.on_busy is OnBusy.SKIP:
+                self.skipped += 1
+                logger.info(f"checkpoint at step {step} skipped: the previous one is still being written")
+                return None
+            self._wait_inflight()
+        skeleton, leaves = encode(state)
+        if pipeline:
+            for opt in pipeline:
+                if opt not in self._hooked:
+                    opt.register_step_pre_hook(self._before_optimizer_step)
+                    self._hooked.add(opt)
+            self._staged.clear()
+            fut = self._pool.submit(self._save_job, step, None, leaves, skeleton, extra)
+        else:
+            slots = self._arena.stage(leaves)
+            fut = self._pool.submit(self._save_job, step, slots, None, skeleton, extra)
+        self.last_block_s = time.perf_counter() - t0
+        self._inflight, self._inflight_step = fut, step
+        self.saved += 1
+        fut.add_done_callback(functools.partial(self._log_failure, step))
+        return fut
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        if not self._staged.is_set():
+            t0 = time.perf_counter()
+            if not self._staged.wait(self.commit_timeout):
+                raise CheckpointError("staging a pipelined checkpoint did not finish in time")
+            self.last_block_s += time.perf_counter() - t0
+
+    def _save_job(
+        self, step: int, slots: list[Slot] | None, leaves: Any, skeleton: Any, extra: dict[str, Any] | None
+    ) -> Manifest | None:
+        try:
+            if slots is None:
+                try:
+                    slots = self._arena.stage(leaves)
+                finally:
+                    self._staged.set()
+            persist_rank(self.root, step, self.token, self.rank, self._arena, slots, skeleton,
+                         incremental=self.incremental)  # fmt: skip
+        except BaseException as e:
+            report_failure(self.root, step, self.token, self.rank, e)
+            raise
+        if self.rank != 0:
+            return None
+        manifest = commit(
+            self.root, step, self.token, self.world_size, timeout=self.commit_timeout, extra=extra
+        )
+        for s in retain(self.root, self.keep, self.token):
+            logger.debug(f"retention: deleted {step_name(s)}")
+        if self._uploader is not None:
+            files = [f.path for f in manifest.files()]
+            self._uploader.submit(self.root, step_name(step), files)
+        return manifest
+
+    @staticmethod
+    def _log_failure(step: int, fut: Future[Manifest | None]) -> None:
+        e = fut.exception()
+        if e is not None:
+            logger.error(f"checkpoint {step_name(step)} failed: {type(e).__name__}: {e}")
+
+    def _settle(self, wait: bool) -> None:
+        """Forget the save in flight once done (waiting for it if asked); raise if it failed."""
+        fut, step = self._inflight, self._inflight_step
+        if fut is None or (not wait and not fut.done()):
+            return
+        self._inflight = None
+        try:
+            fut.result(timeout=self.commit_timeout + 60)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {step_name(step)} failed: {type(e).__name__}: {e}") from e
+
+    def _wait_inflight(self) -> None:
+        self._settle(wait=True)
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its error if it failed."""
+        self._wait_inflight()
+
+    def close(self) -> None:
+        """Flush: finish the save in flight and pending uploads; raise any error. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._wait_inflight()
+            if self._uploader is not None:
+                self._uploader.close()
+        finally:
+            self._pool.shutdown(wait=True)
+            self._arena.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- loading --------------------------------------------------------------------------------
+    def load_latest(self) -> Loaded | None:
+        """The newest checkpoint that verifies on every rank (local first, then the persistent tier)."""
+        agree = _all_ranks_agree if self.world_size > 1 and torch.distributed.is_initialized() else None
+        try:
+            loaded = load_latest(self.root, self.rank, self.world_size, agree=agree)
+        except CheckpointError:
+            if self.tier is None:
+                raise
+            loaded = None
+        if loaded is None and self.tier is not None:
+            loaded = self._load_from_tier()
+        return loaded
+
+    def _load_from_tier(self) -> Loaded | None:
+        for name in reversed(self.tier.committed()):
+            try:
+                manifest = Manifest.model_validate_json(self.tier.read_bytes(f"{name}/{MANIFEST}"))
+                need = [f.path for f in manifest.rank(self.rank).files]
+                self.tier.fetch(need, self.root)
+                local = self.root / name
+                local.mkdir(parents=True, exist_ok=True)
+                (local / MANIFEST).write_bytes(manifest.model_dump_json().encode())
+                loaded = load_step(self.root, manifest.step, self.rank, self.world_size)
+                logger.info(f"restored {name} from the persistent tier {self.tier.url}")
+                return loaded
+            except (CheckpointError, ValueError, OSError) as e:
+                logger.warning(f"persistent checkpoint {name} does not load: {e}; trying the previous one")
+        return None
+
+    def committed(self) -> list[int]:
+        from resilient.checkpoint.manifest import committed_steps
+
+        return committed_steps(self.root)
+
+    def manifest(self, step: int) -> Manifest:
+        return read_manifest(self.root / step_name(step) / MANIFEST)
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _close_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+    ckpt = ref()
+    if ckpt is not None and not ckpt._closed:
+        try:
+            ckpt.close()
+        except CheckpointError as e:
+            logger.error(f"at exit: {e}")

@@ -1,0 +1,150 @@
+"""The manifest of a committed checkpoint and the directory layout around it.
+
+::
+
+    <root>/step-00000100/manifest.json        written last, before the directory is renamed
+    <root>/step-00000100/rank00000.bin         tensors that changed since the previous checkpoint
+    <root>/step-00000100.<token>.tmp/          a save in progress (or left by a crashed writer)
+
+A checkpoint is committed iff its directory has its final name: the rename is atomic and happens
+after every file and the manifest are fsynced. The manifest lists every file the checkpoint needs
+(including files of earlier checkpoints that unchanged tensors still point to) with its size and
+xxh3-128 checksum, so it verifies on its own. Paths are relative to the root and may not escape it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from resilient.errors import CheckpointError
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_TMP_DIR = re.compile(r"^step-(\d{8,})\.(.+)\.tmp$")
+_SAFE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def tmp_name(step: int, token: str) -> str:
+    if not _SAFE.match(token):
+        raise CheckpointError(f"checkpoint token {token!r} may only use letters, digits, '.', '_', '-'")
+    return f"{step_name(step)}.{token}.tmp"
+
+
+def check_path(path: str) -> str:
+    """A manifest path must name a file inside a step directory of the root: nothing else is read."""
+    parts = path.split("/")
+    if (
+        len(parts) < 2
+        or not _STEP_DIR.match(parts[0])
+        or any(p in ("", ".", "..") or not _SAFE.match(p) for p in parts[1:])
+    ):
+        raise CheckpointError(f"manifest path {path!r} escapes the checkpoint directory; refusing to read it")
+    return path
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Model):
+    path: str
+    size: int
+    xxh3: str
+
+    _check = field_validator("path")(classmethod(lambda cls, v: check_path(v)))
+
+
+class TensorEntry(_Model):
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+    xxh3: str
+
+    _check = field_validator("file")(classmethod(lambda cls, v: check_path(v)))
+
+
+class RankEntry(_Model):
+    rank: int
+    skeleton: Any
+    tensors: list[TensorEntry]
+    files: list[FileEntry]  # every file this rank's tensors live in, written now or earlier
+
+
+class Manifest(_Model):
+    format: int = FORMAT
+    step: int
+    world_size: int
+    created: float
+    ranks: list[RankEntry]
+    extra: dict[str, Any] = {}
+
+    def files(self) -> list[FileEntry]:
+        seen: dict[str, FileEntry] = {}
+        for r in self.ranks:
+            for f in r.files:
+                seen.setdefault(f.path, f)
+        return list(seen.values())
+
+    def rank(self, rank: int) -> RankEntry:
+        for r in self.ranks:
+            if r.rank == rank:
+                return r
+        raise CheckpointError(f"checkpoint {step_name(self.step)} has no entry for rank {rank}")
+
+
+def read_manifest(path: Path) -> Manifest:
+    try:
+        m = Manifest.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: manifest missing") from None
+    except ValidationError as e:
+        raise CheckpointError(f"{path}: manifest does not parse: {e.errors()[0]['msg']}") from e
+    if m.format != FORMAT:
+        raise CheckpointError(f"{path}: manifest format {m.format}, this version reads {FORMAT}")
+    return m
+
+
+def write_json_durable(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary name, fsynced, then renamed."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w") as f:
+        json.dump(data, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps with a committed directory, newest first."""
+    if not root.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(steps, reverse=True)
+
+
+def tmp_dirs(root: Path) -> list[tuple[int, str, Path]]:
+    if not root.is_dir():
+        return []
+    return [(int(m.group(1)), m.group(2), p) for p in root.iterdir() if (m := _TMP_DIR.match(p.name))]

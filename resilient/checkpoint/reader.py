@@ -1,0 +1,124 @@
+"""Loading the newest committed checkpoint that verifies, falling back to older ones.
+
+Every file a rank needs is read once into memory, its size and xxh3-128 checked against the
+manifest, and the tensors are views of those bytes: nothing is unpickled. A newest checkpoint that
+is corrupt or truncated produces a warning naming the file, then the previous one is tried; when
+none verifies the error lists every checkpoint tried and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from loguru import logger
+
+from resilient.checkpoint.codec import decode
+from resilient.checkpoint.manifest import (
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    committed_steps,
+    read_manifest,
+    step_name,
+)
+from resilient.checkpoint.staging import Slot, typed_view
+from resilient.errors import CheckpointError
+
+
+@dataclass
+class Loaded:
+    step: int
+    state: Any
+    manifest: Manifest
+    path: Path
+
+
+def read_verified(root: Path, entry: FileEntry) -> torch.Tensor:
+    """The bytes of one checkpoint file as a uint8 tensor, after checking size and checksum."""
+    path = root / entry.path
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file missing") from None
+    if size != entry.size:
+        raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated?)")
+    buf = torch.empty(size, dtype=torch.uint8)
+    view = buf.numpy().data.cast("B")
+    with open(path, "rb", buffering=0) as f:
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise CheckpointError(f"{path}: short read at byte {got} of {size}")
+            got += n
+    if xxhash.xxh3_128_hexdigest(view) != entry.xxh3:
+        raise CheckpointError(f"{path}: checksum mismatch (corrupt)")
+    return buf
+
+
+def load_step(root: Path, step: int, rank: int, world_size: int | None = None) -> Loaded:
+    """This rank's state in checkpoint ``step``; raises CheckpointError naming what failed."""
+    path = root / step_name(step)
+    manifest = read_manifest(path / MANIFEST)
+    if manifest.step != step:
+        raise CheckpointError(f"{path / MANIFEST}: says step {manifest.step}, directory says {step}")
+    if world_size is not None and manifest.world_size != world_size:
+        raise CheckpointError(
+            f"{path}: written by {manifest.world_size} ranks, this job has {world_size}; per-rank state "
+            "cannot be split or merged (DTensor/FSDP2 state reshards via resilient.checkpoint.sharded)"
+        )
+    entry = manifest.rank(rank)
+    files = {f.path: f for f in entry.files}
+    bufs: dict[str, torch.Tensor] = {}
+    tensors = []
+    for t in entry.tensors:
+        if t.file not in files:
+            raise CheckpointError(f"{path / MANIFEST}: tensor {t.key} lives in unlisted file {t.file}")
+        if t.file not in bufs:
+            bufs[t.file] = read_verified(root, files[t.file])
+        buf = bufs[t.file]
+        if t.offset + t.nbytes > buf.numel():
+            raise CheckpointError(f"{root / t.file}: tensor {t.key} runs past the end of the file")
+        tensors.append(typed_view(buf, Slot(t.key, t.dtype, t.shape, t.offset, t.nbytes)))
+    return Loaded(step, decode(entry.skeleton, tensors), manifest, path)
+
+
+def load_latest(
+    root: Path,
+    rank: int = 0,
+    world_size: int | None = None,
+    *,
+    agree: Callable[[bool], bool] | None = None,
+) -> Loaded | None:
+    """The newest checkpoint that verifies (on every rank, when ``agree`` votes across ranks).
+
+    ``agree(ok)`` must return True only if every rank's ``ok`` is True (an all-reduce MIN); all
+    ranks walk the same list of steps, so they vote on the same candidate each round. Returns None
+    when there is no checkpoint at all.
+    """
+    tried: list[str] = []
+    for step in committed_steps(root):
+        loaded: Loaded | None = None
+        try:
+            loaded = load_step(root, step, rank, world_size)
+        except CheckpointError as e:
+            if "ranks, this job has" in str(e):
+                raise
+            logger.warning(f"checkpoint {step_name(step)} does not verify: {e}; trying the previous one")
+            tried.append(f"{step_name(step)}: {e}")
+        ok = loaded is not None
+        if agree is not None and not agree(ok):
+            if ok:
+                tried.append(f"{step_name(step)}: another rank could not verify its part")
+                logger.warning(f"checkpoint {step_name(step)} does not verify on another rank; falling back")
+            continue
+        if loaded is not None:
+            return loaded
+    if tried:
+        raise CheckpointError(f"no valid checkpoint in {root}; tried:\n  " + "\n  ".join(tried))
+    return None

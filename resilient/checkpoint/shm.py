@@ -1,0 +1,109 @@
+"""The latest snapshot of a rank in shared memory, so that a relaunched worker restores from RAM.
+
+Files in ``/dev/shm`` outlive the process that wrote them (unlike ``multiprocessing.shared_memory``,
+whose resource tracker unlinks segments when the creator dies). Two slot files alternate: a capture
+fills the slot that is *not* current, then atomically replaces ``meta.json`` to point at it, so a
+worker killed mid-copy leaves the previous snapshot whole. ``meta.json`` carries the JSON skeleton,
+the layout and an xxh3-128 of the slot's bytes, checked on load. The launcher keeps the directory
+across restarts of the worker and removes it when the job ends (``unlink``).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from resilient.checkpoint.codec import decode, encode
+from resilient.checkpoint.manifest import write_json_durable
+from resilient.checkpoint.staging import Arena, Slot, extent, typed_view
+from resilient.errors import CheckpointError
+
+SHM = Path("/dev/shm")
+
+
+class ShmSnapshot:
+    """Capture/load the newest state of one rank under ``/dev/shm/resilient-<name>/rank<R>``."""
+
+    def __init__(self, name: str, rank: int = 0, base: Path = SHM) -> None:
+        if not name or "/" in name or name.startswith("."):
+            raise CheckpointError(f"shared-memory snapshot name {name!r} must be a plain file name")
+        self.top = base / f"resilient-{name}"
+        self.dir = self.top / f"rank{rank:05d}"
+        self._arenas: list[Arena] = []
+        self._current = -1
+
+    def _meta(self) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads((self.dir / "meta.json").read_text()))
+        except FileNotFoundError:
+            return None
+        except ValueError as e:
+            raise CheckpointError(f"{self.dir / 'meta.json'}: does not parse: {e}") from e
+
+    def capture(self, step: int, state: dict[str, Any], *, checksum: bool = True) -> None:
+        """Copy ``state`` into the spare slot, then make it the current snapshot."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not self._arenas:
+            self._arenas = [Arena(self.dir / f"slot{i}.bin") for i in (0, 1)]
+            meta = self._meta()
+            self._current = int(meta["slot"]) if meta else 1
+        spare = 1 - self._current
+        skeleton, leaves = encode(state)
+        arena = self._arenas[spare]
+        slots = arena.stage(leaves)
+        size = extent(slots)
+        digest = xxhash.xxh3_128_hexdigest(arena.buf[:size].numpy().data) if checksum else None
+        meta = {
+            "step": step,
+            "slot": spare,
+            "size": size,
+            "xxh3": digest,
+            "skeleton": skeleton,
+            "layout": [[s.key, s.dtype, list(s.shape), s.offset, s.nbytes] for s in slots],
+        }
+        write_json_durable(self.dir / "meta.json", meta)
+        self._current = spare
+
+    def load(self) -> tuple[int, Any] | None:
+        """(step, state) of the current snapshot, or None if there is none; tensors are copies."""
+        meta = self._meta()
+        if meta is None:
+            return None
+        path = self.dir / f"slot{meta['slot']}.bin"
+        size = int(meta["size"])
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < size:
+                    raise CheckpointError(f"{path}: shorter than the {size} bytes its snapshot needs")
+                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: snapshot slot missing") from None
+        try:
+            buf = torch.empty(size, dtype=torch.uint8)
+            if mm is not None:
+                buf.numpy()[:] = memoryview(mm)
+        finally:
+            if mm is not None:
+                mm.close()
+        if meta["xxh3"] is not None and xxhash.xxh3_128_hexdigest(buf.numpy().data) != meta["xxh3"]:
+            raise CheckpointError(f"{path}: checksum mismatch (corrupt snapshot)")
+        tensors = [typed_view(buf, Slot(k, d, tuple(s), o, n)) for k, d, s, o, n in meta["layout"]]
+        return int(meta["step"]), decode(meta["skeleton"], tensors)
+
+    def close(self) -> None:
+        """Unmap this process's slots; the snapshot stays in shared memory."""
+        for a in self._arenas:
+            a.release()
+        self._arenas = []
+
+    def unlink(self) -> None:
+        """Remove every rank's snapshot of this job from shared memory."""
+        self.close()
+        shutil.rmtree(self.top, ignore_errors=True)

@@ -1,0 +1,236 @@
+"""Persisting one rank's staged tensors, committing a step, and retention.
+
+Every rank writes ``rank<R>.bin`` (only the tensors whose bytes changed since the newest committed
+checkpoint) and a small part file into the step's temporary directory. Rank 0 waits for every
+part, writes the manifest, fsyncs, and renames the directory to its final name: the commit is the
+last thing written. Retention then keeps the newest ``keep`` checkpoints plus every older one that a
+kept checkpoint still points to.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from loguru import logger
+
+from resilient.checkpoint.manifest import (
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    RankEntry,
+    TensorEntry,
+    committed_steps,
+    fsync_dir,
+    read_manifest,
+    step_name,
+    tmp_dirs,
+    tmp_name,
+    write_json_durable,
+)
+from resilient.checkpoint.staging import Arena, Slot, aligned
+from resilient.errors import CheckpointError
+
+_ZEROS = bytes(64)
+
+
+def part_name(rank: int) -> str:
+    return f"rank{rank:05d}.part.json"
+
+
+def error_name(rank: int) -> str:
+    return f"rank{rank:05d}.error.json"
+
+
+def digest(data: memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def newest_base(root: Path, rank: int) -> RankEntry | None:
+    """This rank's entry in the newest committed checkpoint, the base of an incremental save."""
+    for step in committed_steps(root):
+        try:
+            return read_manifest(root / step_name(step) / MANIFEST).rank(rank)
+        except CheckpointError:
+            continue
+    return None
+
+
+def persist_rank(
+    root: Path,
+    step: int,
+    token: str,
+    rank: int,
+    arena: Arena,
+    slots: list[Slot],
+    skeleton: Any,
+    *,
+    incremental: bool = True,
+) -> RankEntry:
+    """Write this rank's tensors and its part file into the step's temporary directory."""
+    tmp = root / tmp_name(step, token)
+    tmp.mkdir(parents=True, exist_ok=True)
+    base = newest_base(root, rank) if incremental else None
+    base_tensors = {t.key: t for t in base.tensors} if base else {}
+    base_files = {f.path: f for f in base.files} if base else {}
+    own = f"{step_name(step)}/rank{rank:05d}.bin"
+    entries: list[TensorEntry] = []
+    files: dict[str, FileEntry] = {}
+    fd, size, hasher = -1, 0, xxhash.xxh3_128()
+    try:
+        for slot in slots:
+            data = arena.bytes_of(slot)
+            h = digest(data)
+            prev = base_tensors.get(slot.key)
+            if (
+                prev is not None
+                and prev.xxh3 == h
+                and prev.dtype == slot.dtype
+                and prev.shape == slot.shape
+                and prev.file in base_files
+            ):
+                entries.append(prev)  # unchanged since the last checkpoint: point at its bytes
+                files[prev.file] = base_files[prev.file]
+                continue
+            if fd < 0:
+                fd = os.open(tmp / f"rank{rank:05d}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            pad = aligned(size) - size
+            if pad:
+                _write_all(fd, memoryview(_ZEROS[:pad]))
+                hasher.update(_ZEROS[:pad])
+                size += pad
+            _write_all(fd, data)
+            hasher.update(data)
+            entries.append(TensorEntry(key=slot.key, dtype=slot.dtype, shape=slot.shape, file=own,
+                                       offset=size, nbytes=slot.nbytes, xxh3=h))  # fmt: skip
+            size += slot.nbytes
+        if fd >= 0:
+            os.fsync(fd)
+            files[own] = FileEntry(path=own, size=size, xxh3=hasher.hexdigest())
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    entry = RankEntry(rank=rank, skeleton=skeleton, tensors=entries, files=list(files.values()))
+    write_json_durable(tmp / part_name(rank), entry.model_dump(mode="json"))
+    return entry
+
+
+def report_failure(root: Path, step: int, token: str, rank: int, error: BaseException) -> None:
+    """Tell the committing rank that this rank's part will never come (best effort)."""
+    try:
+        tmp = root / tmp_name(step, token)
+        tmp.mkdir(parents=True, exist_ok=True)
+        write_json_durable(
+            tmp / error_name(rank), {"rank": rank, "error": f"{type(error).__name__}: {error}"}
+        )
+    except OSError:
+        pass
+
+
+def commit(
+    root: Path,
+    step: int,
+    token: str,
+    world_size: int,
+    *,
+    timeout: float,
+    extra: dict[str, Any] | None = None,
+    clock: Any = time.monotonic,
+) -> Manifest:
+    """Rank 0: wait for every rank's part, write the manifest, atomically rename the directory."""
+    tmp = root / tmp_name(step, token)
+    deadline = clock() + timeout
+    delay = 0.001
+    missing = list(range(world_size))
+    while True:
+        for r in list(missing):
+            err = tmp / error_name(r)
+            if err.exists():
+                raise CheckpointError(
+                    f"{step_name(step)}: rank {r} failed to write its shard: {err.read_text()}"
+                )
+            if (tmp / part_name(r)).exists():
+                missing.remove(r)
+        if not missing:
+            break
+        if clock() > deadline:
+            raise CheckpointError(
+                f"{step_name(step)}: ranks {missing} did not write their shards within {timeout:.0f} s"
+            )
+        time.sleep(delay)  # waiting on other processes' files; bounded by the deadline above
+        delay = min(delay * 2, 0.05)
+    parts = [RankEntry.model_validate_json((tmp / part_name(r)).read_bytes()) for r in range(world_size)]
+    for part in parts:
+        for f in part.files:
+            where = tmp / Path(f.path).name if f.path.startswith(step_name(step) + "/") else root / f.path
+            if not where.is_file() or where.stat().st_size != f.size:
+                raise CheckpointError(
+                    f"{step_name(step)}: rank {part.rank} points at {f.path}, which is gone"
+                )
+    manifest = Manifest(step=step, world_size=world_size, created=time.time(), ranks=parts, extra=extra or {})
+    write_json_durable(tmp / MANIFEST, manifest.model_dump(mode="json"))
+    for r in range(world_size):
+        (tmp / part_name(r)).unlink()
+    fsync_dir(tmp)
+    final = root / step_name(step)
+    if final.exists():  # a replayed step after a restart: the committed copy stays, this one goes
+        logger.info(f"checkpoint {final.name} is already committed; keeping it")
+        shutil.rmtree(tmp, ignore_errors=True)
+        return read_manifest(final / MANIFEST)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    return manifest
+
+
+def referenced_dirs(manifest: Manifest) -> set[str]:
+    return {f.path.split("/", 1)[0] for f in manifest.files()}
+
+
+def retain(root: Path, keep: int, live_token: str) -> list[int]:
+    """Delete committed checkpoints beyond the newest ``keep`` that nothing kept points to, and
+    temporary directories of other (dead) writers older than the newest commit. Returns deleted steps."""
+    steps = committed_steps(root)
+    needed: set[str] = set()
+    for s in steps[:keep]:
+        try:
+            needed |= referenced_dirs(read_manifest(root / step_name(s) / MANIFEST))
+        except CheckpointError:
+            needed.add(step_name(s))
+    for _, token, path in tmp_dirs(root):  # saves in flight may point at older checkpoints too
+        if token == live_token:
+            for part in path.glob("rank*.part.json"):
+                try:
+                    entry = RankEntry.model_validate_json(part.read_bytes())
+                    needed |= {f.path.split("/", 1)[0] for f in entry.files}
+                except (OSError, ValueError):
+                    continue
+    deleted = []
+    for s in steps[keep:]:
+        if step_name(s) not in needed:
+            shutil.rmtree(root / step_name(s), ignore_errors=True)
+            deleted.append(s)
+    newest = steps[0] if steps else -1
+    for s, token, path in tmp_dirs(root):
+        if token != live_token and s <= newest:
+            shutil.rmtree(path, ignore_errors=True)
+    return deleted
+
+
+def remove_stale(root: Path, live_token: str) -> list[Path]:
+    """Temporary directories left by writers of an earlier run (a crash mid-save)."""
+    gone = []
+    for _, token, path in tmp_dirs(root):
+        if token != live_token:
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+    return gone
