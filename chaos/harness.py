@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,8 +70,13 @@ def run_ranks(
     run_id: str = "run",
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    on_start: Callable[[list[subprocess.Popen[str]]], None] | None = None,
 ) -> RunResult:
-    """Start ``python argv...`` as ``nproc`` ranks; wait, kill on timeout, collect output and events."""
+    """Start ``python argv...`` as ``nproc`` ranks; wait, kill on timeout, collect output and events.
+
+    ``on_start(procs)`` runs once every rank is started (e.g. to signal them when an event shows
+    up); whatever it does, the ranks are killed by process group before this returns.
+    """
     port = free_port()
     base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     base.update({"WORLD_SIZE": str(nproc), "RESILIENT_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"})
@@ -97,6 +102,8 @@ def run_ranks(
                     start_new_session=True,
                 )
             )
+        if on_start is not None:
+            on_start(procs)
         for p in procs:
             left = timeout - (time.monotonic() - t0)
             try:

@@ -78,6 +78,45 @@ class HealthConfig(_Model):
         return v
 
 
+class CheckpointConfig(_Model):
+    """Durable checkpoints (off while ``dir`` is unset).
+
+    ``interval: auto`` sets the interval from the measured write time and the observed fault rate
+    (Young: √(2·write·MTBF)); until a fault is seen, ``mtbf_s`` is the prior for the MTBF.
+    """
+
+    dir: Path | None = Field(None, description="fast local directory, visible to every rank; None = off")
+    interval: int | Literal["auto"] = Field(100, description="checkpoint every N completed steps, or auto")
+    keep: int = Field(3, ge=1, description="committed checkpoints kept (the newest is never deleted)")
+    incremental: bool = Field(True, description="do not rewrite tensors unchanged since the last checkpoint")
+    on_busy: Literal["wait", "skip"] = Field("wait", description="a save is due while one is in flight")
+    pipelined: bool = Field(
+        False, description="copy during the next forward/backward; only the optimizers' step waits for it"
+    )
+    persistent_url: str | None = Field(None, description="fsspec URL the committed checkpoints upload to")
+    commit_timeout_s: float = Field(600.0, gt=0, description="rank 0 waits this long for every shard")
+    resume: bool = Field(True, description="start from the newest valid checkpoint in `dir`")
+    preempt_signals: tuple[str, ...] = Field(
+        ("SIGUSR1", "SIGTERM"), description="final checkpoint, then exit with the requeue code (76)"
+    )
+    mtbf_s: float = Field(86400.0, gt=0, description="auto: MTBF prior until faults are observed")
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return v
+
+    @field_validator("preempt_signals")
+    @classmethod
+    def _signals(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            if not name.startswith("SIG") or not isinstance(getattr(signal, name, None), int):
+                raise ValueError(f"not a usable signal name: {name!r} (e.g. SIGUSR1)")
+        return v
+
+
 class EventsConfig(_Model):
     """Where the per-run JSONL event log goes."""
 
@@ -102,6 +141,7 @@ class Config(_Model):
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @field_validator("interrupt_signal")
     @classmethod

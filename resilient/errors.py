@@ -94,6 +94,16 @@ class CheckpointError(ResilienceError):
     """A checkpoint could not be written or read."""
 
 
+class Preempted(ResilienceError):
+    """A preemption signal arrived; the final checkpoint is committed. Exit so the job is requeued."""
+
+    exit_code = ExitCode.REQUEUE
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 class StepInterrupted(BaseException):
     """Raised in the main thread to pull it out of a step (a hang, or a fault on another rank).
 

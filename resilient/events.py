@@ -31,6 +31,10 @@ class Event(str, enum.Enum):
     STEP_RESUMED = "step_resumed"
     RUN_FINISHED = "run_finished"
     RUN_FAILED = "run_failed"
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    RUN_PREEMPTED = "run_preempted"
 
 
 class EventLog:

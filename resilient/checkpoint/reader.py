@@ -1,9 +1,9 @@
 """Loading the newest committed checkpoint that verifies, falling back to older ones.
 
-Every file a rank needs is read once into memory, its size and xxh3-128 checked against the
-manifest, and the tensors are views of those bytes: nothing is unpickled. A newest checkpoint that
-is corrupt or truncated produces a warning naming the file, then the previous one is tried; when
-none verifies the error lists every checkpoint tried and why.
+Each tensor is read straight into its own memory and its xxh3-128 checked against the manifest;
+every file's size is checked first (a truncated file fails before any read). Nothing is unpickled.
+A newest checkpoint that is corrupt or truncated produces a warning naming the file, then the
+previous one is tried; when none verifies the error lists every checkpoint tried and why.
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ import torch
 import xxhash
 from loguru import logger
 
-from resilient.checkpoint.codec import decode
+from resilient.checkpoint.codec import decode, dtype_from_name
 from resilient.checkpoint.manifest import (
     MANIFEST,
-    FileEntry,
     Manifest,
+    TensorEntry,
     committed_steps,
     read_manifest,
     step_name,
 )
-from resilient.checkpoint.staging import Slot, typed_view
 from resilient.errors import CheckpointError
 
 
@@ -38,27 +37,32 @@ class Loaded:
     path: Path
 
 
-def read_verified(root: Path, entry: FileEntry) -> torch.Tensor:
-    """The bytes of one checkpoint file as a uint8 tensor, after checking size and checksum."""
-    path = root / entry.path
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file missing") from None
-    if size != entry.size:
-        raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated?)")
-    buf = torch.empty(size, dtype=torch.uint8)
-    view = buf.numpy().data.cast("B")
+def _read_into(path: Path, offset: int, out: memoryview) -> None:
     with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
         got = 0
-        while got < size:
-            n = f.readinto(view[got:])
+        while got < len(out):
+            n = f.readinto(out[got:])
             if not n:
-                raise CheckpointError(f"{path}: short read at byte {got} of {size}")
+                raise CheckpointError(f"{path}: short read at byte {offset + got}")
             got += n
-    if xxhash.xxh3_128_hexdigest(view) != entry.xxh3:
-        raise CheckpointError(f"{path}: checksum mismatch (corrupt)")
-    return buf
+
+
+def read_tensor(root: Path, entry: TensorEntry) -> torch.Tensor:
+    """One tensor read straight into its own memory, its xxh3-128 checked against the manifest.
+
+    Every tensor owns its storage (no views into a shared file buffer): ``Generator.set_state``,
+    ``torch.set_rng_state`` and optimizers keep or reinterpret what they are given.
+    """
+    t = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+    if t.numel() * t.element_size() != entry.nbytes:
+        raise CheckpointError(f"{root / entry.file}: tensor {entry.key} size does not match its shape")
+    if entry.nbytes:
+        raw = t.reshape(-1).view(torch.uint8).numpy().data
+        _read_into(root / entry.file, entry.offset, raw)
+        if xxhash.xxh3_128_hexdigest(raw) != entry.xxh3:
+            raise CheckpointError(f"{root / entry.file}: checksum mismatch in tensor {entry.key} (corrupt)")
+    return t
 
 
 def load_step(root: Path, step: int, rank: int, world_size: int | None = None) -> Loaded:
@@ -74,17 +78,20 @@ def load_step(root: Path, step: int, rank: int, world_size: int | None = None) -
         )
     entry = manifest.rank(rank)
     files = {f.path: f for f in entry.files}
-    bufs: dict[str, torch.Tensor] = {}
+    for f in files.values():
+        try:
+            size = (root / f.path).stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{root / f.path}: file missing") from None
+        if size != f.size:
+            raise CheckpointError(f"{root / f.path}: {size} bytes, the manifest says {f.size} (truncated?)")
     tensors = []
     for t in entry.tensors:
         if t.file not in files:
             raise CheckpointError(f"{path / MANIFEST}: tensor {t.key} lives in unlisted file {t.file}")
-        if t.file not in bufs:
-            bufs[t.file] = read_verified(root, files[t.file])
-        buf = bufs[t.file]
-        if t.offset + t.nbytes > buf.numel():
+        if t.offset + t.nbytes > files[t.file].size:
             raise CheckpointError(f"{root / t.file}: tensor {t.key} runs past the end of the file")
-        tensors.append(typed_view(buf, Slot(t.key, t.dtype, t.shape, t.offset, t.nbytes)))
+        tensors.append(read_tensor(root, t))
     return Loaded(step, decode(entry.skeleton, tensors), manifest, path)
 
 

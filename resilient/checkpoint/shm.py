@@ -94,7 +94,8 @@ class ShmSnapshot:
                 mm.close()
         if meta["xxh3"] is not None and xxhash.xxh3_128_hexdigest(buf.numpy().data) != meta["xxh3"]:
             raise CheckpointError(f"{path}: checksum mismatch (corrupt snapshot)")
-        tensors = [typed_view(buf, Slot(k, d, tuple(s), o, n)) for k, d, s, o, n in meta["layout"]]
+        # clones: every tensor owns its memory (Generator.set_state misreads views with an offset)
+        tensors = [typed_view(buf, Slot(k, d, tuple(s), o, n)).clone() for k, d, s, o, n in meta["layout"]]
         return int(meta["step"]), decode(meta["skeleton"], tensors)
 
     def close(self) -> None:

@@ -36,6 +36,9 @@ from resilient.checkpoint.staging import Arena, Slot, aligned
 from resilient.errors import CheckpointError
 
 _ZEROS = bytes(64)
+# Smaller tensors are always rewritten: referencing them would pin a whole older checkpoint
+# directory on disk for the sake of a few kilobytes (an RNG state that did not move, a counter).
+DEDUPE_MIN_BYTES = 64 << 10
 
 
 def part_name(rank: int) -> str:
@@ -94,6 +97,7 @@ def persist_rank(
             prev = base_tensors.get(slot.key)
             if (
                 prev is not None
+                and slot.nbytes >= DEDUPE_MIN_BYTES
                 and prev.xxh3 == h
                 and prev.dtype == slot.dtype
                 and prev.shape == slot.shape

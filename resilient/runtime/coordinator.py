@@ -164,6 +164,10 @@ class Coordinator:
         keys = [self.key(generation, name, r) for r in range(self.world_size)]
         return [v.decode() for v in self.store.multi_get(keys)]
 
+    def exchange(self, generation: int, name: str, payload: str) -> list[str]:
+        """A barrier that also gathers one string from every rank (a small all-gather)."""
+        return self._barrier(generation, name, payload)
+
     def recovery_barrier(self, generation: int, snapshot_steps: list[int]) -> list[list[int]]:
         """Wait until every rank left generation ``generation``; return each rank's snapshot steps."""
         return [json.loads(p) for p in self._barrier(generation, "recover", json.dumps(snapshot_steps))]

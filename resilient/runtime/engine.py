@@ -29,9 +29,11 @@ from loguru import logger
 
 from resilient.config import Config
 from resilient.errors import (
+    CheckpointError,
     CoordinationError,
     HardFault,
     HealthCheckFailed,
+    Preempted,
     ResilienceError,
     RestartBudgetExhausted,
     StateRestoreError,
@@ -41,6 +43,7 @@ from resilient.events import Event, EventLog
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.health import Check, HealthInput, run_checks
+from resilient.runtime.persist import Persistence
 from resilient.runtime.pg import Group, build_group, resolve_backend
 from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.schedule import SnapshotSchedule
@@ -99,6 +102,7 @@ class Runtime:
         self._resume_pending = False
         self._progress = time.monotonic()
         self._stepped = False
+        self._in_save = False
         self._last_nudge = 0.0
         self.cost = _Cost()
         # constructed here without side effects; start() installs and starts them
@@ -110,6 +114,7 @@ class Runtime:
         self._remote_handled: set[int] = set()
         self._remote_lock = threading.Lock()
         self.events: EventLog | None = None  # needs the run id, agreed in start()
+        self.persist: Persistence | None = None  # durable checkpoints, when checkpoint.dir is set
         self.run_dir: Path | None = None
 
     @property
@@ -138,6 +143,16 @@ class Runtime:
         self.listener_store = coord_mod.client(self.store_host, self.store_port, coord_mod.FOREVER)
         self.run_dir = self.cfg.events.dir / self.run_id
         self.events = events = EventLog(self.run_dir / "events.jsonl", self.rank)
+        if self.cfg.checkpoint.dir is not None:
+            self.persist = Persistence(
+                self.cfg.checkpoint,
+                rank=self.rank,
+                world_size=self.world_size,
+                token=f"{self.run_id}-a{attempt}",
+                events=events,
+                exchange=lambda name, payload: self.coord.exchange(self.generation, name, payload),
+            )
+            self.persist.install()
         self.interrupter.install()
         self.hard_timer.install()
         self.monitor.start()
@@ -166,6 +181,12 @@ class Runtime:
         if self.listener.is_alive() and hasattr(self, "coord"):
             with contextlib.suppress(Exception):
                 self.coord.close_generation(self.generation)
+        if self.persist is not None:
+            self.persist.uninstall()
+            try:
+                self.persist.ckpt.close()
+            except CheckpointError as e:
+                logger.error("rank {}: at exit: {}", self.rank, e)
         for stop in (
             self.listener.stop,
             self.monitor.stop,
@@ -195,6 +216,8 @@ class Runtime:
                     self.phase = Phase.RECOVERING
                     done, result, exc = False, None, late
                 if done:
+                    if self.persist is not None:
+                        self.persist.close(self.generation, self.step)
                     self._ev.emit(
                         Event.RUN_FINISHED,
                         generation=self.generation,
@@ -204,10 +227,14 @@ class Runtime:
                         snapshot_interval=self.schedule.interval,
                         runtime_ms_per_step=1e3 * self.cost.hook_s / max(1, self.cost.steps),
                         monitor_wakeups=self.monitor.wakeups,
+                        checkpoint_failures=self.persist.failures if self.persist else 0,
                     )
                     return result
                 self._recover(exc)
                 exc = None  # drop the failed generation (see _recover)
+        except Preempted as e:
+            self._ev.emit(Event.RUN_PREEMPTED, generation=self.generation, step=e.step, error=str(e))
+            raise
         except ResilienceError as e:
             if self.events is not None:
                 self.events.emit(Event.RUN_FAILED, generation=self.generation, step=self.step, error=str(e))
@@ -308,6 +335,8 @@ class Runtime:
         if rec is not None and rec.severity == Severity.HARD.value:
             self.coord.abort_generation(gen, f"hard fault: {rec.signature}")
             raise HardFault(f"rank {self.rank} cannot recover in-process: {rec.message}") from exc
+        if primary.kind == FaultKind.PREEMPT.value:
+            self._preempt(gen, primary)
         self.hard_timer.arm(self.t.barrier + 10.0)
         try:
             delay = self.policy.admit(primary)
@@ -318,15 +347,27 @@ class Runtime:
         self._check_health(gen, step)
         if delay > 0:
             time.sleep(delay)
-        steps_by_rank = self.coord.recovery_barrier(gen, self.snapshots.steps())
-        common = set(steps_by_rank[0]).intersection(*map(set, steps_by_rank[1:]))
-        if not common:
-            raise StateRestoreError(f"no snapshot step held by every rank: {steps_by_rank}")
-        self.restore_step = max(common)
+        self.restore_step = self._agree_restore_step(gen)
         self.snapshots.drop_after(self.restore_step)
         self._restore_state = self.snapshots.materialize(self.restore_step)
         self._resume_pending = True
         self.generation = gen + 1
+
+    def _agree_restore_step(self, gen: int) -> int:
+        steps_by_rank = self.coord.recovery_barrier(gen, self.snapshots.steps())
+        common = set(steps_by_rank[0]).intersection(*map(set, steps_by_rank[1:]))
+        if not common:
+            raise StateRestoreError(f"no snapshot step held by every rank: {steps_by_rank}")
+        return max(common)
+
+    def _preempt(self, gen: int, primary: FaultRecord) -> None:
+        """Every rank left its step: save the newest state all ranks hold, then exit for requeue."""
+        step = self._agree_restore_step(gen)
+        if self.persist is None:
+            raise Preempted(f"preempted ({primary.message}); no checkpoint.dir, nothing saved", step)
+        self.hard_timer.arm(self.cfg.checkpoint.commit_timeout_s + self.t.barrier)
+        self.persist.final(step, self.snapshots.materialize(step), gen)
+        raise Preempted(f"preempted ({primary.message}); final checkpoint at step {step} committed", step)
 
     def _check_health(self, gen: int, step: int | None) -> None:
         t0 = time.time()
@@ -370,8 +411,9 @@ class Runtime:
 
     def _begin_steps(self, total: int) -> int:
         if self._restore_state is None:
-            self.snapshots.capture(0, self.registry.capture())
-            return 0
+            start = self._resume_from_checkpoint() if self.generation == 0 else 0
+            self.snapshots.capture(start, self.registry.capture())
+            return start
         missing = [n for n in self._restore_state if n != RNG and n not in self._restored]
         if missing:
             raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
@@ -391,6 +433,28 @@ class Runtime:
         self.step = step
         return step
 
+    def _resume_from_checkpoint(self) -> int:
+        if self.persist is None or self.step is not None:
+            return 0
+        loaded = self.persist.resume()
+        if loaded is None:
+            return 0
+        held = sorted(k for k in loaded.state if k != RNG)
+        if set(held) != set(self.registry.names()):
+            raise StateRestoreError(
+                f"checkpoint {loaded.path} holds {held}, but this run tracks {sorted(self.registry.names())}"
+            )
+        for name in held:
+            self.registry.load(name, loaded.state[name])
+        restore_rng(loaded.state[RNG])
+        self.persist.next_save = loaded.step + (
+            self.cfg.checkpoint.interval if isinstance(self.cfg.checkpoint.interval, int) else 1
+        )
+        self._ev.emit(
+            Event.STATE_RESTORED, generation=0, step=loaded.step, objects=held, source=str(loaded.path)
+        )
+        return loaded.step
+
     def _complete(self, step: int, total: int) -> None:
         now = time.monotonic()
         step_s = now - self._progress if self._stepped else None
@@ -402,6 +466,24 @@ class Runtime:
             self.snapshots.capture(nxt, self.registry.capture())
             capture_s = time.monotonic() - now
         self.schedule.observe(nxt, step_s, capture_s)
+        p = self.persist
+        if p is not None:
+            if p.due(nxt) or nxt == total:
+                optimizers = [o for o in self.registry.objects() if isinstance(o, torch.optim.Optimizer)]
+                # waiting for the save in flight (on_busy: wait) is not a hang: re-arm around it
+                self.hard_timer.arm(self.cfg.checkpoint.commit_timeout_s + self.t.hard)
+                self._in_save = True
+                try:
+                    state = self.registry.capture()
+                    p.save(nxt, state, self.generation, self.generation, pipeline=optimizers)
+                finally:
+                    self._in_save = False
+                self.hard_timer.arm(self.t.hard)
+                self._progress = time.monotonic()
+            if p.preempt_requested is not None:
+                if capture_s is None:  # the state the final checkpoint will hold
+                    self.snapshots.capture(nxt, self.registry.capture())
+                raise StepInterrupted(f"preempt: {p.preempt_requested} received")
         self.cost.steps += 1
         self.cost.snapshots += capture_s is not None
         self.cost.hook_s += time.monotonic() - now
@@ -422,6 +504,8 @@ class Runtime:
         return self.generation if self.phase is Phase.RUNNING else None
 
     def last_progress(self) -> tuple[float, bool]:
+        if self._in_save:  # waiting for the previous checkpoint's commit is progress, not a hang
+            return time.monotonic(), self._stepped
         return self._progress, self._stepped
 
     def _wait_for_fault(self, generation: int) -> FaultRecord | None:

@@ -24,6 +24,7 @@ class FaultKind(str, enum.Enum):
     COLLECTIVE = "collective"  # a collective failed: timeout, peer closed the connection, NCCL error
     HANG = "hang"  # no step progress for hang_timeout
     PEER = "peer"  # this rank was pulled out because another rank faulted
+    PREEMPT = "preempt"  # a preemption signal: save a final checkpoint and exit for requeue
     CUDA = "cuda"  # a sticky CUDA error: the context is unusable, in-process recovery is impossible
 
 
@@ -57,6 +58,8 @@ def classify(exc: BaseException) -> tuple[FaultKind, Severity]:
     """Map an exception to (kind, severity). Unknown exceptions are soft: retrying is bounded."""
     msg = str(exc)
     if isinstance(exc, StepInterrupted):
+        if exc.reason.startswith("preempt"):
+            return FaultKind.PREEMPT, Severity.SOFT
         return (FaultKind.HANG if exc.reason.startswith("hang") else FaultKind.PEER), Severity.SOFT
     if isinstance(exc, torch.OutOfMemoryError | MemoryError) or _OOM_PATTERNS.search(msg):
         return FaultKind.OOM, Severity.SOFT

@@ -58,6 +58,9 @@ class Registry:
     def names(self) -> list[str]:
         return list(self._objects)
 
+    def objects(self) -> list[Any]:
+        return list(self._objects.values())
+
     def add(self, name: str, obj: Any) -> None:
         if name == RNG:
             raise ValueError(f"{RNG!r} is reserved for the RNG state")

@@ -1,0 +1,186 @@
+"""The runtime's durable side: periodic checkpoints, resume at start, preemption.
+
+- Every ``interval`` completed steps the tracked state is saved through a
+  :class:`~resilient.checkpoint.Checkpointer`; the step waits only for the copy. With
+  ``interval: auto`` rank 0 chooses each next save step from the measured save time and the fault
+  rate seen so far (Young) and publishes it in the store, so every rank saves the same steps.
+- At the first entry, the newest checkpoint that verifies on *every* rank is loaded (ranks vote on
+  each candidate through the store, newest first).
+- A preemption signal (SIGUSR1/SIGTERM) only sets a flag; the next step boundary turns it into a
+  ``preempt`` fault, which pulls every rank out of its step through the usual fault path. After the
+  recovery barrier agrees on the newest snapshot all ranks hold, that state is saved as the final
+  checkpoint and the process exits with the requeue code.
+- A failed save is reported (event + error log) and training continues: the previous checkpoints
+  are intact. The final flush at the end of the run raises if it fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from loguru import logger
+
+from resilient.checkpoint.manager import Checkpointer
+from resilient.checkpoint.reader import Loaded
+from resilient.config import CheckpointConfig
+from resilient.errors import CheckpointError
+from resilient.events import Event, EventLog
+
+
+class Persistence:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        rank: int,
+        world_size: int,
+        token: str,
+        events: EventLog,
+        exchange: Callable[[str, str], list[str]],
+    ) -> None:
+        assert cfg.dir is not None
+        self.cfg = cfg
+        self.rank = rank
+        self.events = events
+        self._exchange = exchange  # (name, payload) -> every rank's payload, through the store
+        self.ckpt = Checkpointer(
+            cfg.dir,
+            rank=rank,
+            world_size=world_size,
+            token=token,
+            keep=cfg.keep,
+            incremental=cfg.incremental,
+            on_busy=cfg.on_busy,
+            commit_timeout=cfg.commit_timeout_s,
+            persistent_url=cfg.persistent_url,
+        )
+        self.next_save: int | None = cfg.interval if isinstance(cfg.interval, int) else 1
+        self.failures = 0
+        self.preempt_requested: str | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self._t0 = time.monotonic()
+        self._save_started: dict[int, float] = {}
+        self._write_s: float | None = None
+        self._step_s: float | None = None
+        self._last_step_t: float | None = None
+
+    # ---- preemption signals ------------------------------------------------------------------
+    def install(self) -> None:
+        for name in self.cfg.preempt_signals:
+            signum = getattr(signal, name)
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.preempt_requested = signal.Signals(signum).name  # acted on at the next step boundary
+
+    # ---- resume --------------------------------------------------------------------------------
+    def resume(self) -> Loaded | None:
+        """The newest checkpoint that verifies on every rank, or None."""
+        if not self.cfg.resume:
+            return None
+        rounds = iter(range(1 << 30))
+
+        def agree(ok: bool) -> bool:
+            votes = self._exchange(f"ckpt_vote{next(rounds)}", "1" if ok else "0")
+            return all(v == "1" for v in votes)
+
+        from resilient.checkpoint.reader import load_latest
+
+        t0 = time.time()
+        loaded = load_latest(self.ckpt.root, self.rank, self.ckpt.world_size, agree=agree)
+        if loaded is not None:
+            self.events.emit(
+                Event.CHECKPOINT_LOADED,
+                generation=0,
+                step=loaded.step,
+                path=str(loaded.path),
+                duration_s=time.time() - t0,
+            )
+        return loaded
+
+    # ---- saving --------------------------------------------------------------------------------
+    def due(self, nxt: int) -> bool:
+        now = time.monotonic()
+        if self._last_step_t is not None:
+            dt = now - self._last_step_t
+            self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
+        self._last_step_t = now
+        return self.next_save is not None and nxt >= self.next_save
+
+    def save(
+        self, step: int, state: dict[str, Any], generation: int, faults_seen: int, pipeline: Any = ()
+    ) -> None:
+        """Save ``state`` as checkpoint ``step`` (the step waits for the copy only)."""
+        try:
+            fut = self.ckpt.save(step, state, pipeline=pipeline if self.cfg.pipelined else ())
+        except CheckpointError as e:
+            self._failed(e, generation, step)
+            fut = None
+        else:
+            if fut is not None:
+                self._save_started[step] = time.monotonic()
+                fut.add_done_callback(functools.partial(self._done, step))
+        self._plan_next(step, faults_seen)
+        if fut is not None:
+            self.events.emit(
+                Event.CHECKPOINT_SAVED,
+                generation=generation,
+                step=step,
+                block_s=self.ckpt.last_block_s,
+                next_step=self.next_save,
+            )
+
+    def _done(self, step: int, fut: Any) -> None:
+        if fut.exception() is None:  # writer thread: only record the time here
+            self._write_s = time.monotonic() - self._save_started.pop(step, time.monotonic())
+
+    def _plan_next(self, step: int, faults_seen: int) -> None:
+        if isinstance(self.cfg.interval, int):
+            self.next_save = step + self.cfg.interval
+            return
+        # auto: rank 0 decides from its measurements, every rank adopts the same next step
+        proposal = ""
+        if self.rank == 0:
+            write_s = self._write_s if self._write_s is not None else 1.0
+            elapsed = time.monotonic() - self._t0
+            mtbf = elapsed / faults_seen if faults_seen else max(self.cfg.mtbf_s, elapsed)
+            tau = math.sqrt(2.0 * write_s * mtbf)
+            step_s = self._step_s or 1.0
+            proposal = json.dumps(step + max(1, round(tau / step_s)))
+        chosen = self._exchange(f"ckpt_next{step}", proposal)[0]
+        self.next_save = int(json.loads(chosen))
+
+    def _failed(self, e: CheckpointError, generation: int, step: int) -> None:
+        self.failures += 1
+        logger.error(f"rank {self.rank}: {e}; training continues, earlier checkpoints are intact")
+        self.events.emit(Event.CHECKPOINT_FAILED, generation=generation, step=step, error=str(e))
+
+    def final(self, step: int, state: dict[str, Any], generation: int) -> None:
+        """The preemption checkpoint: wait for the save in flight, save, wait for the commit."""
+        try:
+            self.ckpt.wait()
+        except CheckpointError as e:
+            self._failed(e, generation, step)
+        self.ckpt.save(step, state)
+        self.ckpt.wait()
+        self.events.emit(Event.CHECKPOINT_SAVED, generation=generation, step=step, final=True)
+
+    def close(self, generation: int, step: int | None) -> None:
+        """Flush at the end of the run; a failure of the last save is raised."""
+        self.uninstall()
+        try:
+            self.ckpt.close()
+        except CheckpointError as e:
+            self._failed(e, generation, step or -1)
+            raise
