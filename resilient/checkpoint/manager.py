@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,14 @@ from resilient.checkpoint.codec import encode
 from resilient.checkpoint.manifest import MANIFEST, Manifest, read_manifest, step_name
 from resilient.checkpoint.reader import Loaded, load_latest, load_step
 from resilient.checkpoint.staging import Arena, Slot
-from resilient.checkpoint.writer import commit, persist_rank, remove_stale, report_failure, retain
+from resilient.checkpoint.writer import (
+    commit,
+    discard,
+    persist_rank,
+    remove_stale,
+    report_failure,
+    retain,
+)
 from resilient.errors import CheckpointError
 
 
@@ -77,6 +84,7 @@ class Checkpointer:
         commit_timeout: float = 600.0,
         persistent_url: str | None = None,
         storage_options: dict[str, Any] | None = None,
+        any_busy: Callable[[int, bool], bool] | None = None,
     ) -> None:
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1 (the newest checkpoint is never deleted), got {keep}")
@@ -102,6 +110,8 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="resilient-ckpt")
         self._inflight: Future[Manifest | None] | None = None
         self._inflight_step = -1
+        self._last: tuple[int, Future[Manifest | None]] | None = None
+        self._any_busy = any_busy or _any_rank_busy
         self._staged = threading.Event()
         self._staged.set()
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -127,12 +137,21 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer")
         self._settle(wait=False)
+        if self._last is not None and self._last[0] == step:
+            # the same step again (replayed after a restart, or a preemption's final save that the
+            # periodic one already covers): same state, and a second writer into the same temporary
+            # directory would race with rank 0 renaming it
+            return self._last[1]
         t0 = time.perf_counter()
-        if self._inflight is not None and not self._inflight.done():
-            if self.on_busy is OnBusy.SKIP:
+        busy = self._inflight is not None and not self._inflight.done()
+        if self.on_busy is OnBusy.SKIP:
+            if self.world_size > 1:  # every rank must skip the same steps, or no step commits
+                busy = self._any_busy(step, busy)
+            if busy:
                 self.skipped += 1
                 logger.info(f"checkpoint at step {step} skipped: the previous one is still being written")
                 return None
+        if busy:
             self._wait_inflight()
         skeleton, leaves = encode(state)
         if pipeline:
@@ -147,6 +166,7 @@ class Checkpointer:
             fut = self._pool.submit(self._save_job, step, slots, None, skeleton, extra)
         self.last_block_s = time.perf_counter() - t0
         self._inflight, self._inflight_step = fut, step
+        self._last = (step, fut)
         self.saved += 1
         fut.add_done_callback(functools.partial(self._log_failure, step))
         return fut
@@ -170,13 +190,20 @@ class Checkpointer:
             persist_rank(self.root, step, self.token, self.rank, self._arena, slots, skeleton,
                          incremental=self.incremental)  # fmt: skip
         except BaseException as e:
-            report_failure(self.root, step, self.token, self.rank, e)
+            # give the space back (a full disk); rank 0 will not commit, so the whole directory goes
+            discard(self.root, step, self.token, None if self.rank == 0 else self.rank)
+            if self.rank != 0:
+                report_failure(self.root, step, self.token, self.rank, e)
             raise
         if self.rank != 0:
             return None
-        manifest = commit(
-            self.root, step, self.token, self.world_size, timeout=self.commit_timeout, extra=extra
-        )
+        try:
+            manifest = commit(
+                self.root, step, self.token, self.world_size, timeout=self.commit_timeout, extra=extra
+            )
+        except BaseException:
+            discard(self.root, step, self.token, None)
+            raise
         for s in retain(self.root, self.keep, self.token):
             logger.debug(f"retention: deleted {step_name(s)}")
         if self._uploader is not None:
@@ -199,6 +226,7 @@ class Checkpointer:
         try:
             fut.result(timeout=self.commit_timeout + 60)
         except Exception as e:
+            self._last = None
             raise CheckpointError(f"checkpoint {step_name(step)} failed: {type(e).__name__}: {e}") from e
 
     def _wait_inflight(self) -> None:
@@ -264,6 +292,16 @@ class Checkpointer:
 
     def manifest(self, step: int) -> Manifest:
         return read_manifest(self.root / step_name(step) / MANIFEST)
+
+
+def _any_rank_busy(step: int, busy: bool) -> bool:
+    """Default vote for ``on_busy: skip``: an all-reduce MAX over the default group."""
+    if not torch.distributed.is_initialized():
+        raise CheckpointError("on_busy='skip' with several ranks needs a process group or any_busy=")
+    dev = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if busy else 0], dtype=torch.int32, device=dev)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _all_ranks_agree(ok: bool) -> bool:

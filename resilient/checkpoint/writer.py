@@ -9,6 +9,7 @@ kept checkpoint still points to.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -139,6 +140,16 @@ def report_failure(root: Path, step: int, token: str, rank: int, error: BaseExce
         )
     except OSError:
         pass
+
+
+def discard(root: Path, step: int, token: str, rank: int | None) -> None:
+    """Remove a failed save's bytes: this rank's shard, or (``rank=None``) the whole temporary dir."""
+    tmp = root / tmp_name(step, token)
+    if rank is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            (tmp / f"rank{rank:05d}.bin").unlink()
 
 
 def commit(

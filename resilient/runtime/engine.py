@@ -450,6 +450,7 @@ class Runtime:
         self.persist.next_save = loaded.step + (
             self.cfg.checkpoint.interval if isinstance(self.cfg.checkpoint.interval, int) else 1
         )
+        self.schedule.rebase(loaded.step)
         self._ev.emit(
             Event.STATE_RESTORED, generation=0, step=loaded.step, objects=held, source=str(loaded.path)
         )

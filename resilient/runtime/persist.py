@@ -59,6 +59,7 @@ class Persistence:
             on_busy=cfg.on_busy,
             commit_timeout=cfg.commit_timeout_s,
             persistent_url=cfg.persistent_url,
+            any_busy=self._any_busy,
         )
         self.next_save: int | None = cfg.interval if isinstance(cfg.interval, int) else 1
         self.failures = 0
@@ -69,6 +70,9 @@ class Persistence:
         self._write_s: float | None = None
         self._step_s: float | None = None
         self._last_step_t: float | None = None
+
+    def _any_busy(self, step: int, busy: bool) -> bool:
+        return any(v == "1" for v in self._exchange(f"ckpt_busy{step}", "1" if busy else "0"))
 
     # ---- preemption signals ------------------------------------------------------------------
     def install(self) -> None:

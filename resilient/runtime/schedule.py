@@ -29,6 +29,11 @@ class SnapshotSchedule:
         self.interval: int | None = self.fixed
         self._step_s: list[float] = []
         self._capture_s: list[float] = []
+        self.base = 0  # the step this process started at (a resumed checkpoint's step)
+
+    def rebase(self, step: int) -> None:
+        """Calibrate relative to ``step``: a run resumed from a checkpoint starts there."""
+        self.base = step
 
     def due(self, nxt: int, total: int) -> bool:
         """Whether the state after ``nxt`` completed steps is snapshotted."""
@@ -36,20 +41,22 @@ class SnapshotSchedule:
             return True
         if self.fixed is not None:
             return nxt % self.fixed == 0
-        if nxt <= ADOPT_AT or self.interval is None:
+        k = nxt - self.base
+        if k <= ADOPT_AT or self.interval is None:
             return True
-        return (nxt - ADOPT_AT) % self.interval == 0
+        return (k - ADOPT_AT) % self.interval == 0
 
     def observe(self, nxt: int, step_s: float | None, capture_s: float | None) -> None:
-        if self.fixed is not None or nxt > ADOPT_AT:
+        k = nxt - self.base
+        if self.fixed is not None or k > ADOPT_AT:
             return
-        if nxt > 1 and step_s is not None:  # the first step carries warm-up
+        if k > 1 and step_s is not None:  # the first step carries warm-up
             self._step_s.append(step_s)
         if capture_s is not None:
             self._capture_s.append(capture_s)
-        if nxt == CALIBRATE_AT and self.rank == 0:
+        if k == CALIBRATE_AT and self.rank == 0:
             self._store.compare_set(self._key, "", str(self.choose()))
-        if nxt == ADOPT_AT and self.interval is None:
+        if k == ADOPT_AT and self.interval is None:
             self.interval = int(self._store.get(self._key))
 
     def choose(self) -> int:

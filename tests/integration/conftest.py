@@ -19,7 +19,12 @@ _ids = itertools.count()
 
 
 def run_example(
-    tmp: Path, nproc: int, *args: str, timeout: float = 90.0, env: dict[str, str] | None = None
+    tmp: Path,
+    nproc: int,
+    *args: str,
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
+    on_start: Any = None,
 ) -> RunResult:
     tmp.mkdir(parents=True, exist_ok=True)
     return run_ranks(
@@ -29,6 +34,7 @@ def run_example(
         run_id=f"t{next(_ids)}",
         timeout=timeout,
         env=env,
+        on_start=on_start,
     )
 
 
