@@ -94,6 +94,9 @@ class CheckpointConfig(_Model):
         False, description="copy during the next forward/backward; only the optimizers' step waits for it"
     )
     persistent_url: str | None = Field(None, description="fsspec URL the committed checkpoints upload to")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for persistent_url (e.g. endpoint_url)"
+    )
     commit_timeout_s: float = Field(600.0, gt=0, description="rank 0 waits this long for every shard")
     resume: bool = Field(True, description="start from the newest valid checkpoint in `dir`")
     preempt_signals: tuple[str, ...] = Field(

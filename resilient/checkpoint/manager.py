@@ -18,10 +18,12 @@ and a second copy of the commit logic's state. ``benchmarks/checkpoint.py`` meas
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import functools
 import os
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -107,6 +109,8 @@ class Checkpointer:
             if rank == 0:
                 self._uploader = AsyncUploader(self.tier)
         self._arena = Arena()
+        self._pinned: dict[int, set[str]] = {}  # step -> local step dirs its pending upload reads
+        self._pin_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="resilient-ckpt")
         self._inflight: Future[Manifest | None] | None = None
         self._inflight_step = -1
@@ -204,12 +208,37 @@ class Checkpointer:
         except BaseException:
             discard(self.root, step, self.token, None)
             raise
-        for s in retain(self.root, self.keep, self.token):
+        with self._pin_lock:
+            pinned = set().union(*self._pinned.values()) if self._pinned else set()
+        for s in retain(self.root, self.keep, self.token, pinned):
             logger.debug(f"retention: deleted {step_name(s)}")
         if self._uploader is not None:
             files = [f.path for f in manifest.files()]
-            self._uploader.submit(self.root, step_name(step), files)
+            with self._pin_lock:  # local retention keeps what a queued upload still has to copy
+                self._pinned[step] = {p.split("/", 1)[0] for p in files}
+            up = self._uploader.submit(self.root, step_name(step), files)
+            up.add_done_callback(functools.partial(self._uploaded, step))  # on the uploader thread
         return manifest
+
+    def _uploaded(self, step: int, upload: Future[None]) -> None:
+        with self._pin_lock:
+            self._pinned.pop(step, None)
+        if upload.exception() is None:
+            self._prune_remote()
+
+    def _prune_remote(self) -> None:
+        """Persistent-tier retention, after a successful upload: the same rule as the local one."""
+        try:
+            names = self.tier.committed()
+            needed: set[str] = set()
+            for name in names[-self.keep :]:
+                m = Manifest.model_validate_json(self.tier.read_bytes(f"{name}/{MANIFEST}"))
+                needed |= {f.path.split("/", 1)[0] for f in m.files()} | {name}
+            for name in names[: -self.keep]:
+                if name not in needed:
+                    self.tier.delete(name)
+        except (CheckpointError, OSError, ValueError) as e:  # the next upload prunes again
+            logger.warning(f"pruning {self.tier.url} failed: {e}")
 
     @staticmethod
     def _log_failure(step: int, fut: Future[Manifest | None]) -> None:
@@ -270,19 +299,27 @@ class Checkpointer:
         return loaded
 
     def _load_from_tier(self) -> Loaded | None:
+        """Fetch the newest persistent checkpoint into a cache root beside the local one and load it.
+
+        The cache is its own checkpoint root (manifest written after the files), so a fetch cut
+        short never looks like a committed local checkpoint.
+        """
+        cache = self.root / ".persistent-cache" / f"rank{self.rank:05d}"
         for name in reversed(self.tier.committed()):
             try:
                 manifest = Manifest.model_validate_json(self.tier.read_bytes(f"{name}/{MANIFEST}"))
-                need = [f.path for f in manifest.rank(self.rank).files]
-                self.tier.fetch(need, self.root)
-                local = self.root / name
-                local.mkdir(parents=True, exist_ok=True)
-                (local / MANIFEST).write_bytes(manifest.model_dump_json().encode())
-                loaded = load_step(self.root, manifest.step, self.rank, self.world_size)
+                self.tier.fetch([f.path for f in manifest.rank(self.rank).files], cache)
+                (cache / name).mkdir(parents=True, exist_ok=True)
+                (cache / name / MANIFEST).write_bytes(manifest.model_dump_json().encode())
+                loaded = load_step(cache, manifest.step, self.rank, self.world_size)
                 logger.info(f"restored {name} from the persistent tier {self.tier.url}")
                 return loaded
             except (CheckpointError, ValueError, OSError) as e:
                 logger.warning(f"persistent checkpoint {name} does not load: {e}; trying the previous one")
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    cache.parent.rmdir()  # only once every rank's cache is gone
         return None
 
     def committed(self) -> list[int]:

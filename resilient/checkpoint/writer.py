@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -211,11 +212,11 @@ def referenced_dirs(manifest: Manifest) -> set[str]:
     return {f.path.split("/", 1)[0] for f in manifest.files()}
 
 
-def retain(root: Path, keep: int, live_token: str) -> list[int]:
+def retain(root: Path, keep: int, live_token: str, pinned: Iterable[str] = ()) -> list[int]:
     """Delete committed checkpoints beyond the newest ``keep`` that nothing kept points to, and
     temporary directories of other (dead) writers older than the newest commit. Returns deleted steps."""
     steps = committed_steps(root)
-    needed: set[str] = set()
+    needed: set[str] = set(pinned)  # e.g. read by an upload still queued
     for s in steps[:keep]:
         try:
             needed |= referenced_dirs(read_manifest(root / step_name(s) / MANIFEST))

@@ -59,6 +59,7 @@ class Persistence:
             on_busy=cfg.on_busy,
             commit_timeout=cfg.commit_timeout_s,
             persistent_url=cfg.persistent_url,
+            storage_options=dict(cfg.storage_options),
             any_busy=self._any_busy,
         )
         self.next_save: int | None = cfg.interval if isinstance(cfg.interval, int) else 1

@@ -1,0 +1,1 @@
+"""Checkpointing: local and persistent tiers, manifests, and background upload."""
