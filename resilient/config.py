@@ -158,6 +158,14 @@ class Config(_Model):
             raise ValueError(f"not a usable signal name: {v!r} (e.g. SIGUSR2)")
         return v
 
+    @model_validator(mode="after")
+    def _distinct_signals(self) -> Config:
+        if self.interrupt_signal in self.checkpoint.preempt_signals:
+            raise ValueError(
+                f"checkpoint.preempt_signals contains {self.interrupt_signal}, the runtime's interrupt_signal"
+            )
+        return self
+
     @property
     def timeouts(self) -> Timeouts:
         return Timeouts.derive(self.hang_timeout, self.collective_timeout)

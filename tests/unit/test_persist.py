@@ -1,0 +1,68 @@
+"""The runtime's checkpoint schedule (fixed and adaptive) and its preemption signal handling."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient.config import CheckpointConfig, load_config
+from resilient.errors import ConfigError
+from resilient.events import EventLog
+from resilient.runtime.persist import Persistence
+
+
+def _persist(tmp_path: Path, **cfg: object) -> Persistence:
+    config = CheckpointConfig(dir=tmp_path / "ck", **cfg)  # type: ignore[arg-type]
+    return Persistence(
+        config,
+        rank=0,
+        world_size=1,
+        token="t",
+        events=EventLog(tmp_path / "events.jsonl", 0),
+        exchange=lambda name, payload: [payload],  # one rank: the store exchange returns our payload
+    )
+
+
+def test_fixed_interval_saves_every_n_steps(tmp_path: Path) -> None:
+    p = _persist(tmp_path, interval=5)
+    assert [s for s in range(1, 21) if p.due(s) and (p._plan_next(s, 0) or True)] == [5, 10, 15, 20]
+    p.ckpt.close()
+
+
+def test_auto_interval_follows_young_from_measured_write_time_and_fault_rate(tmp_path: Path) -> None:
+    p = _persist(tmp_path, interval="auto", mtbf_s=86400.0)
+    p._write_s, p._step_s = 2.0, 0.1
+    p._plan_next(100, faults_seen=0)  # no fault yet: the prior MTBF
+    assert p.next_save == 100 + round(math.sqrt(2 * 2.0 * 86400) / 0.1)
+    p._t0 = time.monotonic() - 400.0  # 4 faults in 400 s: MTBF 100 s
+    p._plan_next(200, faults_seen=4)
+    assert p.next_save is not None and abs((p.next_save - 200) - math.sqrt(2 * 2.0 * 100) / 0.1) <= 1
+    p.ckpt.close()
+
+
+def test_preempt_signal_sets_the_flag_and_uninstall_restores_the_handler(tmp_path: Path) -> None:
+    p = _persist(tmp_path)
+    before = signal.getsignal(signal.SIGUSR1)
+    p.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, handled on the main thread
+        assert p.preempt_requested == "SIGUSR1"
+    finally:
+        p.uninstall()
+        p.ckpt.close()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_preempt_signal_may_not_be_the_interrupt_signal() -> None:
+    with pytest.raises(ConfigError, match="preempt_signals contains SIGUSR2"):
+        load_config(None, checkpoint={"preempt_signals": ["SIGUSR2"]})
+
+
+def test_bad_checkpoint_interval_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"checkpoint\.interval"):
+        load_config(None, checkpoint={"interval": 0})
