@@ -289,7 +289,9 @@ def example_throughput(trials: int, steps: int) -> dict[str, Any]:
                 line = [x for x in res.ranks[0].stdout.splitlines() if x.startswith("{")][-1]
                 rep = json.loads(line)
                 rates[mode].append(rep["steps"] / rep["loop_s"])
-        state_mb = sum(p.stat().st_size for p in (Path(d) / "every100" / "ck").rglob("*.bin")) / 1e6
+        ck = Path(d) / "every100" / "ck"
+        newest = max(ck.glob("step-*"))  # the last checkpoint's own shards (older ones are kept too)
+        state_mb = sum(p.stat().st_size for p in newest.glob("*.bin")) / 1e6
     med = {k: statistics.median(v) for k, v in rates.items()}
     return {"steps_per_s": med, "ratio": med["every10"] / med["none"], "trials": rates, "ckpt_mb": state_mb}
 
@@ -369,7 +371,7 @@ def report(results: dict[str, Any]) -> None:
             f"{x['thread_loop_per_s'] / x['loop_idle_per_s']:.0%}",
             f"{x['process_loop_per_s'] / x['loop_idle_per_s']:.0%}",
         )
-    c = Console()
+    c = Console(width=200)
     c.print(t)
     c.print(w)
     if "example" in results:

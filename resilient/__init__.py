@@ -6,6 +6,7 @@ import warnings
 # we depend on nvidia-ml-py (same import name), so the warning is noise for our users.
 warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
 
+from resilient.checkpoint import Checkpointer, Loaded, OnBusy, ShmSnapshot
 from resilient.config import Config, Timeouts, load_config
 from resilient.errors import (
     CheckpointError,
@@ -16,6 +17,7 @@ from resilient.errors import (
     HardFault,
     HealthCheckFailed,
     PeerAborted,
+    Preempted,
     ResilienceError,
     RestartBudgetExhausted,
     StateRestoreError,
@@ -31,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckResult",
     "CheckpointError",
+    "Checkpointer",
     "Config",
     "ConfigError",
     "Context",
@@ -41,9 +44,13 @@ __all__ = [
     "HardFault",
     "HealthCheckFailed",
     "HealthInput",
+    "Loaded",
+    "OnBusy",
     "PeerAborted",
+    "Preempted",
     "ResilienceError",
     "RestartBudgetExhausted",
+    "ShmSnapshot",
     "StateRestoreError",
     "StepInterrupted",
     "Timeouts",
