@@ -269,31 +269,46 @@ def thread_vs_process(state: dict[str, Any], where: Path) -> dict[str, float]:
 
 
 # ---- the example ----------------------------------------------------------------------------------
+EXAMPLE_SETUPS = {
+    # name: (train_tiny args, what it stands for)
+    "dim32": (["--dim", "32"], "the example as shipped: 5 ms CPU-bound steps (a durable commit every 50 ms)"),
+    "dim256": (["--dim", "256"], "a wider model, CPU-bound steps"),
+    "dim256-50ms": (["--dim", "256", "--step-ms", "50"], "50 ms steps, CPU idle part of each (GPU-like)"),
+}
+
+
 def example_throughput(trials: int, steps: int) -> dict[str, Any]:
+    """Steps/s of the example on 2 ranks, checkpoint every 10 steps vs none, alternating runs."""
     example = str(ROOT / "examples" / "train_tiny.py")
-    rates: dict[str, list[float]] = {"none": [], "every10": []}
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
-        for t in range(trials):
-            for mode in ("none", "every10"):  # alternating, so drift hits both
-                cwd = Path(d) / f"{mode}{t}"
-                cwd.mkdir()
-                extra = ["--ckpt-dir", str(cwd / "ck"), "--ckpt-every", "10"] if mode == "every10" else []
-                res = run_ranks(
-                    [example, "--steps", str(steps), "--dim", "256", "--report", *extra],
-                    2,
-                    cwd=cwd,
-                    run_id=f"{mode}{t}",
-                    timeout=600,
-                )
-                assert res.ok, res.describe()
-                line = [x for x in res.ranks[0].stdout.splitlines() if x.startswith("{")][-1]
-                rep = json.loads(line)
-                rates[mode].append(rep["steps"] / rep["loop_s"])
-        ck = Path(d) / "every100" / "ck"
-        newest = max(ck.glob("step-*"))  # the last checkpoint's own shards (older ones are kept too)
-        state_mb = sum(p.stat().st_size for p in newest.glob("*.bin")) / 1e6
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    return {"steps_per_s": med, "ratio": med["every10"] / med["none"], "trials": rates, "ckpt_mb": state_mb}
+        for name, (setup, meaning) in EXAMPLE_SETUPS.items():
+            rates: dict[str, list[float]] = {"none": [], "every10": []}
+            state_mb = 0.0
+            for t in range(trials):
+                for mode in ("none", "every10"):  # alternating, so drift hits both
+                    cwd = Path(d) / f"{name}-{mode}{t}"
+                    cwd.mkdir()
+                    ck = cwd / "ck"
+                    extra = ["--ckpt-dir", str(ck), "--ckpt-every", "10"] if mode == "every10" else []
+                    res = run_ranks(
+                        [example, "--steps", str(steps), "--report", *setup, *extra],
+                        2,
+                        cwd=cwd,
+                        run_id=f"{name}-{mode}{t}",
+                        timeout=600,
+                    )
+                    assert res.ok, res.describe()
+                    line = [x for x in res.ranks[0].stdout.splitlines() if x.startswith("{")][-1]
+                    rep = json.loads(line)
+                    rates[mode].append(rep["steps"] / rep["loop_s"])
+                    if mode == "every10":
+                        newest = max(ck.glob("step-*"))  # one checkpoint's own shards, both ranks
+                        state_mb = sum(p.stat().st_size for p in newest.glob("*.bin")) / 1e6
+            med = {k: statistics.median(v) for k, v in rates.items()}
+            out[name] = {"meaning": meaning, "steps_per_s": med, "ratio": med["every10"] / med["none"],
+                         "trials": rates, "ckpt_mb": state_mb}  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -374,10 +389,9 @@ def report(results: dict[str, Any]) -> None:
     c = Console(width=200)
     c.print(t)
     c.print(w)
-    if "example" in results:
-        e = results["example"]
+    for name, e in results.get("example", {}).items():
         c.print(
-            f"example (2 ranks, dim 256, ~{e['ckpt_mb']:.1f} MB per checkpoint): "
+            f"example {name} ({e['meaning']}; {e['ckpt_mb']:.1f} MB per checkpoint, 2 ranks): "
             f"{e['steps_per_s']['none']:.1f} steps/s without checkpoints, "
             f"{e['steps_per_s']['every10']:.1f} with one every 10 steps → {e['ratio']:.1%}"
         )

@@ -106,8 +106,18 @@ class Manifest(_Model):
         raise CheckpointError(f"checkpoint {step_name(self.step)} has no entry for rank {rank}")
 
 
+_CACHE: dict[Path, tuple[int, int, Manifest]] = {}
+
+
 def read_manifest(path: Path) -> Manifest:
+    """Parse and validate a manifest. Committed manifests never change, so a parsed one is reused
+    while the file's (mtime, size) is unchanged: retention and incremental saves read the same few
+    manifests at every save."""
     try:
+        st = path.stat()
+        hit = _CACHE.get(path)
+        if hit is not None and hit[:2] == (st.st_mtime_ns, st.st_size):
+            return hit[2]
         m = Manifest.model_validate_json(path.read_bytes())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: manifest missing") from None
@@ -115,16 +125,26 @@ def read_manifest(path: Path) -> Manifest:
         raise CheckpointError(f"{path}: manifest does not parse: {e.errors()[0]['msg']}") from e
     if m.format != FORMAT:
         raise CheckpointError(f"{path}: manifest format {m.format}, this version reads {FORMAT}")
+    if len(_CACHE) >= 64:
+        _CACHE.clear()
+    _CACHE[path] = (st.st_mtime_ns, st.st_size, m)
     return m
 
 
 def write_json_durable(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` through a temporary name, fsynced, then renamed."""
+    """Write ``data`` (an object, or JSON text already) to ``path`` through a temporary name,
+    fsynced, then renamed. ``json.dumps`` (C encoder), not ``json.dump`` (pure-Python streaming)."""
+    text = data if isinstance(data, str | bytes) else json.dumps(data, separators=(",", ":"))
+    raw = text.encode() if isinstance(text, str) else text
     tmp = path.with_name(path.name + ".part")
-    with open(tmp, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 

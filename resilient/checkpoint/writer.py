@@ -127,7 +127,7 @@ def persist_rank(
         if fd >= 0:
             os.close(fd)
     entry = RankEntry(rank=rank, skeleton=skeleton, tensors=entries, files=list(files.values()))
-    write_json_durable(tmp / part_name(rank), entry.model_dump(mode="json"))
+    write_json_durable(tmp / part_name(rank), entry.model_dump_json())
     return entry
 
 
@@ -194,7 +194,7 @@ def commit(
                     f"{step_name(step)}: rank {part.rank} points at {f.path}, which is gone"
                 )
     manifest = Manifest(step=step, world_size=world_size, created=time.time(), ranks=parts, extra=extra or {})
-    write_json_durable(tmp / MANIFEST, manifest.model_dump(mode="json"))
+    write_json_durable(tmp / MANIFEST, manifest.model_dump_json())
     for r in range(world_size):
         (tmp / part_name(r)).unlink()
     fsync_dir(tmp)
