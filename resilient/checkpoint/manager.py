@@ -37,8 +37,9 @@ import torch
 from loguru import logger
 
 from resilient.checkpoint.codec import encode
-from resilient.checkpoint.manifest import MANIFEST, Manifest, read_manifest, step_name
+from resilient.checkpoint.manifest import MANIFEST, Manifest, read_manifest, step_name, tmp_name
 from resilient.checkpoint.reader import Loaded, load_latest, load_step
+from resilient.checkpoint.sharded import save_sharded
 from resilient.checkpoint.staging import Arena, Slot
 from resilient.checkpoint.writer import (
     commit,
@@ -135,9 +136,15 @@ class Checkpointer:
         *,
         extra: dict[str, Any] | None = None,
         pipeline: Sequence[torch.optim.Optimizer] = (),
+        sharded: dict[str, Any] | None = None,
     ) -> Future[Manifest | None] | None:
         """Start saving ``state`` as checkpoint ``step``; returns a future (rank 0's resolves to the
-        committed manifest), or None when skipped because the previous save is still in flight."""
+        committed manifest), or None when skipped because the previous save is still in flight.
+
+        ``sharded``: DTensor/FSDP2 state (e.g. from ``get_state_dict``) written through DCP into the
+        same checkpoint, so it is checksummed and committed with the rest and reshards on load.
+        DCP's write is collective and synchronous: the caller waits for it (not only for a copy).
+        """
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer")
         self._settle(wait=False)
@@ -155,8 +162,13 @@ class Checkpointer:
                 self.skipped += 1
                 logger.info(f"checkpoint at step {step} skipped: the previous one is still being written")
                 return None
-        if busy:
-            self._wait_inflight()
+        if busy or sharded is not None:
+            self._wait_inflight()  # DCP writes into the step's directory now: nothing else may be
+        dcp_files: list[str] = []
+        if sharded is not None:
+            tmp = self.root / tmp_name(step, self.token)
+            tmp.mkdir(parents=True, exist_ok=True)
+            dcp_files = [f"dcp/{p}" for p in save_sharded(sharded, tmp / "dcp")]
         skeleton, leaves = encode(state)
         if pipeline:
             for opt in pipeline:
@@ -164,10 +176,10 @@ class Checkpointer:
                     opt.register_step_pre_hook(self._before_optimizer_step)
                     self._hooked.add(opt)
             self._staged.clear()
-            fut = self._pool.submit(self._save_job, step, None, leaves, skeleton, extra)
+            fut = self._pool.submit(self._save_job, step, None, leaves, skeleton, extra, dcp_files)
         else:
             slots = self._arena.stage(leaves)
-            fut = self._pool.submit(self._save_job, step, slots, None, skeleton, extra)
+            fut = self._pool.submit(self._save_job, step, slots, None, skeleton, extra, dcp_files)
         self.last_block_s = time.perf_counter() - t0
         self._inflight, self._inflight_step = fut, step
         self._last = (step, fut)
@@ -183,7 +195,13 @@ class Checkpointer:
             self.last_block_s += time.perf_counter() - t0
 
     def _save_job(
-        self, step: int, slots: list[Slot] | None, leaves: Any, skeleton: Any, extra: dict[str, Any] | None
+        self,
+        step: int,
+        slots: list[Slot] | None,
+        leaves: Any,
+        skeleton: Any,
+        extra: dict[str, Any] | None,
+        dcp_files: list[str],
     ) -> Manifest | None:
         try:
             if slots is None:
@@ -191,8 +209,17 @@ class Checkpointer:
                     slots = self._arena.stage(leaves)
                 finally:
                     self._staged.set()
-            persist_rank(self.root, step, self.token, self.rank, self._arena, slots, skeleton,
-                         incremental=self.incremental)  # fmt: skip
+            persist_rank(
+                self.root,
+                step,
+                self.token,
+                self.rank,
+                self._arena,
+                slots,
+                skeleton,
+                incremental=self.incremental,
+                sharded_files=dcp_files,
+            )
         except BaseException as e:
             # give the space back (a full disk); rank 0 will not commit, so the whole directory goes
             discard(self.root, step, self.token, None if self.rank == 0 else self.rank)
@@ -285,20 +312,24 @@ class Checkpointer:
         self.close()
 
     # ---- loading --------------------------------------------------------------------------------
-    def load_latest(self) -> Loaded | None:
-        """The newest checkpoint that verifies on every rank (local first, then the persistent tier)."""
+    def load_latest(self, sharded: dict[str, Any] | None = None) -> Loaded | None:
+        """The newest checkpoint that verifies on every rank (local first, then the persistent tier).
+
+        ``sharded``: a DTensor/FSDP2 state dict to load into in place (collective), resharded to this
+        job's world size; at a different world size ``Loaded.state`` (per-rank state) is None.
+        """
         agree = _all_ranks_agree if self.world_size > 1 and torch.distributed.is_initialized() else None
         try:
-            loaded = load_latest(self.root, self.rank, self.world_size, agree=agree)
+            loaded = load_latest(self.root, self.rank, self.world_size, agree=agree, sharded=sharded)
         except CheckpointError:
             if self.tier is None:
                 raise
             loaded = None
         if loaded is None and self.tier is not None:
-            loaded = self._load_from_tier()
+            loaded = self._load_from_tier(sharded)
         return loaded
 
-    def _load_from_tier(self) -> Loaded | None:
+    def _load_from_tier(self, sharded: dict[str, Any] | None) -> Loaded | None:
         """Fetch the newest persistent checkpoint into a cache root beside the local one and load it.
 
         The cache is its own checkpoint root (manifest written after the files), so a fetch cut
@@ -308,10 +339,13 @@ class Checkpointer:
         for name in reversed(self.tier.committed()):
             try:
                 manifest = Manifest.model_validate_json(self.tier.read_bytes(f"{name}/{MANIFEST}"))
-                self.tier.fetch([f.path for f in manifest.rank(self.rank).files], cache)
+                need = {f.path for f in manifest.sharded_files()} if sharded is not None else set()
+                if manifest.world_size == self.world_size:
+                    need |= {f.path for f in manifest.rank(self.rank).files}
+                self.tier.fetch(sorted(need), cache)
                 (cache / name).mkdir(parents=True, exist_ok=True)
                 (cache / name / MANIFEST).write_bytes(manifest.model_dump_json().encode())
-                loaded = load_step(cache, manifest.step, self.rank, self.world_size)
+                loaded = load_step(cache, manifest.step, self.rank, self.world_size, sharded=sharded)
                 logger.info(f"restored {name} from the persistent tier {self.tier.url}")
                 return loaded
             except (CheckpointError, ValueError, OSError) as e:

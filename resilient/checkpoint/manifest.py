@@ -82,6 +82,7 @@ class RankEntry(_Model):
     skeleton: Any
     tensors: list[TensorEntry]
     files: list[FileEntry]  # every file this rank's tensors live in, written now or earlier
+    sharded: list[str] = []  # of those, the DCP files (DTensor/FSDP2 state) this rank wrote
 
 
 class Manifest(_Model):
@@ -98,6 +99,14 @@ class Manifest(_Model):
             for f in r.files:
                 seen.setdefault(f.path, f)
         return list(seen.values())
+
+    def sharded_files(self) -> list[FileEntry]:
+        """Every rank's DCP files: a resharding load may read any of them."""
+        out = []
+        for r in self.ranks:
+            mine = set(r.sharded)
+            out += [f for f in r.files if f.path in mine]
+        return out
 
     def rank(self, rank: int) -> RankEntry:
         for r in self.ranks:

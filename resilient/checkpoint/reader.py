@@ -20,12 +20,15 @@ from loguru import logger
 from resilient.checkpoint.codec import decode, dtype_from_name
 from resilient.checkpoint.manifest import (
     MANIFEST,
+    FileEntry,
     Manifest,
     TensorEntry,
     committed_steps,
     read_manifest,
     step_name,
 )
+from resilient.checkpoint.sharded import load_sharded
+from resilient.checkpoint.writer import file_digest
 from resilient.errors import CheckpointError
 
 
@@ -65,17 +68,65 @@ def read_tensor(root: Path, entry: TensorEntry) -> torch.Tensor:
     return t
 
 
-def load_step(root: Path, step: int, rank: int, world_size: int | None = None) -> Loaded:
-    """This rank's state in checkpoint ``step``; raises CheckpointError naming what failed."""
+def verify_file(root: Path, f: FileEntry) -> None:
+    """Size and whole-file xxh3 of one file (DCP files: their bytes are read by DCP itself)."""
+    path = root / f.path
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file missing") from None
+    if size != f.size:
+        raise CheckpointError(f"{path}: {size} bytes, the manifest says {f.size} (truncated?)")
+    if file_digest(path) != f.xxh3:
+        raise CheckpointError(f"{path}: checksum mismatch (corrupt)")
+
+
+def load_step(
+    root: Path,
+    step: int,
+    rank: int,
+    world_size: int | None = None,
+    *,
+    sharded: dict[str, Any] | None = None,
+    collective: bool = True,
+) -> Loaded:
+    """This rank's state in checkpoint ``step``; raises CheckpointError naming what failed.
+
+    With ``sharded`` (a DTensor/FSDP2 state dict to load into, in place), every rank's DCP files are
+    verified and, if ``collective``, loaded through DCP, resharding to the current world size. At a
+    different world size the per-rank state cannot be restored: ``Loaded.state`` is then None.
+    """
     path = root / step_name(step)
     manifest = read_manifest(path / MANIFEST)
     if manifest.step != step:
         raise CheckpointError(f"{path / MANIFEST}: says step {manifest.step}, directory says {step}")
-    if world_size is not None and manifest.world_size != world_size:
+    resharding = world_size is not None and manifest.world_size != world_size
+    if resharding and sharded is None:
         raise CheckpointError(
             f"{path}: written by {manifest.world_size} ranks, this job has {world_size}; per-rank state "
-            "cannot be split or merged (DTensor/FSDP2 state reshards via resilient.checkpoint.sharded)"
+            "cannot be split or merged (DTensor/FSDP2 state reshards: pass sharded=)"
         )
+    if sharded is not None:
+        dcp_files = manifest.sharded_files()
+        if not dcp_files:
+            raise CheckpointError(f"{path}: holds no sharded (DCP) state")
+        for f in dcp_files:
+            verify_file(root, f)
+    state = None
+    if resharding:
+        logger.warning(
+            f"{path}: written by {manifest.world_size} ranks, loading on {world_size}: sharded state "
+            "reshards; per-rank state (RNG, data position) is not restored"
+        )
+    else:
+        state = _load_rank(root, path, manifest, rank)
+    loaded = Loaded(step, state, manifest, path)
+    if sharded is not None and collective:
+        load_sharded(sharded, path / "dcp")
+    return loaded
+
+
+def _load_rank(root: Path, path: Path, manifest: Manifest, rank: int) -> Any:
     entry = manifest.rank(rank)
     files = {f.path: f for f in entry.files}
     for f in files.values():
@@ -92,7 +143,7 @@ def load_step(root: Path, step: int, rank: int, world_size: int | None = None) -
         if t.offset + t.nbytes > files[t.file].size:
             raise CheckpointError(f"{root / t.file}: tensor {t.key} runs past the end of the file")
         tensors.append(read_tensor(root, t))
-    return Loaded(step, decode(entry.skeleton, tensors), manifest, path)
+    return decode(entry.skeleton, tensors)
 
 
 def load_latest(
@@ -101,20 +152,22 @@ def load_latest(
     world_size: int | None = None,
     *,
     agree: Callable[[bool], bool] | None = None,
+    sharded: dict[str, Any] | None = None,
 ) -> Loaded | None:
     """The newest checkpoint that verifies (on every rank, when ``agree`` votes across ranks).
 
     ``agree(ok)`` must return True only if every rank's ``ok`` is True (an all-reduce MIN); all
-    ranks walk the same list of steps, so they vote on the same candidate each round. Returns None
-    when there is no checkpoint at all.
+    ranks walk the same list of steps, so they vote on the same candidate each round. Sharded state
+    is loaded (collectively) only once every rank verified the candidate. Returns None when there is
+    no checkpoint at all.
     """
     tried: list[str] = []
     for step in committed_steps(root):
         loaded: Loaded | None = None
         try:
-            loaded = load_step(root, step, rank, world_size)
+            loaded = load_step(root, step, rank, world_size, sharded=sharded, collective=False)
         except CheckpointError as e:
-            if "ranks, this job has" in str(e):
+            if "cannot be split or merged" in str(e):
                 raise
             logger.warning(f"checkpoint {step_name(step)} does not verify: {e}; trying the previous one")
             tried.append(f"{step_name(step)}: {e}")
@@ -125,6 +178,8 @@ def load_latest(
                 logger.warning(f"checkpoint {step_name(step)} does not verify on another rank; falling back")
             continue
         if loaded is not None:
+            if sharded is not None:
+                load_sharded(sharded, loaded.path / "dcp")
             return loaded
     if tried:
         raise CheckpointError(f"no valid checkpoint in {root}; tried:\n  " + "\n  ".join(tried))

@@ -13,7 +13,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,16 @@ def digest(data: memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def file_digest(path: Path, chunk: int = 16 << 20) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while n := f.readinto(view):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
 def _write_all(fd: int, data: memoryview) -> None:
     while data:
         n = os.write(fd, data)
@@ -81,8 +91,13 @@ def persist_rank(
     skeleton: Any,
     *,
     incremental: bool = True,
+    sharded_files: Sequence[str] = (),
 ) -> RankEntry:
-    """Write this rank's tensors and its part file into the step's temporary directory."""
+    """Write this rank's tensors and its part file into the step's temporary directory.
+
+    ``sharded_files`` (relative to the temporary directory) were written there already by DCP;
+    they are checksummed into this rank's entry.
+    """
     tmp = root / tmp_name(step, token)
     tmp.mkdir(parents=True, exist_ok=True)
     base = newest_base(root, rank) if incremental else None
@@ -126,7 +141,14 @@ def persist_rank(
     finally:
         if fd >= 0:
             os.close(fd)
-    entry = RankEntry(rank=rank, skeleton=skeleton, tensors=entries, files=list(files.values()))
+    sharded = []
+    for rel in sharded_files:
+        path = f"{step_name(step)}/{rel}"
+        files[path] = FileEntry(path=path, size=(tmp / rel).stat().st_size, xxh3=file_digest(tmp / rel))
+        sharded.append(path)
+    entry = RankEntry(
+        rank=rank, skeleton=skeleton, tensors=entries, files=list(files.values()), sharded=sharded
+    )
     write_json_durable(tmp / part_name(rank), entry.model_dump_json())
     return entry
 
@@ -188,7 +210,8 @@ def commit(
     parts = [RankEntry.model_validate_json((tmp / part_name(r)).read_bytes()) for r in range(world_size)]
     for part in parts:
         for f in part.files:
-            where = tmp / Path(f.path).name if f.path.startswith(step_name(step) + "/") else root / f.path
+            own, _, rel = f.path.partition("/")
+            where = tmp / rel if own == step_name(step) else root / f.path
             if not where.is_file() or where.stat().st_size != f.size:
                 raise CheckpointError(
                     f"{step_name(step)}: rank {part.rank} points at {f.path}, which is gone"
