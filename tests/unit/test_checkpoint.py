@@ -270,3 +270,20 @@ def test_loaded_generator_state_restores_the_sequence(tmp_path: Path) -> None:
     assert loaded is not None
     reg.load("data", loaded.state["data"])  # Generator.set_state misreads a view with an offset
     assert torch.equal(torch.rand(4, generator=g), expected)
+
+
+def test_cli_lists_and_verifies_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from resilient.cli import main
+
+    with Checkpointer(tmp_path, token="t", incremental=False) as ck:
+        for step in (1, 2):
+            ck.save(step, {"x": torch.full((1000,), float(step))})
+            ck.wait()
+    assert main(["checkpoints", str(tmp_path), "--verify"]) == 0
+    assert "✓" in capsys.readouterr().out
+    bad = tmp_path / step_name(1) / "rank00000.bin"
+    data = bytearray(bad.read_bytes())
+    data[10] ^= 1
+    bad.write_bytes(bytes(data))
+    assert main(["checkpoints", str(tmp_path), "--verify"]) == 1
+    assert "checksum mismatch" in capsys.readouterr().out
