@@ -91,6 +91,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ckpt-dir", type=Path, default=None, help="durable checkpoints here (resume from them)")
     p.add_argument("--ckpt-every", default="10", help="checkpoint every N steps, or 'auto'")
     p.add_argument("--ckpt-keep", type=int, default=3)
+    p.add_argument("--ckpt-writer", default="thread", choices=["thread", "process"])
     p.add_argument("--report", action="store_true", help="rank 0 prints a JSON line with loop timing")
     return p.parse_args()
 
@@ -108,7 +109,12 @@ def main() -> None:
         overrides["restart"] = {"max_repeats": args.max_repeats}
     if args.ckpt_dir is not None:
         every = args.ckpt_every if args.ckpt_every == "auto" else int(args.ckpt_every)
-        overrides["checkpoint"] = {"dir": args.ckpt_dir, "interval": every, "keep": args.ckpt_keep}
+        overrides["checkpoint"] = {
+            "dir": args.ckpt_dir,
+            "interval": every,
+            "keep": args.ckpt_keep,
+            "writer": args.ckpt_writer,
+        }
 
     def train(ctx: resilient.Context) -> None:
         rank = dist.get_rank()

@@ -90,6 +90,9 @@ class CheckpointConfig(_Model):
     keep: int = Field(3, ge=1, description="committed checkpoints kept (the newest is never deleted)")
     incremental: bool = Field(True, description="do not rewrite tensors unchanged since the last checkpoint")
     on_busy: Literal["wait", "skip"] = Field("wait", description="a save is due while one is in flight")
+    writer: Literal["thread", "process"] = Field(
+        "thread", description="who persists: a thread, or a child process (no GIL hand-offs)"
+    )
     pipelined: bool = Field(
         False, description="copy during the next forward/backward; only the optimizers' step waits for it"
     )

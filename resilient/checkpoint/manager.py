@@ -38,8 +38,10 @@ from loguru import logger
 
 from resilient.checkpoint.codec import encode
 from resilient.checkpoint.manifest import MANIFEST, Manifest, read_manifest, step_name, tmp_name
+from resilient.checkpoint.procwriter import ProcessWriter
 from resilient.checkpoint.reader import Loaded, load_latest, load_step
 from resilient.checkpoint.sharded import save_sharded
+from resilient.checkpoint.shm import SHM
 from resilient.checkpoint.staging import Arena, Slot
 from resilient.checkpoint.writer import (
     commit,
@@ -88,6 +90,7 @@ class Checkpointer:
         persistent_url: str | None = None,
         storage_options: dict[str, Any] | None = None,
         any_busy: Callable[[int, bool], bool] | None = None,
+        writer: str = "thread",
     ) -> None:
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1 (the newest checkpoint is never deleted), got {keep}")
@@ -109,7 +112,14 @@ class Checkpointer:
             self.tier = PersistentTier(persistent_url, **(storage_options or {}))
             if rank == 0:
                 self._uploader = AsyncUploader(self.tier)
-        self._arena = Arena()
+        if writer not in ("thread", "process"):
+            raise CheckpointError(f"writer must be 'thread' or 'process', got {writer!r}")
+        self._procw: ProcessWriter | None = None
+        self._arena_path: Path | None = None
+        if writer == "process":  # staged bytes in /dev/shm, mapped by the child
+            self._arena_path = SHM / f"resilient-ckpt-{self.token}-r{rank:05d}-{os.getpid()}.bin"
+            self._procw = ProcessWriter(self._arena_path, self.root, rank, world_size, self.token, keep)
+        self._arena = Arena(self._arena_path)
         self._pinned: dict[int, set[str]] = {}  # step -> local step dirs its pending upload reads
         self._pin_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="resilient-ckpt")
@@ -203,23 +213,47 @@ class Checkpointer:
         extra: dict[str, Any] | None,
         dcp_files: list[str],
     ) -> Manifest | None:
+        if slots is None:
+            try:
+                slots = self._arena.stage(leaves)
+            finally:
+                self._staged.set()
+        with self._pin_lock:
+            pinned = set().union(*self._pinned.values()) if self._pinned else set()
+        if self._procw is not None:
+            job = {"step": step, "slots": slots, "skeleton": skeleton, "extra": extra,
+                   "dcp_files": dcp_files, "incremental": self.incremental,
+                   "timeout": self.commit_timeout, "pinned": pinned}  # fmt: skip
+            reply = self._procw.run(job, timeout=self.commit_timeout + 60)
+            if self.rank != 0:
+                return None
+            manifest = Manifest.model_validate_json(reply["manifest"])
+        else:
+            manifest_or_none = self._persist_here(step, slots, skeleton, extra, dcp_files, pinned)
+            if manifest_or_none is None:
+                return None
+            manifest = manifest_or_none
+        if self._uploader is not None:
+            files = [f.path for f in manifest.files()]
+            with self._pin_lock:  # local retention keeps what a queued upload still has to copy
+                self._pinned[step] = {p.split("/", 1)[0] for p in files}
+            up = self._uploader.submit(self.root, step_name(step), files)
+            up.add_done_callback(functools.partial(self._uploaded, step))  # on the uploader thread
+        return manifest
+
+    def _persist_here(
+        self,
+        step: int,
+        slots: list[Slot],
+        skeleton: Any,
+        extra: dict[str, Any] | None,
+        dcp_files: list[str],
+        pinned: set[str],
+    ) -> Manifest | None:
+        """The thread writer: this rank's shard, then (rank 0) the commit and retention."""
         try:
-            if slots is None:
-                try:
-                    slots = self._arena.stage(leaves)
-                finally:
-                    self._staged.set()
-            persist_rank(
-                self.root,
-                step,
-                self.token,
-                self.rank,
-                self._arena,
-                slots,
-                skeleton,
-                incremental=self.incremental,
-                sharded_files=dcp_files,
-            )
+            entry = persist_rank(self.root, step, self.token, self.rank, self._arena, slots, skeleton,
+                                 incremental=self.incremental, sharded_files=dcp_files)  # fmt: skip
         except BaseException as e:
             # give the space back (a full disk); rank 0 will not commit, so the whole directory goes
             discard(self.root, step, self.token, None if self.rank == 0 else self.rank)
@@ -229,22 +263,13 @@ class Checkpointer:
         if self.rank != 0:
             return None
         try:
-            manifest = commit(
-                self.root, step, self.token, self.world_size, timeout=self.commit_timeout, extra=extra
-            )
+            manifest = commit(self.root, step, self.token, self.world_size, timeout=self.commit_timeout,
+                              extra=extra, own=entry)  # fmt: skip
         except BaseException:
             discard(self.root, step, self.token, None)
             raise
-        with self._pin_lock:
-            pinned = set().union(*self._pinned.values()) if self._pinned else set()
         for s in retain(self.root, self.keep, self.token, pinned):
             logger.debug(f"retention: deleted {step_name(s)}")
-        if self._uploader is not None:
-            files = [f.path for f in manifest.files()]
-            with self._pin_lock:  # local retention keeps what a queued upload still has to copy
-                self._pinned[step] = {p.split("/", 1)[0] for p in files}
-            up = self._uploader.submit(self.root, step_name(step), files)
-            up.add_done_callback(functools.partial(self._uploaded, step))  # on the uploader thread
         return manifest
 
     def _uploaded(self, step: int, upload: Future[None]) -> None:
@@ -304,6 +329,11 @@ class Checkpointer:
         finally:
             self._pool.shutdown(wait=True)
             self._arena.release()
+            if self._procw is not None:
+                self._procw.close()
+            if self._arena_path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    self._arena_path.unlink()
 
     def __enter__(self) -> Checkpointer:
         return self

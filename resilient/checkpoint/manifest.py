@@ -140,7 +140,7 @@ def read_manifest(path: Path) -> Manifest:
     return m
 
 
-def write_json_durable(path: Path, data: Any) -> None:
+def write_json_durable(path: Path, data: Any, *, durable: bool = True) -> None:
     """Write ``data`` (an object, or JSON text already) to ``path`` through a temporary name,
     fsynced, then renamed. ``json.dumps`` (C encoder), not ``json.dump`` (pure-Python streaming)."""
     text = data if isinstance(data, str | bytes) else json.dumps(data, separators=(",", ":"))
@@ -151,7 +151,8 @@ def write_json_durable(path: Path, data: Any) -> None:
         view = memoryview(raw)
         while view:
             view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)

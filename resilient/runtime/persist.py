@@ -61,6 +61,7 @@ class Persistence:
             persistent_url=cfg.persistent_url,
             storage_options=dict(cfg.storage_options),
             any_busy=self._any_busy,
+            writer=cfg.writer,
         )
         self.next_save: int | None = cfg.interval if isinstance(cfg.interval, int) else 1
         self.failures = 0

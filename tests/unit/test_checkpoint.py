@@ -287,3 +287,42 @@ def test_cli_lists_and_verifies_checkpoints(tmp_path: Path, capsys: pytest.Captu
     bad.write_bytes(bytes(data))
     assert main(["checkpoints", str(tmp_path), "--verify"]) == 1
     assert "checksum mismatch" in capsys.readouterr().out
+
+
+# --- the writer as a child process -----------------------------------------------------------------
+
+
+def test_process_writer_round_trip_incremental_and_cleanup(tmp_path: Path) -> None:
+    state = _model_state()
+    frozen = torch.randn(256, 256)
+    with Checkpointer(tmp_path / "ck", token="t", writer="process") as ck:
+        ck.save(1, {"s": state, "frozen": frozen})
+        ck.wait()
+        ck.save(2, {"s": state, "frozen": frozen})
+        ck.wait()
+        arena = ck._arena_path
+        assert arena is not None and arena.exists()
+        m = ck.manifest(2)
+    assert arena is not None and not arena.exists()  # the /dev/shm staging file is removed on close
+    assert {t.key: t.file for t in m.rank(0).tensors}["/frozen"].startswith(step_name(1))
+    loaded = load_latest(tmp_path / "ck")
+    assert loaded is not None and loaded.step == 2
+    _equal(_plain({"s": state, "frozen": frozen}), loaded.state)
+
+
+def test_process_writer_death_is_a_checkpoint_error(tmp_path: Path) -> None:
+    import signal as _signal
+
+    ck = Checkpointer(tmp_path, token="t", writer="process")
+    try:
+        ck.save(1, {"x": torch.ones(4)})
+        ck.wait()
+        assert ck._procw is not None
+        ck._procw._proc.send_signal(_signal.SIGKILL)  # a real kill of the writer process
+        ck._procw._proc.wait()
+        ck.save(2, {"x": torch.ones(4)})
+        with pytest.raises(CheckpointError, match="writer process died"):
+            ck.wait()
+    finally:
+        ck.close()
+    assert committed_steps(tmp_path) == [1]
