@@ -9,7 +9,8 @@ For each state size (a stack of Linear layers with AdamW-like moments, float32):
   done), and persist throughput (bytes / time from save to commit, fsync included);
 - writer thread vs writer process: persist time of the same staged bytes, and how much a
   Python-bound training loop slows down while each persists.
-Then the bundled example, 2 ranks, with a checkpoint every 10 steps vs none (alternating runs).
+Then the bundled example, 2 ranks, with a checkpoint every 10 steps (writer thread, writer process)
+vs none, alternating runs, in three setups (see EXAMPLE_SETUPS).
 
     python benchmarks/checkpoint.py [--sizes 0.5 2] [--dir /var/tmp/ckbench] [--repeat 3]
 """
@@ -283,14 +284,16 @@ def example_throughput(trials: int, steps: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
         for name, (setup, meaning) in EXAMPLE_SETUPS.items():
-            rates: dict[str, list[float]] = {"none": [], "every10": []}
+            rates: dict[str, list[float]] = {"none": [], "every10": [], "every10-process": []}
             state_mb = 0.0
             for t in range(trials):
-                for mode in ("none", "every10"):  # alternating, so drift hits both
+                for mode in rates:  # alternating, so drift hits every mode alike
                     cwd = Path(d) / f"{name}-{mode}{t}"
                     cwd.mkdir()
                     ck = cwd / "ck"
-                    extra = ["--ckpt-dir", str(ck), "--ckpt-every", "10"] if mode == "every10" else []
+                    extra = ["--ckpt-dir", str(ck), "--ckpt-every", "10"] if mode != "none" else []
+                    if mode == "every10-process":
+                        extra += ["--ckpt-writer", "process"]
                     res = run_ranks(
                         [example, "--steps", str(steps), "--report", *setup, *extra],
                         2,
@@ -307,6 +310,7 @@ def example_throughput(trials: int, steps: int) -> dict[str, Any]:
                         state_mb = sum(p.stat().st_size for p in newest.glob("*.bin")) / 1e6
             med = {k: statistics.median(v) for k, v in rates.items()}
             out[name] = {"meaning": meaning, "steps_per_s": med, "ratio": med["every10"] / med["none"],
+                         "ratio_process": med["every10-process"] / med["none"],
                          "trials": rates, "ckpt_mb": state_mb}  # fmt: skip
     return out
 
@@ -393,7 +397,8 @@ def report(results: dict[str, Any]) -> None:
         c.print(
             f"example {name} ({e['meaning']}; {e['ckpt_mb']:.1f} MB per checkpoint, 2 ranks): "
             f"{e['steps_per_s']['none']:.1f} steps/s without checkpoints, "
-            f"{e['steps_per_s']['every10']:.1f} with one every 10 steps → {e['ratio']:.1%}"
+            f"{e['steps_per_s']['every10']:.1f} with one every 10 steps → {e['ratio']:.1%} "
+            f"(writer process: {e['ratio_process']:.1%})"
         )
 
 
