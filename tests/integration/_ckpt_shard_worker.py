@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _reshard_worker import full  # the script's own folder is on sys.path
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from resilient.checkpoint.manager import Checkpointer
 
@@ -41,14 +41,6 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> 
     opt.zero_grad()
     model(torch.randn(4, 6, generator=gen)).square().mean().backward()
     opt.step()
-
-
-def full(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: full(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(full(v) for v in tree)
-    return tree.full_tensor() if isinstance(tree, DTensor) else tree
 
 
 def sharded_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
