@@ -254,7 +254,7 @@ class Checkpointer:
         try:
             entry = persist_rank(self.root, step, self.token, self.rank, self._arena, slots, skeleton,
                                  incremental=self.incremental, sharded_files=dcp_files)  # fmt: skip
-        except BaseException as e:
+        except Exception as e:
             # give the space back (a full disk); rank 0 will not commit, so the whole directory goes
             discard(self.root, step, self.token, None if self.rank == 0 else self.rank)
             if self.rank != 0:
@@ -265,7 +265,7 @@ class Checkpointer:
         try:
             manifest = commit(self.root, step, self.token, self.world_size, timeout=self.commit_timeout,
                               extra=extra, own=entry)  # fmt: skip
-        except BaseException:
+        except Exception:
             discard(self.root, step, self.token, None)
             raise
         for s in retain(self.root, self.keep, self.token, pinned):
