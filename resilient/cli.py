@@ -5,6 +5,7 @@
 - ``resilient events PATH``: summarize a run's events.jsonl — each fault, who detected it, how long
   recovery took, steps re-run — as a table.
 - ``resilient plan``: Young's and Daly's checkpoint intervals, goodput, and a Monte-Carlo check.
+- ``resilient launch [torchrun flags] script.py ...``: torchrun plus heartbeats and fault causes.
 - ``resilient checkpoints DIR [--verify]``: the committed checkpoints, and whether every file verifies.
 """
 
@@ -180,6 +181,11 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # torchrun's own parser, extended (resilient/launcher/cli.py)
+        from resilient.launcher.cli import main as launch
+
+        return launch(argv[1:])
     p = argparse.ArgumentParser(
         prog="resilient", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -35,6 +35,10 @@ class Event(str, enum.Enum):
     CHECKPOINT_FAILED = "checkpoint_failed"
     CHECKPOINT_LOADED = "checkpoint_loaded"
     RUN_PREEMPTED = "run_preempted"
+    WORKER_DIED = "worker_died"  # the launcher's agent: a worker exited or was killed (with the cause)
+    HEARTBEAT_MISSED = "heartbeat_missed"
+    GROUP_STOPPED = "group_stopped"
+    RELAUNCHED = "relaunched"
 
 
 class EventLog:

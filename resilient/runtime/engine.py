@@ -40,6 +40,7 @@ from resilient.errors import (
     StepInterrupted,
 )
 from resilient.events import Event, EventLog
+from resilient.launcher.heartbeat import Heartbeat
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.health import Check, HealthInput, run_checks
@@ -155,6 +156,9 @@ class Runtime:
             self.persist.install()
         self.interrupter.install()
         self.hard_timer.install()
+        self.heartbeat = Heartbeat.from_env()  # under `resilient launch`: the agent watches it
+        if self.heartbeat is not None:
+            self.heartbeat.start(lambda: self.step)
         self.monitor.start()
         self.listener.start()
         if self.backend == "nccl":
@@ -187,6 +191,9 @@ class Runtime:
                 self.persist.ckpt.close()
             except CheckpointError as e:
                 logger.error("rank {}: at exit: {}", self.rank, e)
+        heartbeat = getattr(self, "heartbeat", None)
+        if heartbeat is not None:
+            heartbeat.close()
         for stop in (
             self.listener.stop,
             self.monitor.stop,
@@ -277,6 +284,7 @@ class Runtime:
                 generation=self.generation,
                 timeout=self.t.collective,
                 device_id=self.device if self.backend == "nccl" else None,
+                namespace=self.coord.ns,
             )
         except Exception as e:
             raise CoordinationError(

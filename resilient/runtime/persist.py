@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -78,7 +79,13 @@ class Persistence:
 
     # ---- preemption signals ------------------------------------------------------------------
     def install(self) -> None:
-        for name in self.cfg.preempt_signals:
+        # `resilient launch` stops workers with SIGTERM and forwards preemption as SIGUSR1
+        names = (
+            os.environ.get("RESILIENT_PREEMPT_SIGNALS", "").split(",")
+            if os.environ.get("RESILIENT_PREEMPT_SIGNALS")
+            else self.cfg.preempt_signals
+        )
+        for name in names:
             signum = getattr(signal, name)
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
 

@@ -137,8 +137,12 @@ def build_group(
     generation: int,
     timeout: float,
     device_id: torch.device | None = None,
+    namespace: str = "",
 ) -> Group:
-    """Create the default process group on ``PrefixStore(g<generation>/pg, store)``."""
+    """Create the default process group on ``PrefixStore(<namespace>/g<generation>/pg, store)``.
+
+    The namespace carries the launch attempt: after a relaunch the agent's store still holds the
+    dead workers' gloo addresses under the previous attempt's keys."""
     if backend == "nccl":
         nccl_env()
     before = _socket_inodes()
@@ -146,7 +150,7 @@ def build_group(
     # time it runs: after N in-process restarts every line would carry N prefixes, and a hook that
     # ends the process would print into the StringIO. Keep the hook the process had.
     hook = sys.excepthook
-    prefixed = dist.PrefixStore(f"g{generation}/pg", store)
+    prefixed = dist.PrefixStore(f"{namespace}/g{generation}/pg", store)
     kwargs: dict[str, object] = {}
     if device_id is not None and backend == "nccl":
         kwargs["device_id"] = device_id

@@ -1,0 +1,1 @@
+"""``resilient launch``: a torchrun-compatible launcher on torch.distributed.elastic for hard faults."""

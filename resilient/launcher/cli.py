@@ -1,0 +1,140 @@
+"""``resilient launch``: torchrun's command line, torch.distributed.elastic's agent and c10d rendezvous,
+plus heartbeats, fault causes and exit codes a scheduler can act on.
+
+Every torchrun flag is accepted (the parser *is* torchrun's); ours are added to it:
+``--heartbeat-timeout`` (a worker silent this long is killed and the group relaunched),
+``--startup-timeout`` (the same before its first beat), ``--backoff-initial``/``--backoff-max``.
+
+Exit codes: 0 every worker finished; 76 (REQUEUE) a worker was preempted and wrote its final
+checkpoint (SIGUSR1/SIGTERM to the launcher are forwarded to the workers as SIGUSR1); 3 (FATAL)
+a worker gave up (fault repeats, budget spent) or restarts were exhausted — do not requeue.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import _get_addr_and_port
+from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
+
+from resilient.errors import ExitCode
+from resilient.events import EventLog
+from resilient.launcher.agent import ResilientAgent
+from resilient.launcher.heartbeat import ENV_DIR, ENV_INTERVAL
+
+
+def parser() -> Any:
+    p = get_args_parser()
+    p.prog = "resilient launch"
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without a worker heartbeat before it is killed and the group relaunched",
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="the same, before a worker's first beat"
+    )
+    p.add_argument("--backoff-initial", type=float, default=1.0, help="delay before the 2nd relaunch, s")
+    p.add_argument("--backoff-max", type=float, default=30.0, help="cap of the exponential backoff, s")
+    p.add_argument(
+        "--events-dir", type=Path, default=Path("resilient_runs"), help="<dir>/<run_id>/events.jsonl"
+    )
+    return p
+
+
+def _forward_preemption(agent: ResilientAgent) -> None:
+    """SIGUSR1/SIGTERM to the launcher (Slurm's warning, a preemption): ask workers for a final
+    checkpoint with SIGUSR1; they exit with 76 and the launcher with them."""
+
+    def forward(signum: int, _frame: Any) -> None:
+        logger.info(f"launcher got {signal.Signals(signum).name}: forwarding SIGUSR1 to the workers")
+        for w in agent._worker_group.workers:
+            if isinstance(w.id, int):
+                try:
+                    os.kill(w.id, signal.SIGUSR1)
+                except ProcessLookupError:
+                    continue
+
+    agent.forward_signals = forward
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.standalone or (
+        args.rdzv_backend == "static"
+        and not args.rdzv_endpoint
+        and args.master_port is None
+        and parse_min_max_nnodes(args.nnodes)[1] == 1
+    ):  # as torchrun: a c10d rendezvous on a free local port
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", uuid.uuid4().hex[:12]
+    if args.master_port is None:
+        args.master_port = 29500
+    config, cmd, cmd_args = config_from_args(args)
+    if not config.run_id or config.run_id == "none":
+        config.run_id = uuid.uuid4().hex[:12]
+    hb_dir = Path("/dev/shm") / f"resilient-hb-{config.run_id}-{os.getpid()}"
+    os.environ[ENV_DIR] = str(hb_dir)  # inherited by the workers
+    os.environ[ENV_INTERVAL] = str(max(0.05, min(1.0, args.heartbeat_timeout / 5)))
+    os.environ["RESILIENT_RUN_ID"] = config.run_id
+    os.environ["RESILIENT_PREEMPT_SIGNALS"] = "SIGUSR1"  # SIGTERM from the agent means "stop now"
+    events = EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1)
+    rdzv = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(rdzv)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=cmd,
+        args=tuple(cmd_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+    )
+    agent = ResilientAgent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        heartbeat_dir=hb_dir,
+        heartbeat_timeout=args.heartbeat_timeout,
+        startup_timeout=args.startup_timeout,
+        events=events,
+        backoff_initial_s=args.backoff_initial,
+        backoff_max_s=args.backoff_max,
+    )
+    _forward_preemption(agent)
+    try:
+        result = agent.run()
+    finally:
+        spec.rdzv_handler.shutdown()
+        events.close()
+        for f in hb_dir.glob("*.hb"):
+            f.unlink(missing_ok=True)
+        if hb_dir.exists():
+            hb_dir.rmdir()
+    if agent.verdict is not None:
+        return agent.verdict
+    if result.is_failed():
+        summary = "; ".join(f"rank {f.get('global_rank')}: {f['cause']}" for f in agent.failures[-8:])
+        print(f"resilient launch: giving up after {config.max_restarts} restarts: {summary}", file=sys.stderr)
+        return int(ExitCode.FATAL)
+    return int(ExitCode.SUCCESS)

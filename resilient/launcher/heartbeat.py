@@ -1,0 +1,87 @@
+"""Worker → agent heartbeats through a 16-byte shared-memory file per local rank.
+
+The worker's step loop stores (CLOCK_MONOTONIC ns, step) into a mapped page: no syscall, no lock,
+nothing the training loop can block on. The agent maps the same files and reads them at every
+monitor interval. CLOCK_MONOTONIC is system-wide on Linux, so the two processes' clocks agree. A
+frozen worker (SIGSTOP, a hang holding the GIL) simply stops storing.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ENV_DIR = "RESILIENT_HEARTBEAT_DIR"
+ENV_INTERVAL = "RESILIENT_HEARTBEAT_INTERVAL"
+_FMT = struct.Struct("<qq")  # monotonic ns of the last beat, step
+
+
+def beat_path(directory: Path, local_rank: int) -> Path:
+    return directory / f"rank{local_rank:05d}.hb"
+
+
+class Heartbeat:
+    """Worker side: ``beat(step)`` after every completed step (and once at start)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, _FMT.size)
+            self._mm = mmap.mmap(fd, _FMT.size)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def from_env(cls) -> Heartbeat | None:
+        """The heartbeat the launcher asked for (``RESILIENT_HEARTBEAT_DIR`` + ``LOCAL_RANK``), if any."""
+        directory = os.environ.get(ENV_DIR)
+        if not directory:
+            return None
+        return cls(beat_path(Path(directory), int(os.environ.get("LOCAL_RANK", "0"))))
+
+    def beat(self, step: int) -> None:
+        _FMT.pack_into(self._mm, 0, time.monotonic_ns(), step)
+
+    def start(self, step: Callable[[], int | None], interval: float | None = None) -> None:
+        """Beat from a daemon thread every ``interval`` s. A thread, not the step loop: a Python-level
+        hang in the main thread is the runtime's soft fault to recover in-process, and the beats must
+        go on meanwhile; a process that is stopped or holds the GIL stops them, which is the point."""
+        every = interval or float(os.environ.get(ENV_INTERVAL, "1.0"))
+        self._halt = threading.Event()
+
+        def run() -> None:
+            while not self._halt.wait(every):
+                s = step()
+                self.beat(-1 if s is None else s)
+
+        self.beat(-1)
+        self._thread = threading.Thread(target=run, name="resilient-heartbeat", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        halt = getattr(self, "_halt", None)
+        if halt is not None:
+            halt.set()
+            self._thread.join(timeout=5)
+        self._mm.close()
+
+
+def read_beat(path: Path) -> tuple[float, int] | None:
+    """(seconds since the last beat, its step), or None if this worker never beat."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_FMT.size)
+    except FileNotFoundError:
+        return None
+    if len(raw) < _FMT.size:
+        return None
+    ns, step = _FMT.unpack(raw)
+    if ns == 0:
+        return None
+    return (time.monotonic_ns() - ns) / 1e9, step

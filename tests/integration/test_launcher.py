@@ -1,0 +1,142 @@
+"""`resilient launch` under hard faults: real SIGKILL and SIGSTOP of a worker, exit-code verdicts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from resilient.errors import ExitCode
+from tests.integration.conftest import EXAMPLE, STEPS, assert_bit_exact
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+EXIT_WITH = str(Path(__file__).with_name("_exit_with.py"))
+
+
+class Launch:
+    """``resilient launch`` in its own session; the whole session is SIGKILLed at the end."""
+
+    def __init__(self, cwd: Path, *argv: str) -> None:
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.cwd = cwd
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        env.pop("RESILIENT_RUN_ID", None)
+        self.log = open(cwd / "launch.log", "w+")  # noqa: SIM115 - closed in finish()
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "resilient.cli", "launch", *argv],
+            cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+    def events(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for f in (self.cwd / "resilient_runs").glob("*/events.jsonl"):
+            out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        return sorted(out, key=lambda e: e["ts"])
+
+    def wait_event(self, name: str, pred: Any = lambda e: True, timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # another process writes the log: poll it, bounded
+            for e in self.events():
+                if e["event"] == name and pred(e):
+                    return e
+            assert self.p.poll() is None, f"launcher exited rc={self.p.returncode}:\n{self.output()}"
+            time.sleep(0.05)
+        raise AssertionError(f"no {name} event within {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return (self.cwd / "launch.log").read_text()[-4000:]
+
+    def finish(self, timeout: float = 120.0) -> int:
+        try:
+            return self.p.wait(timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.p.pid, signal.SIGKILL)  # the launcher
+            self.p.wait()
+            # workers run in sessions of their own (torch's agent starts them so): kill each one
+            for e in self.events():
+                if e["event"] == "run_started" and e["rank"] >= 0:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(int(e["pid"]), signal.SIGKILL)
+            for hb in Path("/dev/shm").glob(f"resilient-hb-*-{self.p.pid}"):
+                shutil.rmtree(hb, ignore_errors=True)
+            self.log.close()
+
+
+def _example(cwd: Path, *extra: str) -> Launch:
+    return Launch(
+        cwd,
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
+        "--heartbeat-timeout", "3", "--startup-timeout", "60", "--backoff-initial", "0",
+        EXAMPLE, "--steps", str(STEPS), "--step-ms", "40", "--ckpt-dir", str(cwd / "ck"),
+        "--ckpt-every", "4", "--out", str(cwd / "state"), *extra,
+    )  # fmt: skip
+
+
+def _final_states(cwd: Path) -> list[dict[str, Any]]:
+    return [torch.load(cwd / "state" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def _worker_pid(launch: Launch, rank: int) -> int:
+    return int(launch.wait_event("run_started", lambda e: e["rank"] == rank)["pid"])
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_hard_fault_relaunches_and_ends_bit_exact(
+    tmp_path: Path, fault: str, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    run = _example(tmp_path)
+    try:
+        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 1)
+        victim = _worker_pid(run, 1)
+        os.kill(victim, getattr(signal, fault))  # a real kill / a real freeze of rank 1
+        rc = run.finish()
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    events = run.events()
+    assert rc == 0, run.output()
+    if fault == "SIGKILL":
+        died = [e for e in events if e["event"] == "worker_died"]
+        assert any(e["pid"] == victim and "SIGKILL" in e["cause"] for e in died), died
+    else:
+        missed = [e for e in events if e["event"] == "heartbeat_missed"]
+        assert missed and missed[0]["pid"] == victim and missed[0]["silent_s"] >= 3, missed
+    relaunched = [e for e in events if e["event"] == "relaunched"]
+    agent = [(e["event"], e.get("cause"), e.get("global_rank")) for e in events if e["rank"] == -1]
+    assert len(relaunched) == 1, agent
+    loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
+    # step 8 is staged when the event appears; its commit needs rank 1's shard, which a frozen or
+    # killed rank 1 may never write: the relaunch resumes from step 8 or the one before (4)
+    assert len(loaded) == 2 and loaded[0]["step"] == loaded[1]["step"] >= 4, loaded
+    assert_bit_exact(reference[2], _final_states(tmp_path))
+
+
+def test_fatal_exit_code_is_not_restarted(tmp_path: Path) -> None:
+    run = Launch(tmp_path, "--standalone", "--nproc-per-node", "1", "--max-restarts", "3", EXIT_WITH, "3")
+    assert run.finish() == ExitCode.FATAL
+    assert not [e for e in run.events() if e["event"] == "relaunched"]
+
+
+def test_restarts_exhausted_exit_fatal_with_a_summary(tmp_path: Path) -> None:
+    run = Launch(
+        tmp_path, "--standalone", "--nproc-per-node", "1", "--max-restarts", "2", "--backoff-initial", "0",
+        EXIT_WITH, "75",
+    )  # fmt: skip
+    assert run.finish() == ExitCode.FATAL
+    events = run.events()
+    assert [e["event"] for e in events].count("relaunched") == 2
+    assert "giving up after 2 restarts" in run.output() and "exit code 75" in run.output()
