@@ -88,6 +88,12 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--backend", default="gloo", choices=["gloo", "nccl", "auto"], help="nccl: one GPU per rank"
     )
+    p.add_argument(
+        "--fault-attempt",
+        type=int,
+        default=None,
+        help="inject only in this launch attempt (relaunches: 1, 2...)",
+    )
     p.add_argument("--ckpt-dir", type=Path, default=None, help="durable checkpoints here (resume from them)")
     p.add_argument("--ckpt-every", default="10", help="checkpoint every N steps, or 'auto'")
     p.add_argument("--ckpt-keep", type=int, default=3)
@@ -98,7 +104,9 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    injector = Injector.parse(args.fault)  # outlives restarts: each fault fires as often as planned
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    planned = args.fault if args.fault_attempt is None or args.fault_attempt == attempt else ""
+    injector = Injector.parse(planned)  # outlives restarts: each fault fires as often as planned
     overrides: dict[str, object] = {}
     if args.hang_timeout is not None:
         overrides["hang_timeout"] = args.hang_timeout

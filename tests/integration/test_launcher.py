@@ -125,6 +125,20 @@ def test_hard_fault_relaunches_and_ends_bit_exact(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
+def test_gil_holding_hang_is_caught_by_the_missing_heartbeat(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # rank 1 enters a C-level regex backtrack that never releases the GIL, in the first attempt only
+    run = _example(tmp_path, "--fault", "gil_hang@10:1", "--fault-attempt", "0")
+    rc = run.finish()
+    events = run.events()
+    assert rc == 0, run.output()
+    missed = [e for e in events if e["event"] == "heartbeat_missed"]
+    assert len(missed) == 1 and missed[0]["global_rank"] == 1 and missed[0]["silent_s"] >= 3, missed
+    assert [e["event"] for e in events].count("relaunched") == 1
+    assert_bit_exact(reference[2], _final_states(tmp_path))
+
+
 def test_fatal_exit_code_is_not_restarted(tmp_path: Path) -> None:
     run = Launch(tmp_path, "--standalone", "--nproc-per-node", "1", "--max-restarts", "3", EXIT_WITH, "3")
     assert run.finish() == ExitCode.FATAL
