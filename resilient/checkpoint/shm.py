@@ -1,11 +1,11 @@
 """The latest snapshot of a rank in shared memory, so that a relaunched worker restores from RAM.
 
 Files in ``/dev/shm`` outlive the process that wrote them (unlike ``multiprocessing.shared_memory``,
-whose resource tracker unlinks segments when the creator dies). Two slot files alternate: a capture
-fills the slot that is *not* current, then atomically replaces ``meta.json`` to point at it, so a
-worker killed mid-copy leaves the previous snapshot whole. ``meta.json`` carries the JSON skeleton,
-the layout and an xxh3-128 of the slot's bytes, checked on load. The launcher keeps the directory
-across restarts of the worker and removes it when the job ends (``unlink``).
+whose resource tracker unlinks segments when the creator dies). Two slots alternate, each with its
+own ``slotK.json`` (JSON skeleton, layout, xxh3-128 of the bytes), removed before the slot is
+overwritten and written back after: a worker killed mid-copy leaves the other snapshot whole, and
+both complete snapshots are offered, so ranks one snapshot apart can still agree on a step. The
+launcher keeps the directory across restarts of the worker and removes it when the job ends.
 """
 
 from __future__ import annotations
@@ -37,24 +37,36 @@ class ShmSnapshot:
         self.top = base / f"resilient-{name}"
         self.dir = self.top / f"rank{rank:05d}"
         self._arenas: list[Arena] = []
-        self._current = -1
 
-    def _meta(self) -> dict[str, Any] | None:
+    def _meta(self, slot: int) -> dict[str, Any] | None:
         try:
-            return dict(json.loads((self.dir / "meta.json").read_text()))
+            return dict(json.loads((self.dir / f"slot{slot}.json").read_text()))
         except FileNotFoundError:
             return None
         except ValueError as e:
-            raise CheckpointError(f"{self.dir / 'meta.json'}: does not parse: {e}") from e
+            raise CheckpointError(f"{self.dir / f'slot{slot}.json'}: does not parse: {e}") from e
+
+    def steps(self) -> list[int]:
+        """Steps of the complete snapshots held (newest first): up to two."""
+        held = []
+        for slot in (0, 1):
+            try:
+                meta = self._meta(slot)
+            except CheckpointError:
+                continue
+            if meta is not None:
+                held.append(int(meta["step"]))
+        return sorted(held, reverse=True)
 
     def capture(self, step: int, state: dict[str, Any], *, checksum: bool = True) -> None:
-        """Copy ``state`` into the spare slot, then make it the current snapshot."""
+        """Copy ``state`` into the older slot. Its ``slotK.json`` goes first and comes back last, so
+        a worker killed mid-copy leaves the other slot, and only it, described and whole."""
         self.dir.mkdir(parents=True, exist_ok=True)
         if not self._arenas:
             self._arenas = [Arena(self.dir / f"slot{i}.bin") for i in (0, 1)]
-            meta = self._meta()
-            self._current = int(meta["slot"]) if meta else 1
-        spare = 1 - self._current
+        metas = [self._meta(i) for i in (0, 1)]
+        spare = min((0, 1), key=lambda i: -1 if metas[i] is None else int(metas[i]["step"]))  # type: ignore[index]
+        (self.dir / f"slot{spare}.json").unlink(missing_ok=True)
         skeleton, leaves = encode(state)
         arena = self._arenas[spare]
         slots = arena.stage(leaves)
@@ -62,21 +74,23 @@ class ShmSnapshot:
         digest = xxhash.xxh3_128_hexdigest(arena.buf[:size].numpy().data) if checksum else None
         meta = {
             "step": step,
-            "slot": spare,
             "size": size,
             "xxh3": digest,
             "skeleton": skeleton,
             "layout": [[s.key, s.dtype, list(s.shape), s.offset, s.nbytes] for s in slots],
         }
-        write_json_durable(self.dir / "meta.json", meta)
-        self._current = spare
+        write_json_durable(self.dir / f"slot{spare}.json", meta, durable=False)  # RAM: nothing to sync
 
-    def load(self) -> tuple[int, Any] | None:
-        """(step, state) of the current snapshot, or None if there is none; tensors are copies."""
-        meta = self._meta()
-        if meta is None:
+    def load(self, step: int | None = None) -> tuple[int, Any] | None:
+        """(step, state) of the newest snapshot (or of ``step``), or None; tensors are copies."""
+        held = {int(m["step"]): (i, m) for i in (0, 1) if (m := self._meta(i)) is not None}
+        if not held:
             return None
-        path = self.dir / f"slot{meta['slot']}.bin"
+        want = max(held) if step is None else step
+        if want not in held:
+            raise CheckpointError(f"{self.dir}: no snapshot of step {want} (held: {sorted(held)})")
+        slot, meta = held[want]
+        path = self.dir / f"slot{slot}.bin"
         size = int(meta["size"])
         try:
             with open(path, "rb") as f:
@@ -96,7 +110,7 @@ class ShmSnapshot:
             raise CheckpointError(f"{path}: checksum mismatch (corrupt snapshot)")
         # clones: every tensor owns its memory (Generator.set_state misreads views with an offset)
         tensors = [typed_view(buf, Slot(k, d, tuple(s), o, n)).clone() for k, d, s, o, n in meta["layout"]]
-        return int(meta["step"]), decode(meta["skeleton"], tensors)
+        return want, decode(meta["skeleton"], tensors)
 
     def close(self) -> None:
         """Unmap this process's slots; the snapshot stays in shared memory."""

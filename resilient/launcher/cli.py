@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
+from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import ExitCode
 from resilient.events import EventLog
 from resilient.launcher.agent import ResilientAgent
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_INTERVAL] = str(max(0.05, min(1.0, args.heartbeat_timeout / 5)))
     os.environ["RESILIENT_RUN_ID"] = config.run_id
     os.environ["RESILIENT_PREEMPT_SIGNALS"] = "SIGUSR1"  # SIGTERM from the agent means "stop now"
+    shm_name = f"{config.run_id}-{os.getpid()}"
+    os.environ["RESILIENT_SHM_NAME"] = shm_name  # workers snapshot there; kept across relaunches
     events = EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1)
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -131,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             f.unlink(missing_ok=True)
         if hb_dir.exists():
             hb_dir.rmdir()
+        ShmSnapshot(shm_name).unlink()  # the job is over: its snapshots go
     if agent.verdict is not None:
         return agent.verdict
     if result.is_failed():

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from loguru import logger
 
+from resilient.checkpoint.shm import ShmSnapshot
 from resilient.config import Config
 from resilient.errors import (
     CheckpointError,
@@ -42,6 +43,7 @@ from resilient.errors import (
 from resilient.events import Event, EventLog
 from resilient.launcher.heartbeat import Heartbeat
 from resilient.runtime import coordinator as coord_mod
+from resilient.runtime import resume
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.health import Check, HealthInput, run_checks
 from resilient.runtime.persist import Persistence
@@ -116,6 +118,7 @@ class Runtime:
         self._remote_lock = threading.Lock()
         self.events: EventLog | None = None  # needs the run id, agreed in start()
         self.persist: Persistence | None = None  # durable checkpoints, when checkpoint.dir is set
+        self.shm: ShmSnapshot | None = None  # snapshots in /dev/shm, under `resilient launch`
         self.run_dir: Path | None = None
 
     @property
@@ -157,6 +160,8 @@ class Runtime:
         self.interrupter.install()
         self.hard_timer.install()
         self.heartbeat = Heartbeat.from_env()  # under `resilient launch`: the agent watches it
+        shm_name = os.environ.get("RESILIENT_SHM_NAME")  # set by `resilient launch`, which keeps it
+        self.shm = ShmSnapshot(shm_name, self.rank) if shm_name else None
         if self.heartbeat is not None:
             self.heartbeat.start(lambda: self.step)
         self.monitor.start()
@@ -419,8 +424,11 @@ class Runtime:
 
     def _begin_steps(self, total: int) -> int:
         if self._restore_state is None:
-            start = self._resume_from_checkpoint() if self.generation == 0 else 0
-            self.snapshots.capture(start, self.registry.capture())
+            start = self._resume_at_start() if self.generation == 0 and self.step is None else 0
+            state = self.registry.capture()
+            self.snapshots.capture(start, state)
+            if self.shm is not None:
+                self.shm.capture(start, state, checksum=False)
             return start
         missing = [n for n in self._restore_state if n != RNG and n not in self._restored]
         if missing:
@@ -441,28 +449,42 @@ class Runtime:
         self.step = step
         return step
 
-    def _resume_from_checkpoint(self) -> int:
-        if self.persist is None or self.step is not None:
+    def _resume_at_start(self) -> int:
+        """A (re)started worker: the shared-memory snapshot every rank holds, else the newest
+        checkpoint that verifies everywhere, else step 0."""
+        t0 = time.time()
+        newest = self.persist.ckpt.committed()[:1] if self.persist is not None else []
+        if self.shm is not None:
+            got = resume.from_shm(
+                self.shm, lambda n, p: self.coord.exchange(0, n, p), newest[0] if newest else -1
+            )
+            if got is not None:
+                return self._apply_restored(got[0], got[1], "shm", t0)
+        if self.persist is None:
             return 0
         loaded = self.persist.resume()
         if loaded is None:
             return 0
-        held = sorted(k for k in loaded.state if k != RNG)
+        return self._apply_restored(loaded.step, loaded.state, str(loaded.path), t0)
+
+    def _apply_restored(self, step: int, state: dict[str, Any], source: str, t0: float) -> int:
+        held = sorted(k for k in state if k != RNG)
         if set(held) != set(self.registry.names()):
             raise StateRestoreError(
-                f"checkpoint {loaded.path} holds {held}, but this run tracks {sorted(self.registry.names())}"
+                f"{source} holds {held}, but this run tracks {sorted(self.registry.names())}"
             )
         for name in held:
-            self.registry.load(name, loaded.state[name])
-        restore_rng(loaded.state[RNG])
-        self.persist.next_save = loaded.step + (
-            self.cfg.checkpoint.interval if isinstance(self.cfg.checkpoint.interval, int) else 1
-        )
-        self.schedule.rebase(loaded.step)
+            self.registry.load(name, state[name])
+        restore_rng(state[RNG])
+        if self.persist is not None:
+            interval = self.cfg.checkpoint.interval
+            self.persist.next_save = step + (interval if isinstance(interval, int) else 1)
+        self.schedule.rebase(step)
         self._ev.emit(
-            Event.STATE_RESTORED, generation=0, step=loaded.step, objects=held, source=str(loaded.path)
-        )
-        return loaded.step
+            Event.STATE_RESTORED, generation=0, step=step, objects=held, source=source,
+            duration_s=time.time() - t0,
+        )  # fmt: skip
+        return step
 
     def _complete(self, step: int, total: int) -> None:
         now = time.monotonic()
@@ -472,7 +494,10 @@ class Runtime:
         nxt = step + 1
         capture_s = None
         if self.schedule.due(nxt, total):
-            self.snapshots.capture(nxt, self.registry.capture())
+            state = self.registry.capture()
+            self.snapshots.capture(nxt, state)
+            if self.shm is not None:  # survives this process: a relaunched worker starts from it
+                self.shm.capture(nxt, state, checksum=False)
             capture_s = time.monotonic() - now
         self.schedule.observe(nxt, step_s, capture_s)
         p = self.persist
