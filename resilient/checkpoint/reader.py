@@ -27,7 +27,6 @@ from resilient.checkpoint.manifest import (
     read_manifest,
     step_name,
 )
-from resilient.checkpoint.sharded import load_sharded
 from resilient.checkpoint.writer import file_digest
 from resilient.errors import CheckpointError
 
@@ -122,6 +121,8 @@ def load_step(
         state = _load_rank(root, path, manifest, rank)
     loaded = Loaded(step, state, manifest, path)
     if sharded is not None and collective:
+        from resilient.checkpoint.sharded import load_sharded  # DCP: ~0.5 s to import, only if used
+
         load_sharded(sharded, path / "dcp")
     return loaded
 
@@ -179,6 +180,8 @@ def load_latest(
             continue
         if loaded is not None:
             if sharded is not None:
+                from resilient.checkpoint.sharded import load_sharded
+
                 load_sharded(sharded, loaded.path / "dcp")
             return loaded
     if tried:

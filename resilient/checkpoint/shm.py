@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import xxhash
 
-from resilient.checkpoint.codec import decode, encode
+from resilient.checkpoint.codec import decode, dtype_from_name, encode
 from resilient.checkpoint.manifest import write_json_durable
-from resilient.checkpoint.staging import Arena, Slot, extent, typed_view
+from resilient.checkpoint.staging import Arena, extent
 from resilient.errors import CheckpointError
 
 SHM = Path("/dev/shm")
@@ -93,23 +93,28 @@ class ShmSnapshot:
         path = self.dir / f"slot{slot}.bin"
         size = int(meta["size"])
         try:
-            with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_size < size:
-                    raise CheckpointError(f"{path}: shorter than the {size} bytes its snapshot needs")
-                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
+            f = open(path, "rb")  # noqa: SIM115 - closed below, after the mapping
         except FileNotFoundError:
             raise CheckpointError(f"{path}: snapshot slot missing") from None
+        with f:
+            if os.fstat(f.fileno()).st_size < size:
+                raise CheckpointError(f"{path}: shorter than the {size} bytes its snapshot needs")
+            mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
         try:
-            buf = torch.empty(size, dtype=torch.uint8)
-            if mm is not None:
-                buf.numpy()[:] = memoryview(mm)
+            view = memoryview(mm) if mm is not None else memoryview(b"")
+            if meta["xxh3"] is not None and xxhash.xxh3_128_hexdigest(view) != meta["xxh3"]:
+                raise CheckpointError(f"{path}: checksum mismatch (corrupt snapshot)")
+            # one copy, straight from the mapped pages into tensors that own their memory
+            tensors = []
+            for _key, dtype, shape, offset, nbytes in meta["layout"]:
+                t = torch.empty(tuple(shape), dtype=dtype_from_name(dtype))
+                if nbytes:
+                    t.reshape(-1).view(torch.uint8).numpy()[:] = view[offset : offset + nbytes]
+                tensors.append(t)
+            view.release()
         finally:
             if mm is not None:
                 mm.close()
-        if meta["xxh3"] is not None and xxhash.xxh3_128_hexdigest(buf.numpy().data) != meta["xxh3"]:
-            raise CheckpointError(f"{path}: checksum mismatch (corrupt snapshot)")
-        # clones: every tensor owns its memory (Generator.set_state misreads views with an offset)
-        tensors = [typed_view(buf, Slot(k, d, tuple(s), o, n)).clone() for k, d, s, o, n in meta["layout"]]
         return want, decode(meta["skeleton"], tensors)
 
     def close(self) -> None:

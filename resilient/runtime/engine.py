@@ -427,7 +427,7 @@ class Runtime:
             start = self._resume_at_start() if self.generation == 0 and self.step is None else 0
             state = self.registry.capture()
             self.snapshots.capture(start, state)
-            if self.shm is not None:
+            if self.shm is not None and start not in self.shm.steps():  # restored from it: held
                 self.shm.capture(start, state, checksum=False)
             return start
         missing = [n for n in self._restore_state if n != RNG and n not in self._restored]

@@ -1,0 +1,120 @@
+"""SIGKILL of a worker → first step completed after the relaunch, with a ~1 GB state, side by side:
+
+- ours: `resilient launch`; the relaunched worker restores from the shared-memory snapshot the
+  launcher kept (snapshot every 5 steps);
+- peer: `torchrun --max-restarts 1`; the worker torch.save+fsyncs every 5 steps and torch.loads
+  the file when it starts (the usual path).
+
+Same worker (benchmarks/relaunch_worker.py), same kill point (attempt 0 after step 7), alternating
+trials. Recovery = the driver's time of the first step the relaunched worker completes minus the
+time it sent SIGKILL. A trial with no step within --timeout counts as never recovered.
+
+    python benchmarks/relaunch.py [--trials 20] [--gb 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "benchmarks" / "relaunch_worker.py")
+KILL_AFTER = 7
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def trial(mode: str, cwd: Path, gb: float, timeout: float) -> dict[str, Any]:
+    cwd.mkdir(parents=True)
+    progress = cwd / "progress.jsonl"
+    common = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.1"]
+    work = [WORKER, "--gb", str(gb), "--progress", str(progress)]
+    if mode == "resilient":
+        cmd = [sys.executable, "-m", "resilient.cli", "launch", *common, *work, "--mode", "resilient"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *common, *work, "--mode", "plain",
+               "--ckpt", str(cwd / "ck.pt")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with open(cwd / "launch.log", "w") as log:
+        p = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    out: dict[str, Any] = {"mode": mode, "recovered": False}
+    try:
+        deadline = time.monotonic() + timeout
+        victim = None
+        while time.monotonic() < deadline and victim is None:  # polls a file another process appends
+            done = [x for x in _lines(progress) if x["attempt"] == 0 and x["step"] >= KILL_AFTER]
+            victim = done[0] if done else None
+            time.sleep(0.01)
+        if victim is None:
+            out["error"] = "never reached the kill point"
+            return out
+        t_kill = time.time()
+        os.kill(victim["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            after = [x for x in _lines(progress) if x["attempt"] == 1]
+            if after:
+                out.update(recovered=True, recovery_s=after[0]["t"] - t_kill, resumed_at=after[0]["step"],
+                           killed_after=victim["step"])  # fmt: skip
+                break
+            time.sleep(0.01)
+        p.wait(timeout=timeout)
+        out["rc"] = p.returncode
+        return out
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        for x in _lines(progress):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(x["pid"], signal.SIGKILL)
+        p.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "relaunch.json")
+    args = ap.parse_args()
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
+        for t in range(args.trials):
+            for mode in ("resilient", "torchrun"):
+                r = trial(mode, Path(d) / f"{mode}{t}", args.gb, args.timeout)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    summary = {}
+    for mode in ("resilient", "torchrun"):
+        rec = sorted(r["recovery_s"] for r in results if r["mode"] == mode and r["recovered"])
+        n = sum(r["mode"] == mode for r in results)
+        summary[mode] = rec
+        p99 = rec[min(len(rec) - 1, int(round(0.99 * (len(rec) - 1))))] if rec else float("nan")
+        print(f"{mode:10s} recovered {len(rec)}/{n}  median {statistics.median(rec) if rec else float('nan'):.2f} s"
+              f"  p99 {p99:.2f} s  max {max(rec) if rec else float('nan'):.2f} s")  # fmt: skip
+    if summary["resilient"] and summary["torchrun"]:
+        print(
+            f"torchrun / ours (medians): {statistics.median(summary['torchrun']) / statistics.median(summary['resilient']):.1f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
