@@ -102,18 +102,18 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
-    summary = {}
+    medians = {}
     for mode in ("resilient", "torchrun"):
         rec = sorted(r["recovery_s"] for r in results if r["mode"] == mode and r["recovered"])
         n = sum(r["mode"] == mode for r in results)
-        summary[mode] = rec
-        p99 = rec[min(len(rec) - 1, int(round(0.99 * (len(rec) - 1))))] if rec else float("nan")
-        print(f"{mode:10s} recovered {len(rec)}/{n}  median {statistics.median(rec) if rec else float('nan'):.2f} s"
-              f"  p99 {p99:.2f} s  max {max(rec) if rec else float('nan'):.2f} s")  # fmt: skip
-    if summary["resilient"] and summary["torchrun"]:
-        print(
-            f"torchrun / ours (medians): {statistics.median(summary['torchrun']) / statistics.median(summary['resilient']):.1f}x"
-        )
+        if not rec:
+            print(f"{mode:10s} recovered 0/{n}")
+            continue
+        medians[mode] = statistics.median(rec)
+        p99 = rec[min(len(rec) - 1, round(0.99 * (len(rec) - 1)))]
+        print(f"{mode:10s} recovered {len(rec)}/{n}  median {medians[mode]:.2f} s  p99 {p99:.2f} s")
+    if len(medians) == 2:
+        print(f"torchrun / ours (medians): {medians['torchrun'] / medians['resilient']:.1f}x")
 
 
 if __name__ == "__main__":
