@@ -10,6 +10,8 @@ up to N); without it a fault fires once. Kinds:
   collective waits past its timeout.
 - ``oom``: allocate far more host memory than exists — a real allocation failure from the allocator.
 - ``cuda_oom``: allocate far more device memory than the GPU has — a real ``torch.OutOfMemoryError``.
+- ``kernel_oom``: touch memory until the kernel's OOM killer SIGKILLs the process — only inside a
+  memory-limited cgroup (refused otherwise: it would take the whole machine's memory).
 - ``gil_hang``: a regular-expression match with catastrophic backtracking: C code that holds the
   GIL for hours, unreachable by signals and other Python threads (a hard fault).
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-KINDS = ("exception", "hang", "stall", "oom", "cuda_oom", "gil_hang")
+KINDS = ("exception", "hang", "stall", "oom", "cuda_oom", "kernel_oom", "gil_hang")
 _SPEC = re.compile(
     r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?$"
 )
@@ -108,5 +110,38 @@ def _fire(f: Fault) -> None:
             raise RuntimeError("cuda_oom injector needs a GPU (none is present)")
         _free, total = torch.cuda.mem_get_info()
         torch.empty(int(total * 4), dtype=torch.uint8, device="cuda")
+    elif f.kind == "kernel_oom":
+        limit = _cgroup_memory_limit()
+        if limit is None or limit >= psutil.virtual_memory().total:
+            raise RuntimeError("kernel_oom injector needs a memory-limited cgroup (this process has none)")
+        hold = []
+        while True:  # each chunk is written, so its pages are really charged to the cgroup
+            chunk = bytearray(64 << 20)
+            chunk[::4096] = b"\x01" * len(range(0, len(chunk), 4096))
+            hold.append(chunk)
     elif f.kind == "gil_hang":
         re.match(r"(a+)+$", "a" * 64 + "b")
+
+
+def _cgroup_memory_limit() -> int | None:
+    """This process's cgroup memory limit in bytes (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``)."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()  # noqa: SIM115
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+        elif controllers == "":
+            candidates = [f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup/unified{path}/memory.max"]
+        else:
+            continue
+        for c in candidates:
+            try:
+                raw = open(c).read().strip()  # noqa: SIM115
+            except OSError:
+                continue
+            if raw != "max":
+                return int(raw)
+    return None

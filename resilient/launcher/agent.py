@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -50,16 +52,33 @@ def oom_kills() -> int | None:
     return None
 
 
-def describe_exit(exitcode: int, oom_before: int | None, oom_after: int | None) -> str:
+def oom_killed_by_kernel(pid: int) -> bool | None:
+    """Whether the kernel log names ``pid`` as an OOM-killer victim (None: the log is unreadable)."""
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not out:
+        return None
+    pat = re.compile(
+        rf"(Killed process {pid}\b|oom-kill:.*\bpid={pid}\b|Memory cgroup out of memory: Kill.* {pid}\b)"
+    )
+    return any(pat.search(line) for line in out.splitlines()[-2000:])
+
+
+def describe_exit(exitcode: int, pid: int, oom_before: int | None, oom_after: int | None) -> str:
     if exitcode >= 0:
         return f"exit code {exitcode}"
     try:
         name = signal.Signals(-exitcode).name
     except ValueError:
         name = f"signal {-exitcode}"
-    if -exitcode == signal.SIGKILL and oom_before is not None and oom_after is not None:
-        verdict = "OOM-killed by the kernel" if oom_after > oom_before else "not an OOM kill"
-        return f"killed by {name} ({verdict})"
+    if -exitcode == signal.SIGKILL:
+        oom = oom_killed_by_kernel(pid)
+        if oom is None and oom_before is not None and oom_after is not None:
+            oom = oom_after > oom_before
+        if oom is not None:
+            return f"killed by {name} ({'OOM-killed by the kernel' if oom else 'not an OOM kill'})"
     return f"killed by {name}"
 
 
@@ -135,7 +154,7 @@ class ResilientAgent(LocalElasticAgent):
         oom = oom_kills()
         by_global = {w.global_rank: w for w in worker_group.workers}
         for global_rank, failure in result.failures.items():
-            cause = describe_exit(failure.exitcode, self._oom, oom)
+            cause = describe_exit(failure.exitcode, failure.pid, self._oom, oom)
             w = by_global.get(global_rank)
             record = {"global_rank": global_rank, "local_rank": w.local_rank if w else None,
                       "pid": failure.pid, "exitcode": failure.exitcode, "cause": cause,

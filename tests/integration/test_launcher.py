@@ -141,6 +141,55 @@ def test_gil_holding_hang_is_caught_by_the_missing_heartbeat(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
+@pytest.fixture
+def memory_cgroup() -> Any:
+    """A real cgroup v1 memory limit of 700 MiB (root only); removed even if the test fails."""
+    base = Path("/sys/fs/cgroup/memory")
+    if not (base / "cgroup.procs").exists() or os.geteuid() != 0:
+        pytest.skip("needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
+    cg = base / f"resilient-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        cg.mkdir()
+        (cg / "memory.limit_in_bytes").write_text(str(700 << 20))
+    except OSError as e:
+        pytest.skip(f"cannot create a memory cgroup here: {e}")
+    try:
+        yield cg
+    finally:
+        for pid in (cg / "cgroup.procs").read_text().split():  # anything still charged to it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while True:  # rmdir succeeds once the killed tasks are gone
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+def test_kernel_oom_kill_is_named_and_recovered(
+    tmp_path: Path, memory_cgroup: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # rank 1 of the first attempt runs inside a 700 MiB cgroup and touches memory until the kernel kills it
+    run = _example(tmp_path, "--fault", "kernel_oom@10:1", "--fault-attempt", "0")
+    try:
+        victim = _worker_pid(run, 1)
+        (memory_cgroup / "cgroup.procs").write_text(str(victim))
+        rc = run.finish()
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    events = run.events()
+    assert rc == 0, run.output()
+    died = [e for e in events if e["event"] == "worker_died" and e["pid"] == victim]
+    assert died and died[0]["cause"] == "killed by SIGKILL (OOM-killed by the kernel)", died
+    assert [e["event"] for e in events].count("relaunched") == 1
+    assert_bit_exact(reference[2], _final_states(tmp_path))
+
+
 def test_fatal_exit_code_is_not_restarted(tmp_path: Path) -> None:
     run = Launch(tmp_path, "--standalone", "--nproc-per-node", "1", "--max-restarts", "3", EXIT_WITH, "3")
     assert run.finish() == ExitCode.FATAL
