@@ -190,6 +190,27 @@ def test_kernel_oom_kill_is_named_and_recovered(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_preemption_signal_to_the_launcher_checkpoints_and_exits_requeue(tmp_path: Path, sig: str) -> None:
+    # Slurm signals the launcher (srun's task); the workers must write a final checkpoint, not die
+    run = _example(tmp_path)
+    try:
+        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 1)
+        os.kill(run.p.pid, getattr(signal, sig))
+        rc = run.finish()
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    events = run.events()
+    assert rc == ExitCode.REQUEUE, run.output()
+    pre = [e for e in events if e["event"] == "run_preempted"]
+    assert len(pre) == 2 and pre[0]["step"] == pre[1]["step"], pre
+    assert not [e for e in events if e["event"] == "relaunched"]
+    from resilient.checkpoint.manifest import committed_steps
+
+    assert committed_steps(tmp_path / "ck")[0] == pre[0]["step"]
+
+
 def test_fatal_exit_code_is_not_restarted(tmp_path: Path) -> None:
     run = Launch(tmp_path, "--standalone", "--nproc-per-node", "1", "--max-restarts", "3", EXIT_WITH, "3")
     assert run.finish() == ExitCode.FATAL

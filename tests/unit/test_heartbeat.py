@@ -1,0 +1,64 @@
+"""Worker → agent heartbeats, and how the agent names a worker's death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from resilient.launcher.agent import describe_exit
+from resilient.launcher.heartbeat import beat_path, read_beat
+
+
+def test_beat_is_read_by_another_process_with_its_age_and_step(tmp_path: Path) -> None:
+    path = beat_path(tmp_path, 3)
+    code = (
+        "import sys; from pathlib import Path; from resilient.launcher.heartbeat import Heartbeat;"
+        f"h = Heartbeat(Path({str(path)!r})); h.beat(41); h.close()"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    got = read_beat(path)
+    assert got is not None and got[1] == 41 and 0 <= got[0] < 30
+
+
+def test_no_file_or_no_beat_reads_as_none(tmp_path: Path) -> None:
+    assert read_beat(tmp_path / "missing.hb") is None
+    (tmp_path / "empty.hb").write_bytes(bytes(16))
+    assert read_beat(tmp_path / "empty.hb") is None
+
+
+def test_beating_thread_stops_when_the_process_is_stopped(tmp_path: Path) -> None:
+    path = beat_path(tmp_path, 0)
+    code = (
+        "import time; from pathlib import Path; from resilient.launcher.heartbeat import Heartbeat;"
+        f"h = Heartbeat(Path({str(path)!r})); h.start(lambda: 7, interval=0.05); time.sleep(60)"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while (b := read_beat(path)) is None or b[1] != 7:  # the thread's first beat with a step
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.02)
+        os.kill(p.pid, signal.SIGSTOP)  # a real freeze: no thread of it runs any more
+        stopped_at = time.monotonic()
+        time.sleep(0.5)  # the time span under test: the beat must age while the process is stopped
+        age = read_beat(path)
+        assert age is not None and age[0] >= 0.4 and time.monotonic() - stopped_at >= 0.5
+        os.kill(p.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while (b := read_beat(path)) is not None and b[0] > 0.2:  # beats resume
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_exit_descriptions() -> None:
+    assert describe_exit(75, 1, None, None) == "exit code 75"
+    assert describe_exit(-signal.SIGSEGV, 1, None, None) == "killed by SIGSEGV"
+    cause = describe_exit(-signal.SIGKILL, 2**22 + 12345, 0, 0)  # a pid no kernel log line names
+    assert cause == "killed by SIGKILL (not an OOM kill)"
