@@ -211,6 +211,46 @@ def test_preemption_signal_to_the_launcher_checkpoints_and_exits_requeue(tmp_pat
     assert committed_steps(tmp_path / "ck")[0] == pre[0]["step"]
 
 
+def test_two_agents_on_one_machine_form_one_job(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # two "nodes": two launchers, one c10d rendezvous on 127.0.0.1, one worker each
+    from chaos.harness import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        Launch(
+            tmp_path / f"node{n}",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "two-nodes",
+            "--max-restarts",
+            "0",
+            EXAMPLE,
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(tmp_path / "state"),
+        )
+        for n in (0, 1)
+    ]
+    try:
+        rcs = [node.finish() for node in nodes]
+    finally:
+        for node in nodes:
+            if node.p.poll() is None:
+                node.finish(timeout=1)
+    assert rcs == [0, 0], [node.output() for node in nodes]
+    assert_bit_exact(reference[2], _final_states(tmp_path))
+
+
 def test_fatal_exit_code_is_not_restarted(tmp_path: Path) -> None:
     run = Launch(tmp_path, "--standalone", "--nproc-per-node", "1", "--max-restarts", "3", EXIT_WITH, "3")
     assert run.finish() == ExitCode.FATAL
