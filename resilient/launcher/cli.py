@@ -30,7 +30,7 @@ from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import ExitCode
 from resilient.events import EventLog
 from resilient.launcher.agent import ResilientAgent
-from resilient.launcher.heartbeat import ENV_DIR, ENV_INTERVAL
+from resilient.launcher.heartbeat import ENV_DIR, ENV_INTERVAL, ENV_LAUNCHER_PID
 
 
 def parser() -> Any:
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         config.run_id = uuid.uuid4().hex[:12]
     hb_dir = Path("/dev/shm") / f"resilient-hb-{config.run_id}-{os.getpid()}"
     os.environ[ENV_DIR] = str(hb_dir)  # inherited by the workers
+    os.environ[ENV_LAUNCHER_PID] = str(os.getpid())  # workers die with the launcher (PDEATHSIG)
     os.environ[ENV_INTERVAL] = str(max(0.05, min(1.0, args.heartbeat_timeout / 5)))
     os.environ["RESILIENT_RUN_ID"] = config.run_id
     os.environ["RESILIENT_PREEMPT_SIGNALS"] = "SIGUSR1"  # SIGTERM from the agent means "stop now"

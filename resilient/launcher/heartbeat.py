@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,27 @@ from pathlib import Path
 ENV_DIR = "RESILIENT_HEARTBEAT_DIR"
 ENV_INTERVAL = "RESILIENT_HEARTBEAT_INTERVAL"
 _FMT = struct.Struct("<qq")  # monotonic ns of the last beat, step
+
+
+ENV_LAUNCHER_PID = "RESILIENT_LAUNCHER_PID"
+
+
+def die_with_launcher() -> None:
+    """Under ``resilient launch``: have the kernel SIGKILL this worker when the launcher dies.
+
+    torch's agent starts workers in sessions of their own, so a launcher killed with SIGKILL (no
+    chance to stop them) would leave them running, holding the node's GPUs and ports."""
+    launcher = os.environ.get(ENV_LAUNCHER_PID)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != int(launcher):  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def beat_path(directory: Path, local_rank: int) -> Path:

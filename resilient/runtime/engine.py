@@ -41,7 +41,7 @@ from resilient.errors import (
     StepInterrupted,
 )
 from resilient.events import Event, EventLog
-from resilient.launcher.heartbeat import Heartbeat
+from resilient.launcher.heartbeat import Heartbeat, die_with_launcher
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime import resume
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
@@ -159,6 +159,7 @@ class Runtime:
             self.persist.install()
         self.interrupter.install()
         self.hard_timer.install()
+        die_with_launcher()
         self.heartbeat = Heartbeat.from_env()  # under `resilient launch`: the agent watches it
         shm_name = os.environ.get("RESILIENT_SHM_NAME")  # set by `resilient launch`, which keeps it
         self.shm = ShmSnapshot(shm_name, self.rank) if shm_name else None

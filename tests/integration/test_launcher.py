@@ -251,6 +251,26 @@ def test_two_agents_on_one_machine_form_one_job(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
+def test_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    import psutil
+
+    run = _example(tmp_path)
+    try:
+        pids = [_worker_pid(run, r) for r in (0, 1)]
+        for pid in pids:  # frozen workers cannot notice the launcher's store going away themselves
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(run.p.pid, signal.SIGKILL)  # the launcher only: no chance to stop its workers
+        run.p.wait()
+        deadline = time.monotonic() + 20
+        alive = pids
+        while alive and time.monotonic() < deadline:  # the kernel delivers PDEATHSIG; wait for it
+            alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+            time.sleep(0.05)
+        assert not alive, f"workers {alive} outlived their launcher"
+    finally:
+        run.finish(timeout=1)
+
+
 def test_fatal_exit_code_is_not_restarted(tmp_path: Path) -> None:
     run = Launch(tmp_path, "--standalone", "--nproc-per-node", "1", "--max-restarts", "3", EXIT_WITH, "3")
     assert run.finish() == ExitCode.FATAL
