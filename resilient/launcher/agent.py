@@ -82,6 +82,17 @@ def describe_exit(exitcode: int, pid: int, oom_before: int | None, oom_after: in
     return f"killed by {name}"
 
 
+ENV_ROUND = "RESILIENT_LAUNCH_ROUND"
+
+
+def _rendezvous_round(worker_group: WorkerGroup) -> int | None:
+    handler = worker_group.spec.rdzv_handler
+    holder = getattr(handler, "_state_holder", None)  # DynamicRendezvousHandler (c10d, etcd-v2)
+    state = getattr(holder, "state", None)
+    round_no = getattr(state, "round", None)
+    return int(round_no) if isinstance(round_no, int) else None
+
+
 class ResilientAgent(LocalElasticAgent):
     def __init__(
         self,
@@ -116,6 +127,12 @@ class ResilientAgent(LocalElasticAgent):
         for w in worker_group.workers:
             beat_path(self.heartbeat_dir, w.local_rank).unlink(missing_ok=True)
         self._oom = oom_kills()
+        # Every agent of a rendezvous round sees the same round number, unlike its restart count
+        # (an agent restarted for a peer's failure does not count it): the workers' store keys and
+        # checkpoint directories are named after it, so all ranks of a launch agree.
+        round_no = _rendezvous_round(worker_group)
+        if round_no is not None:
+            os.environ[ENV_ROUND] = str(round_no)  # inherited by the workers started now
         pids = super()._start_workers(worker_group)
         self._started = time.monotonic()
         if self.forward_signals is not None:  # starting workers installed torch's own SIGTERM handler

@@ -139,7 +139,11 @@ class Runtime:
         self.store = coord_mod.connect(self.ep, self.t.barrier)
         self.store_host, self.store_port = self.ep.host, self.store.port
         self.run_id = coord_mod.agree_run_id(self.store)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # the launch: `resilient launch` passes the rendezvous round, the same on every node;
+        # torchrun's restart count can differ between nodes after a peer-triggered restart
+        attempt = os.environ.get("RESILIENT_LAUNCH_ROUND") or os.environ.get(
+            "TORCHELASTIC_RESTART_COUNT", "0"
+        )
         ns = f"resilient/{self.run_id}/a{attempt}"
         self.coord = coord_mod.Coordinator(self.store, ns, self.rank, self.world_size, self.t.barrier)
         self.schedule = SnapshotSchedule(self.cfg.snapshot, self.rank, self.store, f"{ns}/snapshot_interval")

@@ -251,6 +251,64 @@ def test_two_agents_on_one_machine_form_one_job(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
+def test_worker_killed_on_one_of_two_nodes_relaunches_both_bit_exact(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # The node whose worker died restarts and re-rendezvouses; the other node restarts because of
+    # the membership change, without counting a restart: the launch must still be one for both.
+    from chaos.harness import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        Launch(
+            tmp_path / f"node{n}",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "kill-one",
+            "--max-restarts",
+            "2",
+            "--monitor-interval",
+            "0.2",
+            "--heartbeat-timeout",
+            "5",
+            EXAMPLE,
+            "--steps",
+            str(STEPS),
+            "--step-ms",
+            "40",
+            "--hang-timeout",
+            "5",
+            "--ckpt-dir",
+            str(tmp_path / "ck"),
+            "--ckpt-every",
+            "4",
+            "--out",
+            str(tmp_path / "state"),
+        )
+        for n in (0, 1)
+    ]
+    try:
+        saved = nodes[1].wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] >= 0)
+        victim = int(nodes[1].wait_event("run_started", lambda e: e["rank"] == saved["rank"])["pid"])
+        os.kill(victim, signal.SIGKILL)
+        rcs = [node.finish() for node in nodes]
+    finally:
+        for node in nodes:
+            if node.p.poll() is None:
+                node.finish(timeout=1)
+    assert rcs == [0, 0], [node.output() for node in nodes]
+    restored = [e for node in nodes for e in node.events() if e["event"] == "state_restored"]
+    assert len({e["step"] for e in restored}) == 1 and len(restored) == 2, restored
+    assert_bit_exact(reference[2], _final_states(tmp_path))
+
+
 def test_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
     import psutil
 
