@@ -211,42 +211,33 @@ def test_preemption_signal_to_the_launcher_checkpoints_and_exits_requeue(tmp_pat
     assert committed_steps(tmp_path / "ck")[0] == pre[0]["step"]
 
 
-def test_two_agents_on_one_machine_form_one_job(
-    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
-) -> None:
-    # two "nodes": two launchers, one c10d rendezvous on 127.0.0.1, one worker each
+def _two_nodes(tmp_path: Path, rdzv_id: str, *args: str) -> list[Launch]:
+    """Two "nodes": two launchers, one c10d rendezvous on 127.0.0.1, one worker each."""
     from chaos.harness import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [
-        Launch(
-            tmp_path / f"node{n}",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            "two-nodes",
-            "--max-restarts",
-            "0",
-            EXAMPLE,
-            "--steps",
-            str(STEPS),
-            "--out",
-            str(tmp_path / "state"),
-        )
-        for n in (0, 1)
-    ]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    common += ["--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
+    return [Launch(tmp_path / f"node{n}", *common, *args) for n in (0, 1)]
+
+
+def _finish_all(nodes: list[Launch]) -> list[int]:
     try:
-        rcs = [node.finish() for node in nodes]
+        return [node.finish() for node in nodes]
     finally:
         for node in nodes:
             if node.p.poll() is None:
                 node.finish(timeout=1)
+
+
+def test_two_agents_on_one_machine_form_one_job(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    nodes = _two_nodes(
+        tmp_path, "two-nodes", "--max-restarts", "0",
+        EXAMPLE, "--steps", str(STEPS), "--out", str(tmp_path / "state"),
+    )  # fmt: skip
+    rcs = _finish_all(nodes)
     assert rcs == [0, 0], [node.output() for node in nodes]
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
@@ -256,53 +247,17 @@ def test_worker_killed_on_one_of_two_nodes_relaunches_both_bit_exact(
 ) -> None:
     # The node whose worker died restarts and re-rendezvouses; the other node restarts because of
     # the membership change, without counting a restart: the launch must still be one for both.
-    from chaos.harness import free_port
-
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [
-        Launch(
-            tmp_path / f"node{n}",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            "kill-one",
-            "--max-restarts",
-            "2",
-            "--monitor-interval",
-            "0.2",
-            "--heartbeat-timeout",
-            "5",
-            EXAMPLE,
-            "--steps",
-            str(STEPS),
-            "--step-ms",
-            "40",
-            "--hang-timeout",
-            "5",
-            "--ckpt-dir",
-            str(tmp_path / "ck"),
-            "--ckpt-every",
-            "4",
-            "--out",
-            str(tmp_path / "state"),
-        )
-        for n in (0, 1)
-    ]
+    nodes = _two_nodes(
+        tmp_path, "kill-one", "--max-restarts", "2", "--monitor-interval", "0.2", "--heartbeat-timeout", "5",
+        EXAMPLE, "--steps", str(STEPS), "--step-ms", "40", "--hang-timeout", "5",
+        "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "4", "--out", str(tmp_path / "state"),
+    )  # fmt: skip
     try:
         saved = nodes[1].wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] >= 0)
         victim = int(nodes[1].wait_event("run_started", lambda e: e["rank"] == saved["rank"])["pid"])
         os.kill(victim, signal.SIGKILL)
-        rcs = [node.finish() for node in nodes]
     finally:
-        for node in nodes:
-            if node.p.poll() is None:
-                node.finish(timeout=1)
+        rcs = _finish_all(nodes)
     assert rcs == [0, 0], [node.output() for node in nodes]
     restored = [e for node in nodes for e in node.events() if e["event"] == "state_restored"]
     assert len({e["step"] for e in restored}) == 1 and len(restored) == 2, restored
