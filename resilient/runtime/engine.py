@@ -359,7 +359,10 @@ class Runtime:
         try:
             delay = self.policy.admit(primary)
         except RestartBudgetExhausted as e:
-            seen = "; ".join(f"rank {o['rank']}: {o['message']}" for o in self.coord.observations(gen))
+            try:  # diagnosis only: the store's host may already have exited with the same verdict
+                seen = "; ".join(f"rank {o['rank']}: {o['message']}" for o in self.coord.observations(gen))
+            except Exception as store_gone:
+                seen = f"unavailable ({type(store_gone).__name__}: {store_gone})"
             logger.error("rank {}: giving up: {} (last fault as each rank saw it: {})", self.rank, e, seen)
             raise
         self._check_health(gen, step)
