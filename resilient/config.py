@@ -52,6 +52,13 @@ class SnapshotConfig(_Model):
 
     interval: int | Literal["auto"] = Field("auto", description="every N completed steps, or auto")
     max_overhead: float = Field(0.005, gt=0, le=1, description="auto: snapshot time / step time budget")
+    replica_max_bytes: int = Field(
+        256 * 1024,
+        ge=0,
+        description="under `resilient launch`: each rank posts its objects up to this many tensor bytes "
+        "(RNG, data position, scheduler) to the job's store with every snapshot, so that a lost "
+        "node's per-rank state survives it; 0 turns the replica off",
+    )
 
     @field_validator("interval")
     @classmethod

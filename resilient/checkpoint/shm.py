@@ -32,6 +32,9 @@ class ShmSnapshot:
     """Capture/load the newest state of one rank under ``/dev/shm/resilient-<name>/rank<R>``."""
 
     def __init__(self, name: str, rank: int = 0, base: Path = SHM) -> None:
+        """``rank`` names this process's directory: under ``resilient launch`` the *local* rank, so
+        a relaunched worker finds its predecessor's snapshot even when the rendezvous gave its node
+        a different group rank; the global rank and world size of each snapshot are in its meta."""
         if not name or "/" in name or name.startswith("."):
             raise CheckpointError(f"shared-memory snapshot name {name!r} must be a plain file name")
         self.top = base / f"resilient-{name}"
@@ -48,6 +51,11 @@ class ShmSnapshot:
 
     def steps(self) -> list[int]:
         """Steps of the complete snapshots held (newest first): up to two."""
+        return [int(m["step"]) for m in self.slots()]  # type: ignore[arg-type]
+
+    def slots(self) -> list[dict[str, int | None]]:
+        """The complete snapshots held, newest first: ``{"step", "rank", "world"}`` (the global
+        rank and world size that wrote it; None for both when the writer did not say)."""
         held = []
         for slot in (0, 1):
             try:
@@ -55,10 +63,20 @@ class ShmSnapshot:
             except CheckpointError:
                 continue
             if meta is not None:
-                held.append(int(meta["step"]))
-        return sorted(held, reverse=True)
+                held.append({"step": int(meta["step"]), "rank": meta.get("rank"), "world": meta.get("world")})
+        return sorted(held, key=lambda m: -int(m["step"]))  # type: ignore[arg-type]
 
-    def capture(self, step: int, state: dict[str, Any], *, checksum: bool = True) -> None:
+    def holds(self, step: int, rank: int, world: int) -> bool:
+        return any(m == {"step": step, "rank": rank, "world": world} for m in self.slots())
+
+    def capture(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        checksum: bool = True,
+        owner: tuple[int, int] | None = None,
+    ) -> None:
         """Copy ``state`` into the older slot. Its ``slotK.json`` goes first and comes back last, so
         a worker killed mid-copy leaves the other slot, and only it, described and whole."""
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -74,6 +92,8 @@ class ShmSnapshot:
         digest = xxhash.xxh3_128_hexdigest(arena.buf[:size].numpy().data) if checksum else None
         meta = {
             "step": step,
+            "rank": owner[0] if owner else None,  # the global rank and world that wrote it
+            "world": owner[1] if owner else None,
             "size": size,
             "xxh3": digest,
             "skeleton": skeleton,

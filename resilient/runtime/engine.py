@@ -119,6 +119,7 @@ class Runtime:
         self.events: EventLog | None = None  # needs the run id, agreed in start()
         self.persist: Persistence | None = None  # durable checkpoints, when checkpoint.dir is set
         self.shm: ShmSnapshot | None = None  # snapshots in /dev/shm, under `resilient launch`
+        self.replica: resume.StoreReplica | None = None  # small per-rank state, in the job's store
         self.run_dir: Path | None = None
 
     @property
@@ -166,7 +167,16 @@ class Runtime:
         die_with_launcher()
         self.heartbeat = Heartbeat.from_env()  # under `resilient launch`: the agent watches it
         shm_name = os.environ.get("RESILIENT_SHM_NAME")  # set by `resilient launch`, which keeps it
-        self.shm = ShmSnapshot(shm_name, self.rank) if shm_name else None
+        # keyed by the local rank: a relaunched worker finds its predecessor's snapshot even when
+        # the rendezvous renumbered the nodes (each snapshot records the global rank that wrote it)
+        self.shm = ShmSnapshot(shm_name, self.local_rank) if shm_name else None
+        self.replica = (
+            resume.StoreReplica(
+                self.store, f"resilient/{self.run_id}/replica", self.rank, self.cfg.snapshot.replica_max_bytes
+            )
+            if shm_name
+            else None
+        )
         if self.heartbeat is not None:
             self.heartbeat.start(lambda: self.step)
         self.monitor.start()
@@ -435,8 +445,7 @@ class Runtime:
             start = self._resume_at_start() if self.generation == 0 and self.step is None else 0
             state = self.registry.capture()
             self.snapshots.capture(start, state)
-            if self.shm is not None and start not in self.shm.steps():  # restored from it: held
-                self.shm.capture(start, state, checksum=False)
+            self._mirror(start, state)
             return start
         missing = [n for n in self._restore_state if n != RNG and n not in self._restored]
         if missing:
@@ -457,17 +466,38 @@ class Runtime:
         self.step = step
         return step
 
+    def _mirror(self, step: int, state: dict[str, Any]) -> None:
+        """Under ``resilient launch``: the snapshot also goes where it outlives this process (this
+        node's shared memory; its small objects to the job's store, which outlives the node)."""
+        if self.shm is None:
+            return
+        if not self.shm.holds(step, self.rank, self.world_size):  # not when just restored from it
+            self.shm.capture(step, state, checksum=False, owner=(self.rank, self.world_size))
+        if self.replica is not None:
+            try:
+                self.replica.publish(step, self.world_size, state)
+            except Exception as e:  # the replica is a second line of defence, not a reason to stop
+                logger.warning(f"rank {self.rank}: store replica of step {step} not posted: {e}")
+
     def _resume_at_start(self) -> int:
         """A (re)started worker: the shared-memory snapshot every rank holds, else the newest
         checkpoint that verifies everywhere, else step 0."""
         t0 = time.time()
         newest = self.persist.ckpt.committed()[:1] if self.persist is not None else []
         if self.shm is not None:
-            got = resume.from_shm(
-                self.shm, lambda n, p: self.coord.exchange(0, n, p), newest[0] if newest else -1
+            got = resume.restore(
+                shm=self.shm,
+                rank=self.rank,
+                world=self.world_size,
+                names=[*self.registry.names(), RNG],
+                exchange=lambda n, p: self.coord.exchange(0, n, p),
+                replica=self.replica,
+                newest_checkpoint=newest[0] if newest else -1,
             )
             if got is not None:
-                return self._apply_restored(got[0], got[1], "shm", t0)
+                return self._apply_restored(
+                    got.step, got.state, got.source, t0, world_from=got.world_from, sources=got.sources
+                )
         if self.persist is None:
             return 0
         loaded = self.persist.resume()
@@ -475,7 +505,7 @@ class Runtime:
             return 0
         return self._apply_restored(loaded.step, loaded.state, str(loaded.path), t0)
 
-    def _apply_restored(self, step: int, state: dict[str, Any], source: str, t0: float) -> int:
+    def _apply_restored(self, step: int, state: dict[str, Any], source: str, t0: float, **detail: Any) -> int:
         held = sorted(k for k in state if k != RNG)
         if set(held) != set(self.registry.names()):
             raise StateRestoreError(
@@ -490,7 +520,7 @@ class Runtime:
         self.schedule.rebase(step)
         self._ev.emit(
             Event.STATE_RESTORED, generation=0, step=step, objects=held, source=source,
-            duration_s=time.time() - t0,
+            duration_s=time.time() - t0, world=self.world_size, **detail,
         )  # fmt: skip
         return step
 
@@ -504,8 +534,7 @@ class Runtime:
         if self.schedule.due(nxt, total):
             state = self.registry.capture()
             self.snapshots.capture(nxt, state)
-            if self.shm is not None:  # survives this process: a relaunched worker starts from it
-                self.shm.capture(nxt, state, checksum=False)
+            self._mirror(nxt, state)
             capture_s = time.monotonic() - now
         self.schedule.observe(nxt, step_s, capture_s)
         p = self.persist

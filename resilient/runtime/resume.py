@@ -1,36 +1,317 @@
-"""Where a (re)started worker group takes its state from: shared memory, else the newest checkpoint.
+"""Where a (re)started worker group takes its state from: memory (its own node's shared memory, a
+peer's, the store's replica of small per-rank state), else the newest checkpoint.
 
 After a relaunch by ``resilient launch`` every node's ``/dev/shm`` still holds the snapshots its
-dead workers took (the agent keeps them). Ranks exchange the steps they hold through the store;
-the newest step *every* rank holds wins if it is not older than the newest committed checkpoint.
-Each rank then loads its slot and the ranks vote again: if any fails, everyone falls back to the
-checkpoint path together.
+dead workers took (the agent keeps them), each labelled with the global rank and world size that
+wrote it. New rank ``r`` takes the state of old rank ``r`` (the same index; under a smaller or
+larger world too). For the newest step that is not older than the newest committed checkpoint,
+each new rank's state comes from, in this order:
+
+1. **shm**: its own node holds old rank ``r``'s snapshot (the common case: a worker relaunched on
+   the same node). Nothing moves between processes.
+2. **peer**: another rank holds old rank ``r``'s snapshot (the rendezvous renumbered the nodes):
+   it sends it over the new process group.
+3. **replica + replicated**: nobody holds it (the node was lost). Small objects (RNG states, data
+   position, scheduler: up to ``snapshot.replica_max_bytes`` per rank) come from the replica every
+   rank posts to the job's store with each snapshot; large ones (model, optimizer) from a peer,
+   only if they are *verified replicated*: at least two holders of that step carry identical bytes
+   (xxh3-128), as data-parallel training keeps them. Anything else (a sharded state, a per-rank
+   object too large for the store) cannot be rebuilt from memory: the ranks fall back to the
+   checkpoint on disk together (whose sharded format reshards).
+
+Every rank computes the same plan from the same exchanged facts; the ranks vote at the end, and
+if any failed to load, everyone falls back to the checkpoint path together.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import xxhash
 from loguru import logger
 
+from resilient.checkpoint.codec import decode, dtype_from_name, encode
 from resilient.checkpoint.shm import ShmSnapshot
+from resilient.checkpoint.staging import extent, plan, typed_view
 from resilient.errors import CheckpointError
 
 Exchange = Callable[[str, str], list[str]]
 
 
-def from_shm(shm: ShmSnapshot, exchange: Exchange, newest_checkpoint: int) -> tuple[int, Any] | None:
-    held = [set(json.loads(v)) for v in exchange("resume_shm_steps", json.dumps(shm.steps()))]
-    common = set.intersection(*held) if held else set()
-    best = max(common, default=-1)
-    if best < 0 or best < newest_checkpoint:
+# ---- packing a subtree into one byte buffer (store replicas and peer transfers) ------------------
+def pack(tree: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+    """(header, bytes): the JSON skeleton and layout of ``tree``, and its tensors in one buffer."""
+    skeleton, leaves = encode(tree)
+    slots = plan(leaves)
+    buf = torch.empty(extent(slots), dtype=torch.uint8)
+    for leaf, slot in zip(leaves, slots, strict=True):
+        typed_view(buf, slot).copy_(leaf.tensor)
+    header = {"skeleton": skeleton, "layout": [[s.dtype, list(s.shape), s.offset, s.nbytes] for s in slots]}
+    return header, buf
+
+
+def unpack(header: dict[str, Any], buf: torch.Tensor | bytes | memoryview) -> Any:
+    raw = memoryview(buf.numpy()) if isinstance(buf, torch.Tensor) else memoryview(buf)
+    tensors = []
+    for dtype, shape, offset, nbytes in header["layout"]:
+        t = torch.empty(tuple(shape), dtype=dtype_from_name(dtype))  # owns its memory
+        if nbytes:
+            t.reshape(-1).view(torch.uint8).numpy()[:] = raw[offset : offset + nbytes]
+        tensors.append(t)
+    return decode(header["skeleton"], tensors)
+
+
+def digest(obj: Any) -> str:
+    """xxh3-128 of one object's skeleton and tensor bytes: equal on ranks that hold equal state."""
+    header, buf = pack({"o": obj})
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(header, sort_keys=True).encode())
+    h.update(memoryview(buf.numpy()))
+    return h.hexdigest()
+
+
+# ---- the store replica of small per-rank state ---------------------------------------------------
+class StoreReplica:
+    """Each snapshot's small objects, posted by every rank to the job's store (which the launcher's
+    rendezvous keeps alive across relaunches): a lost node's RNG and data position survive it."""
+
+    def __init__(self, store: dist.Store, prefix: str, rank: int, max_bytes: int) -> None:
+        self.store, self.prefix, self.rank, self.max_bytes = store, prefix, rank, max_bytes
+
+    def key(self, rank: int, step: int) -> str:
+        return f"{self.prefix}/r{rank}/s{step}"
+
+    def publish(self, step: int, world: int, state: dict[str, Any]) -> None:
+        if self.max_bytes <= 0:
+            return
+        small: dict[str, Any] = {}
+        budget = self.max_bytes
+        for name in sorted(state):
+            _, leaves = encode(state[name])
+            n = sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves)
+            if n <= budget:
+                small[name], budget = state[name], budget - n
+        header, buf = pack(small)
+        blob = json.dumps({"step": step, "world": world, **header}).encode() + b"\n" + buf.numpy().tobytes()
+        self.store.set(self.key(self.rank, step), blob)
+        index = f"{self.prefix}/r{self.rank}/index"
+        old = json.loads(self.store.get(index)) if self.store.check([index]) else []
+        keep = sorted({*old, step})[-2:]  # the two newest, like the shared-memory slots
+        self.store.set(index, json.dumps(keep))
+        for s in set(old) - set(keep):
+            self.store.delete_key(self.key(self.rank, s))
+
+    def fetch(self, rank: int, step: int) -> tuple[list[str], Any] | None:
+        key = self.key(rank, step)
+        if not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        head, _, body = raw.partition(b"\n")
+        header = json.loads(head)
+        tree = unpack(header, body)
+        return sorted(tree), tree
+
+    def names(self, rank: int, step: int) -> list[str]:
+        got = self.fetch(rank, step)
+        return got[0] if got is not None else []
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+@dataclass
+class Restored:
+    step: int
+    state: dict[str, Any]
+    source: str  # "shm" (every rank from its own node) or "peer" (some state moved between ranks)
+    world_from: int
+    sources: dict[str, str] = field(default_factory=dict)  # object -> shm | peer:<rank> | replica
+
+
+@dataclass
+class _Plan:
+    step: int
+    world_from: int
+    owners: dict[int, int]  # new rank -> new rank holding old rank r's snapshot
+    replica: dict[int, list[str]] = field(default_factory=dict)  # orphan rank -> names from the store
+    donated: dict[str, int] = field(default_factory=dict)  # verified-replicated object -> donor rank
+
+
+def _owner_of(held: list[list[dict[str, Any]]], step: int, old_rank: int, world_from: int) -> int | None:
+    want = {"step": step, "rank": old_rank, "world": world_from}
+    found = [p for p, slots in enumerate(held) if want in slots]
+    if not found:
         return None
-    got: tuple[int, Any] | None = None
-    try:
-        got = shm.load(best)
-    except CheckpointError as e:
-        logger.warning(f"shared-memory snapshot of step {best} does not load: {e}")
-    votes = exchange("resume_shm_ok", "1" if got is not None else "0")
-    return got if all(v == "1" for v in votes) else None
+    return old_rank if old_rank in found else found[0]
+
+
+def restore(
+    *,
+    shm: ShmSnapshot,
+    rank: int,
+    world: int,
+    names: list[str],
+    exchange: Exchange,
+    replica: StoreReplica | None,
+    newest_checkpoint: int,
+) -> Restored | None:
+    """The state this rank resumes from, or None (every rank then falls back to disk together)."""
+    return _Resume(shm, rank, world, names, exchange, replica).run(newest_checkpoint)
+
+
+class _Resume:
+    def __init__(
+        self,
+        shm: ShmSnapshot,
+        rank: int,
+        world: int,
+        names: list[str],
+        exchange: Exchange,
+        replica: StoreReplica | None,
+    ) -> None:
+        self.shm, self.rank, self.world, self.names = shm, rank, world, names
+        self.exchange, self.replica = exchange, replica
+        self._loaded: dict[int, dict[str, Any] | None] = {}
+        self._group: Any = None
+
+    def run(self, newest_checkpoint: int) -> Restored | None:
+        held = [json.loads(v) for v in self.exchange("resume_slots", json.dumps(self.shm.slots()))]
+        steps = sorted({int(m["step"]) for slots in held for m in slots}, reverse=True)
+        for step in [s for s in steps if s >= newest_checkpoint]:
+            worlds = {m["world"] for slots in held for m in slots if m["step"] == step}
+            if len(worlds) != 1 or None in worlds:
+                continue  # unlabelled, or two launches' snapshots of one step: not ours to mix
+            p = self._plan(step, int(worlds.pop()), held)
+            if p is not None:
+                return self._execute(p)
+        return None
+
+    def _local(self, step: int) -> dict[str, Any] | None:
+        """This rank's own shared-memory snapshot of ``step`` (whichever old rank wrote it)."""
+        if step not in self._loaded:
+            got = None
+            if step in self.shm.steps():
+                try:
+                    loaded = self.shm.load(step)
+                    got = loaded[1] if loaded is not None else None
+                except CheckpointError as e:
+                    logger.warning(f"shared-memory snapshot of step {step} does not load: {e}")
+            self._loaded[step] = got
+        return self._loaded[step]
+
+    def _plan(self, step: int, world_from: int, held: list[list[dict[str, Any]]]) -> _Plan | None:
+        owners = {r: o for r in range(self.world) if (o := _owner_of(held, step, r, world_from)) is not None}
+        orphans = [r for r in range(self.world) if r not in owners]
+        moves = any(o != r for r, o in owners.items())
+        if (moves or orphans) and not dist.is_initialized():
+            return None  # state would have to move between ranks, and there is no group to move it on
+        p = _Plan(step, world_from, owners)
+        if not orphans:
+            return p
+        # Orphans (old rank lost with its node): small objects from the store replica, as rank 0
+        # sees it (every rank plans alike); large ones from holders that verifiably agree.
+        view = {r: self.replica.names(r, step) for r in orphans} if self.replica is not None else {}
+        agreed = json.loads(self.exchange(f"resume_replica_s{step}", json.dumps(view))[0])
+        p.replica = {int(r): v for r, v in agreed.items()}
+        need = sorted({n for r in orphans for n in self.names if n not in p.replica.get(r, [])})
+        mine: dict[str, str] = {}
+        if need and any(m["step"] == step for m in held[self.rank]):
+            local = self._local(step)
+            mine = {n: digest(local[n]) for n in need if local is not None and n in local}
+        digests = [json.loads(v) for v in self.exchange(f"resume_digests_s{step}", json.dumps(mine))]
+        for n in need:
+            by = {q: d[n] for q, d in enumerate(digests) if n in d}
+            if len(by) < 2 or len(set(by.values())) != 1:
+                logger.info(
+                    f"step {step}: {n!r} of a lost rank is neither in the store replica nor verified "
+                    f"replicated ({len(by)} holder(s), {len(set(by.values()))} distinct copies): "
+                    "not restorable from memory"
+                )
+                return None
+            p.donated[n] = min(by)
+        return p
+
+    # ---- moving state ---------------------------------------------------------------------------
+    def _transfer_group(self) -> Any:
+        if self._group is None:
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return self._group
+
+    def _send(self, tree: dict[str, Any] | None, dst: int) -> None:
+        group = self._transfer_group()
+        if tree is None:  # the receiver must not wait for bytes that will never come
+            dist.send(torch.tensor([-1, 0], dtype=torch.int64), dst, group=group)
+            return
+        header, buf = pack(tree)
+        head = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+        dist.send(torch.tensor([head.numel(), buf.numel()], dtype=torch.int64), dst, group=group)
+        dist.send(head, dst, group=group)
+        if buf.numel():
+            dist.send(buf, dst, group=group)
+
+    def _recv(self, src: int) -> dict[str, Any]:
+        group = self._transfer_group()
+        sizes = torch.empty(2, dtype=torch.int64)
+        dist.recv(sizes, src, group=group)
+        n_head, n_buf = (int(x) for x in sizes)
+        if n_head < 0:
+            raise CheckpointError(f"rank {src} could not load the snapshot it was to send")
+        head = torch.empty(n_head, dtype=torch.uint8)
+        dist.recv(head, src, group=group)
+        buf = torch.empty(n_buf, dtype=torch.uint8)
+        if n_buf:
+            dist.recv(buf, src, group=group)
+        return dict(unpack(json.loads(head.numpy().tobytes()), buf))
+
+    def _execute(self, p: _Plan) -> Restored | None:
+        rank, step = self.rank, p.step
+        state: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        ok = True
+        try:
+            for r in range(self.world):  # whole snapshots, in rank order on every rank
+                o = p.owners.get(r)
+                if o is None or rank not in (o, r):
+                    continue
+                if o == r:
+                    local = self._local(step)
+                    if local is None:
+                        raise CheckpointError(f"own shared-memory snapshot of step {step} does not load")
+                    state.update(local)
+                    sources.update(dict.fromkeys(local, "shm"))
+                elif rank == o:
+                    self._send(self._local(step), r)
+                else:
+                    got = self._recv(o)
+                    state.update(got)
+                    sources.update(dict.fromkeys(got, f"peer:{o}"))
+            if rank not in p.owners and p.replica.get(rank):
+                assert self.replica is not None
+                fetched = self.replica.fetch(rank, step)
+                if fetched is None:
+                    raise CheckpointError(f"store replica of rank {rank}, step {step} is gone")
+                state.update({n: fetched[1][n] for n in p.replica[rank]})
+                sources.update(dict.fromkeys(p.replica[rank], "replica"))
+            orphans = [r for r in range(self.world) if r not in p.owners]
+            for n, donor in sorted(p.donated.items()):
+                for r in orphans:
+                    if n in p.replica.get(r, []) or donor == r:
+                        continue
+                    if rank == donor:
+                        local = self._local(step)
+                        self._send({n: local[n]} if local is not None else None, r)
+                    elif rank == r:
+                        state.update(self._recv(donor))
+                        sources[n] = f"peer:{donor}"
+        except Exception as e:  # any failure: vote, then everyone goes to disk together
+            logger.warning(f"restoring step {step} from memory failed on rank {rank}: {e}")
+            ok = False
+        votes = self.exchange(f"resume_ok_s{step}", "1" if ok else "0")
+        if not all(v == "1" for v in votes):
+            return None
+        local_only = not p.replica and not p.donated and all(o == r for r, o in p.owners.items())
+        source = "shm" if local_only and len(p.owners) == self.world else "peer"
+        return Restored(step, state, source, p.world_from, sources)
