@@ -39,6 +39,8 @@ class Event(str, enum.Enum):
     HEARTBEAT_MISSED = "heartbeat_missed"
     GROUP_STOPPED = "group_stopped"
     RELAUNCHED = "relaunched"
+    NODE_LOST = "node_lost"
+    NODE_EXCLUDED = "node_excluded"
 
 
 class EventLog:

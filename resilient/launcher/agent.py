@@ -12,13 +12,25 @@ rendezvous. On top of it:
   or ``REQUEUE`` (76: preempted, final checkpoint written) must not be restarted: the agent stops
   and the launcher exits with that code. ``HARD_FAULT`` (75) and deaths are restarted, bounded by
   ``--max-restarts`` with exponential backoff.
-- **Events** (``worker_died``, ``heartbeat_missed``, ``group_stopped``, ``relaunched``) go to the same
-  JSONL as the runtime's, with ``rank: -1`` (the agent) and the local/global rank of the worker.
+- **Lost nodes.** A member of the running round whose rendezvous keep-alive expired (its agent
+  is gone with its node) restarts the group at once, instead of when the survivors' collectives
+  time out.
+- **Spares.** A node that joins a running job waits (torchrun instead restarts the healthy group
+  at once to admit it). It joins at the next restart: in place of a lost node, or growing the
+  world up to ``--nnodes``' maximum. A *member* of the running round that re-joins (its worker
+  died) still restarts everyone, as in torchrun. ``--admit-waiting`` restores torchrun's behaviour.
+- **Exclusion.** A worker whose health check failed says so in a file next to its heartbeat; after
+  ``--max-health-failures`` such restarts the agent stops its workers, leaves the rendezvous
+  without closing it (the other nodes go on, with a spare or fewer nodes) and exits with 75.
+- **Events** (``worker_died``, ``heartbeat_missed``, ``group_stopped``, ``relaunched``,
+  ``node_lost``, ``node_excluded``) go to the same JSONL as the runtime's, with ``rank: -1`` (the
+  agent) and the local/global rank of the worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -34,7 +46,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from resilient.errors import ExitCode
 from resilient.events import Event, EventLog
-from resilient.launcher.heartbeat import beat_path, read_beat
+from resilient.launcher.heartbeat import beat_path, read_beat, unhealthy_path
 
 _STOP_CODES = {int(ExitCode.FATAL): "fatal", int(ExitCode.REQUEUE): "requeue"}
 
@@ -85,12 +97,25 @@ def describe_exit(exitcode: int, pid: int, oom_before: int | None, oom_after: in
 ENV_ROUND = "RESILIENT_LAUNCH_ROUND"
 
 
-def _rendezvous_round(worker_group: WorkerGroup) -> int | None:
-    handler = worker_group.spec.rdzv_handler
+def _rdzv_state(handler: Any) -> Any:
     holder = getattr(handler, "_state_holder", None)  # DynamicRendezvousHandler (c10d, etcd-v2)
-    state = getattr(holder, "state", None)
-    round_no = getattr(state, "round", None)
+    return getattr(holder, "state", None)
+
+
+def _rendezvous_round(worker_group: WorkerGroup) -> int | None:
+    round_no = getattr(_rdzv_state(worker_group.spec.rdzv_handler), "round", None)
     return int(round_no) if isinstance(round_no, int) else None
+
+
+def leave_rendezvous(handler: Any) -> None:
+    """Leave the rendezvous without closing it (``shutdown()`` would end it for every node)."""
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+        handler._stop_heartbeats()
+        handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 30)
+    except Exception as e:  # private API: the keep-alive expiry removes this node anyway
+        logger.warning(f"could not leave the rendezvous at once ({e}); peers drop it at keep-alive expiry")
 
 
 class ResilientAgent(LocalElasticAgent):
@@ -103,9 +128,18 @@ class ResilientAgent(LocalElasticAgent):
         events: EventLog | None,
         backoff_initial_s: float = 0.0,
         backoff_max_s: float = 10.0,
+        admit_waiting: bool = False,
+        max_health_failures: int = 2,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.max_health_failures = max_health_failures
+        self.health_failures: list[dict[str, Any]] = []
+        self.excluded = False
+        self._members: set[Any] | None = None  # the nodes of the running round
+        self._lost_reported = False
+        self._watch_membership(admit_waiting)
+        self._publish_store_address()
         self.heartbeat_dir = heartbeat_dir
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
@@ -122,10 +156,59 @@ class ResilientAgent(LocalElasticAgent):
         if self.events is not None:
             self.events.emit(event, generation=self._restarts, step=None, **fields)
 
+    def _watch_membership(self, admit_waiting: bool) -> None:
+        """torch's agent restarts a healthy group when ``num_nodes_waiting() > 0``. Here that count
+        is (a) the *members* of the running round that wait to re-join (a peer whose worker died),
+        or every waiting node with ``admit_waiting`` (torchrun); a new node otherwise waits as a
+        spare; plus (b) one if a member vanished from the rendezvous: its keep-alive expired (a
+        lost node), which torch's agent would notice only when its own workers fail."""
+        handler = self._worker_group.spec.rdzv_handler
+        waiting = handler.num_nodes_waiting
+
+        def members_waiting() -> int:
+            n = int(waiting())  # syncs the rendezvous state, dropping nodes whose keep-alive expired
+            state = _rdzv_state(handler)
+            if state is None or self._members is None:
+                return n
+            queued = set(state.wait_list)
+            count = len(queued) if admit_waiting else len(queued & self._members)
+            lost = self._members - set(state.participants) - queued
+            if lost and not state.closed and not self._lost_reported:
+                self._lost_reported = True
+                self._emit(Event.NODE_LOST, nodes=sorted(str(x) for x in lost))
+                logger.error(f"node(s) {sorted(str(x) for x in lost)} left the rendezvous: restarting")
+            return count + (1 if lost and not state.closed else 0)
+
+        handler.num_nodes_waiting = members_waiting
+
+    def _publish_store_address(self) -> None:
+        """torch (2.13) re-uses node 0's cached store address in later rounds without writing it to
+        the new round's keys, so a node joining in a later round (a spare, a replacement) waits
+        for ``MASTER_ADDR`` until it times out. Group rank 0 writes it for every round."""
+        handler = self._worker_group.spec.rdzv_handler
+        nxt = handler.next_rendezvous
+
+        def next_rendezvous() -> Any:
+            info = nxt()
+            boot = getattr(info, "bootstrap_store_info", None)
+            if info.rank == 0 and boot is not None:
+                from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo as Info
+
+                info.store.set(Info.MASTER_ADDR_KEY, boot.master_addr.encode())
+                info.store.set(Info.MASTER_PORT_KEY, str(boot.master_port).encode())
+            return info
+
+        handler.next_rendezvous = next_rendezvous
+
     # ---- lifecycle hooks --------------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        state = _rdzv_state(worker_group.spec.rdzv_handler)
+        if state is not None:
+            self._members = set(state.participants)
+            self._lost_reported = False
         for w in worker_group.workers:
             beat_path(self.heartbeat_dir, w.local_rank).unlink(missing_ok=True)
+            unhealthy_path(self.heartbeat_dir, w.local_rank).unlink(missing_ok=True)
         self._oom = oom_kills()
         # Every agent of a rendezvous round sees the same round number, unlike its restart count
         # (an agent restarted for a peer's failure does not count it): the workers' store keys and
@@ -181,9 +264,32 @@ class ResilientAgent(LocalElasticAgent):
             logger.error(f"worker rank {global_rank} (pid {failure.pid}) died: {cause}")
             if failure.exitcode in _STOP_CODES and self.verdict is None:
                 self.verdict = failure.exitcode
+        self._count_health_failures(worker_group)
         if self.verdict is not None:
             logger.info(f"a worker asked to stop ({_STOP_CODES[self.verdict]}): not restarting")
             self._remaining_restarts = 0
+
+    def _count_health_failures(self, worker_group: WorkerGroup) -> None:
+        checks = []
+        for w in worker_group.workers:
+            path = unhealthy_path(self.heartbeat_dir, w.local_rank)
+            try:
+                checks.append({"local_rank": w.local_rank, **json.loads(path.read_text())})
+            except (OSError, ValueError):
+                continue
+            path.unlink(missing_ok=True)
+        if not checks:
+            return
+        self.health_failures.append({"ts": time.time(), "checks": checks})
+        if len(self.health_failures) < self.max_health_failures or self.verdict is not None:
+            return
+        self.excluded = True
+        self._remaining_restarts = 0
+        self._emit(Event.NODE_EXCLUDED, health_failures=len(self.health_failures), checks=checks)
+        logger.error(
+            f"this node failed health checks {len(self.health_failures)} times "
+            f"(last: {checks[0].get('check')}): excluding it from the job"
+        )
 
     def _check_heartbeats(self, worker_group: WorkerGroup) -> RunResult | None:
         now = time.monotonic()

@@ -7,7 +7,9 @@ Every torchrun flag is accepted (the parser *is* torchrun's); ours are added to 
 
 Exit codes: 0 every worker finished; 76 (REQUEUE) a worker was preempted and wrote its final
 checkpoint (SIGUSR1/SIGTERM to the launcher are forwarded to the workers as SIGUSR1); 3 (FATAL)
-a worker gave up (fault repeats, budget spent) or restarts were exhausted — do not requeue.
+a worker gave up (fault repeats, budget spent) or restarts were exhausted — do not requeue;
+75 (HARD_FAULT) this node failed its health checks ``--max-health-failures`` times and left the
+job, which goes on without it — repair or replace the node.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.distributed.run import config_from_args, get_args_parser, parse_min_m
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import ExitCode
 from resilient.events import EventLog
-from resilient.launcher.agent import ResilientAgent
+from resilient.launcher.agent import ResilientAgent, leave_rendezvous
 from resilient.launcher.heartbeat import ENV_DIR, ENV_INTERVAL, ENV_LAUNCHER_PID
 
 
@@ -47,6 +49,18 @@ def parser() -> Any:
     )
     p.add_argument("--backoff-initial", type=float, default=1.0, help="delay before the 2nd relaunch, s")
     p.add_argument("--backoff-max", type=float, default=30.0, help="cap of the exponential backoff, s")
+    p.add_argument(
+        "--admit-waiting",
+        action="store_true",
+        help="restart a healthy group to admit a node that joins (torchrun's behaviour); by default "
+        "it waits as a spare and joins at the next restart",
+    )
+    p.add_argument(
+        "--max-health-failures",
+        type=int,
+        default=2,
+        help="restarts caused by a failed health check on this node before it leaves the job (exit 75)",
+    )
     p.add_argument(
         "--events-dir", type=Path, default=Path("resilient_runs"), help="<dir>/<run_id>/events.jsonl"
     )
@@ -124,20 +138,33 @@ def main(argv: list[str] | None = None) -> int:
         events=events,
         backoff_initial_s=args.backoff_initial,
         backoff_max_s=args.backoff_max,
+        admit_waiting=args.admit_waiting,
+        max_health_failures=args.max_health_failures,
     )
     _forward_preemption(agent)
     try:
         result = agent.run()
     finally:
-        spec.rdzv_handler.shutdown()
+        if agent.excluded:
+            leave_rendezvous(spec.rdzv_handler)  # the others go on without this node
+        else:
+            spec.rdzv_handler.shutdown()
         events.close()
-        for f in hb_dir.glob("*.hb"):
+        for f in hb_dir.glob("rank*"):
             f.unlink(missing_ok=True)
         if hb_dir.exists():
             hb_dir.rmdir()
         ShmSnapshot(shm_name).unlink()  # the job is over: its snapshots go
     if agent.verdict is not None:
         return agent.verdict
+    if agent.excluded:
+        last = agent.health_failures[-1]["checks"][0]
+        print(
+            f"resilient launch: this node left the job after {len(agent.health_failures)} failed health "
+            f"checks (last: {last.get('check')}: {last.get('detail')}); replace or repair it",
+            file=sys.stderr,
+        )
+        return int(ExitCode.HARD_FAULT)
     if result.is_failed():
         summary = "; ".join(f"rank {f.get('global_rank')}: {f['cause']}" for f in agent.failures[-8:])
         print(f"resilient launch: giving up after {config.max_restarts} restarts: {summary}", file=sys.stderr)

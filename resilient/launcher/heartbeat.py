@@ -47,6 +47,11 @@ def beat_path(directory: Path, local_rank: int) -> Path:
     return directory / f"rank{local_rank:05d}.hb"
 
 
+def unhealthy_path(directory: Path, local_rank: int) -> Path:
+    """Where a worker whose health check failed says which (read by the agent, then removed)."""
+    return directory / f"rank{local_rank:05d}.unhealthy"
+
+
 class Heartbeat:
     """Worker side: ``beat(step)`` after every completed step (and once at start)."""
 

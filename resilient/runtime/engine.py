@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
+import json
 import os
 import sys
 import threading
@@ -41,7 +42,7 @@ from resilient.errors import (
     StepInterrupted,
 )
 from resilient.events import Event, EventLog
-from resilient.launcher.heartbeat import Heartbeat, die_with_launcher
+from resilient.launcher.heartbeat import ENV_DIR, Heartbeat, die_with_launcher, unhealthy_path
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime import resume
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
@@ -235,6 +236,10 @@ class Runtime:
     def run(self, fn: Callable[[], Any]) -> Any:
         try:
             self.start()
+            if self.shm is not None:
+                # under `resilient launch` a (re)started worker checks its node before it joins:
+                # a node that fails here again and again is excluded by its agent
+                self._check_health(0, None)
             while True:
                 self._enter_generation()
                 try:
@@ -417,6 +422,12 @@ class Runtime:
             logger.error(
                 "rank {}: health check {!r} failed: value={} ({})", self.rank, f.name, f.value, f.detail
             )
+            hb_dir = os.environ.get(ENV_DIR)
+            if hb_dir:  # tell the launcher's agent: a node that keeps failing them is excluded
+                with contextlib.suppress(OSError):
+                    unhealthy_path(Path(hb_dir), self.local_rank).write_text(
+                        json.dumps({"check": f.name, "value": str(f.value), "detail": f.detail})
+                    )
             self.coord.abort_generation(gen, f"health check {f.name!r} failed: {f.value}")
             raise HealthCheckFailed(f.name, f.value, f.detail)
 

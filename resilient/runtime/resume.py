@@ -48,7 +48,7 @@ def pack(tree: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
     """(header, bytes): the JSON skeleton and layout of ``tree``, and its tensors in one buffer."""
     skeleton, leaves = encode(tree)
     slots = plan(leaves)
-    buf = torch.empty(extent(slots), dtype=torch.uint8)
+    buf = torch.zeros(extent(slots), dtype=torch.uint8)  # zeroed padding: equal state, equal bytes
     for leaf, slot in zip(leaves, slots, strict=True):
         typed_view(buf, slot).copy_(leaf.tensor)
     header = {"skeleton": skeleton, "layout": [[s.dtype, list(s.shape), s.offset, s.nbytes] for s in slots]}
