@@ -179,7 +179,7 @@ class ResilientAgent(LocalElasticAgent):
                 logger.error(f"node(s) {sorted(str(x) for x in lost)} left the rendezvous: restarting")
             return count + (1 if lost and not state.closed else 0)
 
-        handler.num_nodes_waiting = members_waiting
+        handler.num_nodes_waiting = members_waiting  # type: ignore[method-assign]
 
     def _publish_store_address(self) -> None:
         """torch (2.13) re-uses node 0's cached store address in later rounds without writing it to
@@ -194,11 +194,11 @@ class ResilientAgent(LocalElasticAgent):
             if info.rank == 0 and boot is not None:
                 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo as Info
 
-                info.store.set(Info.MASTER_ADDR_KEY, boot.master_addr.encode())
-                info.store.set(Info.MASTER_PORT_KEY, str(boot.master_port).encode())
+                info.store.set(Info.MASTER_ADDR_KEY, boot.master_addr)
+                info.store.set(Info.MASTER_PORT_KEY, str(boot.master_port))
             return info
 
-        handler.next_rendezvous = next_rendezvous
+        handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
 
     # ---- lifecycle hooks --------------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:

@@ -121,6 +121,7 @@ class Runtime:
         self.persist: Persistence | None = None  # durable checkpoints, when checkpoint.dir is set
         self.shm: ShmSnapshot | None = None  # snapshots in /dev/shm, under `resilient launch`
         self.replica: resume.StoreReplica | None = None  # small per-rank state, in the job's store
+        self._adoptable: int | None = None  # restored from this rank's own shm snapshot of this step
         self.run_dir: Path | None = None
 
     @property
@@ -454,6 +455,13 @@ class Runtime:
     def _begin_steps(self, total: int) -> int:
         if self._restore_state is None:
             start = self._resume_at_start() if self.generation == 0 and self.step is None else 0
+            shm = self.shm
+            if shm is not None and self._adoptable == start:
+                # just restored from this very snapshot: the ring points at it instead of copying
+                self.snapshots.adopt(start, lambda: shm.load(start)[1])  # type: ignore[index]
+                if self.replica is not None:
+                    self._mirror(start, self.registry.capture())  # (held: only the replica posts)
+                return start
             state = self.registry.capture()
             self.snapshots.capture(start, state)
             self._mirror(start, state)
@@ -506,6 +514,8 @@ class Runtime:
                 newest_checkpoint=newest[0] if newest else -1,
             )
             if got is not None:
+                if set(got.sources.values()) == {"shm"}:  # this rank's own snapshot, as it was
+                    self._adoptable = got.step
                 return self._apply_restored(
                     got.step, got.state, got.source, t0, world_from=got.world_from, sources=got.sources
                 )

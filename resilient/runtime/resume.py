@@ -56,7 +56,7 @@ def pack(tree: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
 
 
 def unpack(header: dict[str, Any], buf: torch.Tensor | bytes | memoryview) -> Any:
-    raw = memoryview(buf.numpy()) if isinstance(buf, torch.Tensor) else memoryview(buf)
+    raw = buf.numpy().data if isinstance(buf, torch.Tensor) else memoryview(buf)
     tensors = []
     for dtype, shape, offset, nbytes in header["layout"]:
         t = torch.empty(tuple(shape), dtype=dtype_from_name(dtype))  # owns its memory
@@ -71,7 +71,7 @@ def digest(obj: Any) -> str:
     header, buf = pack({"o": obj})
     h = xxhash.xxh3_128()
     h.update(json.dumps(header, sort_keys=True).encode())
-    h.update(memoryview(buf.numpy()))
+    h.update(buf.numpy().data)
     return h.hexdigest()
 
 
@@ -98,7 +98,7 @@ class StoreReplica:
                 small[name], budget = state[name], budget - n
         header, buf = pack(small)
         blob = json.dumps({"step": step, "world": world, **header}).encode() + b"\n" + buf.numpy().tobytes()
-        self.store.set(self.key(self.rank, step), blob)
+        self.store.set(self.key(self.rank, step), blob)  # type: ignore[arg-type]  # bytes work
         index = f"{self.prefix}/r{self.rank}/index"
         old = json.loads(self.store.get(index)) if self.store.check([index]) else []
         keep = sorted({*old, step})[-2:]  # the two newest, like the shared-memory slots

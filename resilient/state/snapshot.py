@@ -13,6 +13,7 @@ synchronize), so a CUDA fault cannot take the snapshot with it.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ class _Slot:
     valid: bool = False
     tree: Any = None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    loader: Callable[[], dict[str, Any]] | None = None  # adopted: the state lives elsewhere
 
 
 class SnapshotRing:
@@ -56,12 +58,23 @@ class SnapshotRing:
     def steps(self) -> list[int]:
         return sorted((s.step for s in self._slots if s.valid), reverse=True)
 
+    def adopt(self, step: int, loader: Callable[[], dict[str, Any]]) -> None:
+        """Hold ``step`` without copying it: ``loader()`` returns a fresh copy of its state. Used
+        right after a restore from a shared-memory snapshot, which stays whole at least as long
+        as this ring keeps the step (both keep the two newest, captured together): the 1 GB copy
+        that would delay the first step after a relaunch is not made."""
+        if any(s.valid and s.step == step for s in self._slots):
+            return
+        slot = min(self._slots, key=lambda s: (s.valid, s.step))
+        slot.step, slot.tree, slot.loader, slot.valid = step, None, loader, True
+
     def capture(self, step: int, state: dict[str, Any]) -> None:
         """Copy ``state`` (nested dicts/lists with tensor leaves) as the snapshot for ``step``."""
         if any(s.valid and s.step == step for s in self._slots):
             return
         slot = min(self._slots, key=lambda s: (s.valid, s.step))  # an empty slot, else the oldest
         slot.valid = False
+        slot.loader = None
         cuda_copies = False
 
         def walk(obj: Any, path: str) -> Any:
@@ -103,6 +116,11 @@ class SnapshotRing:
         slot = next((s for s in self._slots if s.valid and s.step == step), None)
         if slot is None:
             raise StateRestoreError(f"no snapshot for step {step}; held: {self.steps()}")
+        if slot.loader is not None:
+            try:
+                return slot.loader()
+            except Exception as e:
+                raise StateRestoreError(f"adopted snapshot of step {step} does not load: {e}") from e
 
         def walk(obj: Any) -> Any:
             if isinstance(obj, _Ref):

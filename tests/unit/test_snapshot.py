@@ -215,3 +215,41 @@ def test_rng_state_round_trip(seeded):
     restore_rng(state.materialize(0)[RNG])
     again = (random.random(), float(np.random.rand()), torch.rand(4))
     assert draws[:2] == again[:2] and torch.equal(draws[2], again[2])
+
+
+def test_adopted_step_materializes_from_its_loader_until_evicted(seeded):
+    t = Trainer(0)
+    ring = SnapshotRing()
+    loads: list[int] = []
+    held = t.registry.capture()
+
+    def loader() -> dict[str, Any]:
+        loads.append(1)
+        return _copied(held)
+
+    ring.adopt(5, loader)
+    assert ring.steps() == [5] and ring.nbytes == 0  # nothing copied at adoption
+    got = ring.materialize(5)
+    assert loads == [1] and torch.equal(got["model"]["0.weight"], t.model[0].weight)
+    ring.capture(6, t.registry.capture())
+    ring.capture(7, t.registry.capture())  # the adopted slot is the oldest: it goes
+    assert ring.steps() == [7, 6]
+    with pytest.raises(StateRestoreError, match="no snapshot for step 5"):
+        ring.materialize(5)
+
+
+def test_adopted_step_that_no_longer_loads_names_the_step(seeded):
+    ring = SnapshotRing()
+
+    def gone() -> dict[str, Any]:
+        raise FileNotFoundError("/dev/shm/resilient-x/rank00000/slot0.bin")
+
+    ring.adopt(3, gone)
+    with pytest.raises(StateRestoreError, match="adopted snapshot of step 3 does not load"):
+        ring.materialize(3)
+
+
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    ring = SnapshotRing()
+    ring.capture(0, state)
+    return ring.materialize(0)

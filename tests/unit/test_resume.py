@@ -1,0 +1,144 @@
+"""Restoring after a relaunch: packing state for peers, the store replica, labelled shm slots."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from chaos.compare import assert_bit_exact
+from resilient.checkpoint.shm import ShmSnapshot
+from resilient.runtime import resume
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(33, 7, generator=g), "b": torch.zeros(3, dtype=torch.float16)},
+        "data": {"gen": g.get_state(), "position": seed, "order": (1, 2.5, "x")},
+        "__rng__": {"numpy": np.arange(5, dtype=np.uint32), "flag": True},
+    }
+
+
+def test_pack_unpack_round_trips_bit_exact() -> None:
+    s = _state(1)
+    header, buf = resume.pack(s)
+    assert_bit_exact(s, resume.unpack(header, buf))
+    assert_bit_exact(s, resume.unpack(header, buf.numpy().tobytes()))
+
+
+def test_equal_state_has_equal_digest_and_unequal_differs() -> None:
+    # the aligned layout leaves padding between tensors: it must not make equal state look different
+    a, b = _state(1), _state(1)
+    assert resume.digest(a["model"]) == resume.digest(b["model"])
+    b["model"]["w"][0, 0] += 1e-6
+    assert resume.digest(a["model"]) != resume.digest(b["model"])
+    assert resume.digest(a["data"]) != resume.digest(_state(2)["data"])
+
+
+@pytest.fixture
+def store() -> dist.Store:
+    return dist.HashStore()
+
+
+def test_store_replica_keeps_small_objects_and_the_two_newest_steps(store: dist.Store) -> None:
+    rep = resume.StoreReplica(store, "job/replica", rank=3, max_bytes=2048)
+    for step in (4, 5, 6):
+        rep.publish(step, world=8, state=_state(step))
+    # the 33x7 float32 weights (924 bytes) and the 5 KB generator state do not both fit in 2 KiB
+    names, tree = rep.fetch(3, 6)
+    assert "model" in names and "data" not in names and "__rng__" in names
+    assert_bit_exact(_state(6)["model"], tree["model"])
+    assert rep.fetch(3, 4) is None and rep.fetch(3, 5) is not None  # the oldest was deleted
+    assert rep.fetch(2, 6) is None  # another rank's: never posted
+
+
+def test_replica_off_posts_nothing(store: dist.Store) -> None:
+    rep = resume.StoreReplica(store, "job/replica", rank=0, max_bytes=0)
+    rep.publish(1, world=2, state=_state(1))
+    assert rep.fetch(0, 1) is None
+
+
+def test_shm_slots_carry_the_writing_rank_and_world(tmp_path: Path) -> None:
+    shm = ShmSnapshot("job", 1, base=tmp_path)  # directory of local rank 1
+    shm.capture(7, _state(7), checksum=False, owner=(5, 8))
+    shm.capture(8, _state(8), checksum=False, owner=(5, 8))
+    assert shm.slots() == [{"step": 8, "rank": 5, "world": 8}, {"step": 7, "rank": 5, "world": 8}]
+    assert shm.holds(8, 5, 8) and not shm.holds(8, 1, 8) and not shm.holds(8, 5, 4)
+    shm.close()
+
+
+def _run_ranks(world: int, fn) -> list:
+    """``fn(rank, exchange)`` on ``world`` threads sharing one HashStore (a small all-gather)."""
+    store = dist.HashStore()
+    out: list = [None] * world
+    errors: list = []
+
+    def exchange_for(rank: int):
+        def exchange(name: str, payload: str) -> list[str]:
+            store.set(f"{name}/{rank}", payload)
+            store.wait([f"{name}/{r}" for r in range(world)])
+            return [store.get(f"{name}/{r}").decode() for r in range(world)]
+
+        return exchange
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank, exchange_for(rank), store)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def test_every_rank_holding_its_own_slot_restores_locally(tmp_path: Path) -> None:
+    names = ["model", "data", "__rng__"]
+    for r in range(2):
+        ShmSnapshot("job", r, base=tmp_path).capture(6, _state(10 + r), checksum=False, owner=(r, 2))
+
+    def fn(rank, exchange, store):
+        shm = ShmSnapshot("job", rank, base=tmp_path)
+        return resume.restore(shm=shm, rank=rank, world=2, names=names, exchange=exchange, replica=None,
+                              newest_checkpoint=-1)  # fmt: skip
+
+    got = _run_ranks(2, fn)
+    assert [g.source for g in got] == ["shm", "shm"] and [g.step for g in got] == [6, 6]
+    for r in range(2):
+        assert_bit_exact(_state(10 + r), got[r].state)
+
+
+def test_a_newer_checkpoint_wins_over_older_snapshots(tmp_path: Path) -> None:
+    ShmSnapshot("job", 0, base=tmp_path).capture(6, _state(1), checksum=False, owner=(0, 1))
+
+    def fn(rank, exchange, store):
+        shm = ShmSnapshot("job", rank, base=tmp_path)
+        return resume.restore(shm=shm, rank=0, world=1, names=["model"], exchange=exchange, replica=None,
+                              newest_checkpoint=8)  # fmt: skip
+
+    assert _run_ranks(1, fn) == [None]
+
+
+def test_a_lost_rank_without_a_replica_or_verifiable_copy_falls_back(tmp_path: Path) -> None:
+    # one survivor holds the large object: nobody can vouch that the lost rank's copy was equal
+    ShmSnapshot("job", 0, base=tmp_path).capture(6, _state(1), checksum=False, owner=(0, 2))
+    names = ["model", "data", "__rng__"]
+
+    def fn(rank, exchange, store):
+        shm = ShmSnapshot("job", rank, base=tmp_path / f"n{rank}")
+        if rank == 0:
+            shm = ShmSnapshot("job", 0, base=tmp_path)
+        rep = resume.StoreReplica(store, "r", rank, max_bytes=64)
+        return resume.restore(shm=shm, rank=rank, world=2, names=names, exchange=exchange, replica=rep,
+                              newest_checkpoint=-1)  # fmt: skip
+
+    assert _run_ranks(2, fn) == [None, None]
