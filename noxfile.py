@@ -58,6 +58,14 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PY)
+def certify(session: nox.Session) -> None:
+    """The CPU recovery certificate, 5 trials per fault class: table, certificate.json, timeline.png."""
+    _install(session)
+    args = session.posargs or ["configs/chaos/cpu.yaml", "--out", "chaos_out", "--trials", "5"]
+    session.run("chaos", "certify", *args, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(python=PY)
 def gpu(session: nox.Session) -> None:
     """The NCCL/CUDA tests, on a machine with a GPU (a CUDA build of torch: no CPU pin here)."""
     session.install("-e", ".[dev]")

@@ -12,7 +12,7 @@ Same worker (benchmarks/relaunch_worker.py), same kill point (attempt 0 after st
 trials. Recovery = the driver's time of the first step the relaunched worker completes minus the
 time it sent SIGKILL. A trial with no step within --timeout counts as never recovered.
 
-    python benchmarks/relaunch.py [--trials 20] [--gb 1.0]
+    python benchmarks/relaunch.py [--trials 20] [--gb 1.0] [--cold]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -42,7 +43,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def trial(mode: str, cwd: Path, gb: float, timeout: float) -> dict[str, Any]:
+def trial(mode: str, cwd: Path, gb: float, timeout: float, cold: bool = False) -> dict[str, Any]:
     cwd.mkdir(parents=True)
     progress = cwd / "progress.jsonl"
     common = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.1"]
@@ -71,6 +72,9 @@ def trial(mode: str, cwd: Path, gb: float, timeout: float) -> dict[str, Any]:
             return out
         t_kill = time.time()
         os.kill(victim["pid"], signal.SIGKILL)
+        if cold:  # the relaunch finds nothing in the page cache (a rebooted or replacement node)
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             after = [x for x in _lines(progress) if x["attempt"] == 1]
@@ -87,6 +91,9 @@ def trial(mode: str, cwd: Path, gb: float, timeout: float) -> dict[str, Any]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(x["pid"], signal.SIGKILL)
         p.wait()
+        # a SIGKILLed launcher leaves its shared-memory snapshots (2 GB here) and heartbeat files
+        for leftover in Path("/dev/shm").glob(f"resilient-*-{p.pid}"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def main() -> None:
@@ -94,13 +101,19 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache right after the kill (root): the checkpoint file must come from "
+        "disk, as on a rebooted or replacement node (/dev/shm is not dropped: it is memory)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "relaunch.json")
     args = ap.parse_args()
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
         for t in range(args.trials):
             for mode in MODES:
-                r = trial(mode, Path(d) / f"{mode}{t}", args.gb, args.timeout)
+                r = trial(mode, Path(d) / f"{mode}{t}", args.gb, args.timeout, args.cold)
                 results.append(r)
                 print(json.dumps(r), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

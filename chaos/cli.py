@@ -1,8 +1,13 @@
-"""``chaos`` command line: lists the injectors and checks a fault plan."""
+"""``chaos`` command line: the recovery certificate, the injectors, fault plans.
+
+chaos certify configs/chaos/cpu.yaml --out chaos_out [--classes sigkill,hang] [--trials N]
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
 from chaos.inject import KINDS, Injector
 
@@ -13,10 +18,46 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("kinds", help="list the fault kinds")
     chk = sub.add_parser("check", help="parse a fault plan (kind@step[:rank][=arg][xN],...)")
     chk.add_argument("plan")
+    cert = sub.add_parser("certify", help="run every fault class against its SLOs; exit 1 if any fails")
+    cert.add_argument("config", type=Path)
+    cert.add_argument("--out", type=Path, default=Path("chaos_out"))
+    cert.add_argument("--classes", default="", help="comma-separated subset of the config's classes")
+    cert.add_argument("--trials", type=int, default=None, help="override every class's trial count")
     args = p.parse_args(argv)
+    if args.cmd == "certify":
+        return _certify(args)
     if args.cmd == "kinds":
         print("\n".join(KINDS))
     else:
         for f in Injector.parse(args.plan).faults:
             print(f)
     return 0
+
+
+def _certify(args: Any) -> int:
+    from rich.console import Console
+
+    from chaos import certify, schedule
+
+    cert = schedule.load(args.config)
+    only = [c for c in args.classes.split(",") if c]
+    unknown = [c for c in only if c not in cert.classes]
+    if unknown:
+        raise SystemExit(f"--classes: {unknown} not in {args.config} (it has {sorted(cert.classes)})")
+    if args.trials is not None:
+        cert = cert.model_copy(update={"trials": args.trials})
+        cert = cert.model_copy(update={"classes": {
+            n: c.model_copy(update={"trials": None}) for n, c in cert.classes.items()}})  # fmt: skip
+    trials = certify.certify(cert, args.out, only)
+    rows = certify.write(cert, trials, args.out)
+    console = Console(width=max(120, Console().width))
+    console.print(certify.table(rows))
+    for r in rows:
+        for err in r["errors"]:
+            console.print(f"[red]{r['class']}[/]: {err}")
+    console.print(f"written: {args.out / 'certificate.json'}, {args.out / 'timeline.png'}")
+    return 0 if all(not r["failed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

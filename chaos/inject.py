@@ -18,6 +18,8 @@ up to N); without it a fault fires once. Kinds:
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import time
 from collections import Counter
@@ -79,10 +81,26 @@ class Injector:
         for f in self.faults:
             if f.rank == rank and f.step == step and f.where == where and self.fired[f] < f.times:
                 self.fired[f] += 1
+                _record(f)
                 _fire(f)
 
     def counts(self) -> dict[str, int]:
         return {f"{f.kind}@{f.step}:{f.rank}": self.fired[f] for f in self.faults}
+
+
+def _record(f: Fault) -> None:
+    """Append what is about to fire, and when, to ``$CHAOS_INJECTIONS`` (the certificate's t0)."""
+    path = os.environ.get("CHAOS_INJECTIONS")
+    if not path:
+        return
+    line = json.dumps({"ts": time.time(), "kind": f.kind, "rank": f.rank, "step": f.step, "pid": os.getpid(),
+                       "by": "injector"})  # fmt: skip
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())  # one write: lines of different ranks never interleave
+        os.fsync(fd)  # the next thing may be a hang, an OOM-kill or a GIL-bound loop
+    finally:
+        os.close(fd)
 
 
 def _fire(f: Fault) -> None:

@@ -134,6 +134,7 @@ class EventsConfig(_Model):
     """Where the per-run JSONL event log goes."""
 
     dir: Path = Path("resilient_runs")
+    steps: bool = Field(False, description="a step_completed event per step (certificates, timelines)")
 
 
 class Config(_Model):

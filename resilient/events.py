@@ -34,6 +34,7 @@ class Event(str, enum.Enum):
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_FAILED = "checkpoint_failed"
     CHECKPOINT_LOADED = "checkpoint_loaded"
+    CHECKPOINT_REJECTED = "checkpoint_rejected"  # a committed checkpoint did not verify at load
     RUN_PREEMPTED = "run_preempted"
     WORKER_DIED = "worker_died"  # the launcher's agent: a worker exited or was killed (with the cause)
     HEARTBEAT_MISSED = "heartbeat_missed"
@@ -41,6 +42,7 @@ class Event(str, enum.Enum):
     RELAUNCHED = "relaunched"
     NODE_LOST = "node_lost"
     NODE_EXCLUDED = "node_excluded"
+    STEP_COMPLETED = "step_completed"  # only with events.steps: true (one line per rank per step)
 
 
 class EventLog:
@@ -57,7 +59,9 @@ class EventLog:
             except OSError as e:
                 logger.warning("event log {} unavailable ({}); events go to the log only", path, e)
 
-    def emit(self, event: Event, *, generation: int, step: int | None, **fields: Any) -> dict[str, Any]:
+    def emit(
+        self, event: Event, *, generation: int, step: int | None, log: bool = True, **fields: Any
+    ) -> dict[str, Any]:
         record = {
             "ts": time.time(),
             "event": event.value,
@@ -72,6 +76,8 @@ class EventLog:
                 os.write(self._fd, (json.dumps(record, default=str) + "\n").encode())
             except OSError as e:  # a full disk must not stop training
                 logger.warning("event log write failed: {}", e)
+        if not log:
+            return record
         extras = " ".join(f"{k}={v}" for k, v in fields.items())
         logger.bind(rank=self.rank).info(
             "[rank {} gen {} step {}] {} {}", self.rank, generation, step, event.value, extras

@@ -9,7 +9,7 @@ previous one is tried; when none verifies the error lists every checkpoint tried
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ class Loaded:
     state: Any
     manifest: Manifest
     path: Path
+    rejected: list[str] = field(default_factory=list)  # newer checkpoints that did not verify, why
 
 
 def _read_into(path: Path, offset: int, out: memoryview) -> None:
@@ -183,6 +184,7 @@ def load_latest(
                 from resilient.checkpoint.sharded import load_sharded
 
                 load_sharded(sharded, loaded.path / "dcp")
+            loaded.rejected = list(tried)
             return loaded
     if tried:
         raise CheckpointError(f"no valid checkpoint in {root}; tried:\n  " + "\n  ".join(tried))

@@ -11,7 +11,7 @@ rendezvous. On top of it:
 - **Verdicts from the runtime.** A worker exiting with ``FATAL`` (3: fault repeats, budget spent)
   or ``REQUEUE`` (76: preempted, final checkpoint written) must not be restarted: the agent stops
   and the launcher exits with that code. ``HARD_FAULT`` (75) and deaths are restarted, bounded by
-  ``--max-restarts`` with exponential backoff.
+  ``--max-restarts`` (within ``--restart-window`` seconds, if given) with exponential backoff.
 - **Lost nodes.** A member of the running round whose rendezvous keep-alive expired (its agent
   is gone with its node) restarts the group at once, instead of when the survivors' collectives
   time out.
@@ -130,9 +130,12 @@ class ResilientAgent(LocalElasticAgent):
         backoff_max_s: float = 10.0,
         admit_waiting: bool = False,
         max_health_failures: int = 2,
+        restart_window_s: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.restart_window_s = restart_window_s
+        self._failure_times: list[float] = []
         self.max_health_failures = max_health_failures
         self.health_failures: list[dict[str, Any]] = []
         self.excluded = False
@@ -265,6 +268,14 @@ class ResilientAgent(LocalElasticAgent):
             if failure.exitcode in _STOP_CODES and self.verdict is None:
                 self.verdict = failure.exitcode
         self._count_health_failures(worker_group)
+        now = time.monotonic()
+        self._failure_times.append(now)
+        if self.restart_window_s is not None and not self.excluded:
+            # --max-restarts counts the failures of the last --restart-window seconds only: a job
+            # that fails once a day for a month is not a job that fails in a loop
+            recent = [t for t in self._failure_times if now - t <= self.restart_window_s]
+            self._failure_times = recent
+            self._remaining_restarts = self._worker_group.spec.max_restarts - len(recent) + 1
         if self.verdict is not None:
             logger.info(f"a worker asked to stop ({_STOP_CODES[self.verdict]}): not restarting")
             self._remaining_restarts = 0

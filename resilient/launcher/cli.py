@@ -50,6 +50,13 @@ def parser() -> Any:
     p.add_argument("--backoff-initial", type=float, default=1.0, help="delay before the 2nd relaunch, s")
     p.add_argument("--backoff-max", type=float, default=30.0, help="cap of the exponential backoff, s")
     p.add_argument(
+        "--restart-window",
+        type=float,
+        default=None,
+        help="count only the failures of the last this-many seconds against --max-restarts "
+        "(default: every failure of the job, as torchrun)",
+    )
+    p.add_argument(
         "--admit-waiting",
         action="store_true",
         help="restart a healthy group to admit a node that joins (torchrun's behaviour); by default "
@@ -140,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         backoff_max_s=args.backoff_max,
         admit_waiting=args.admit_waiting,
         max_health_failures=args.max_health_failures,
+        restart_window_s=args.restart_window,
     )
     _forward_preemption(agent)
     try:

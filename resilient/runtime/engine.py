@@ -550,6 +550,9 @@ class Runtime:
         step_s = now - self._progress if self._stepped else None
         self._progress, self._stepped = now, True
         self.hard_timer.arm(self.t.hard)
+        if self.cfg.events.steps:
+            ev = Event.STEP_COMPLETED
+            self._ev.emit(ev, generation=self.generation, step=step, step_s=step_s, log=False)
         nxt = step + 1
         capture_s = None
         if self.schedule.due(nxt, total):

@@ -113,6 +113,8 @@ class Persistence:
         t0 = time.time()
         loaded = load_latest(self.ckpt.root, self.rank, self.ckpt.world_size, agree=agree)
         if loaded is not None:
+            for why in loaded.rejected:  # a corrupt newest checkpoint is a fault too: say so
+                self.events.emit(Event.CHECKPOINT_REJECTED, generation=0, step=None, reason=why)
             self.events.emit(
                 Event.CHECKPOINT_LOADED,
                 generation=0,

@@ -22,6 +22,7 @@ from tests.integration.conftest import EXAMPLE, STEPS, assert_bit_exact
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 EXIT_WITH = str(Path(__file__).with_name("_exit_with.py"))
+FAIL_THEN_SUCCEED = str(Path(__file__).with_name("_fail_then_succeed.py"))
 
 
 class Launch:
@@ -299,3 +300,20 @@ def test_restarts_exhausted_exit_fatal_with_a_summary(tmp_path: Path) -> None:
     events = run.events()
     assert [e["event"] for e in events].count("relaunched") == 2
     assert "giving up after 2 restarts" in run.output() and "exit code 75" in run.output()
+
+
+@pytest.mark.parametrize("window", [None, "0.5"])
+def test_restart_window_counts_only_recent_failures(tmp_path: Path, window: str | None) -> None:
+    # three failures, each after 1 s of work, with --max-restarts 1: too many for the job as a
+    # whole (torchrun's count), but never more than one within a 0.5 s window
+    extra = ["--restart-window", window] if window else []
+    run = Launch(
+        tmp_path, "--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--backoff-initial", "0",
+        "--monitor-interval", "0.1", *extra, FAIL_THEN_SUCCEED, "3", "1.0",
+    )  # fmt: skip
+    rc = run.finish()
+    relaunched = [e["event"] for e in run.events()].count("relaunched")
+    if window is None:
+        assert rc == ExitCode.FATAL and relaunched == 1, run.output()
+    else:
+        assert rc == 0 and relaunched == 3, run.output()

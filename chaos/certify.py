@@ -1,0 +1,432 @@
+"""The recovery certificate: every fault class, run for real on the bundled example, measured from
+the event log, held against its SLOs.
+
+Each trial is one job under ``resilient launch`` (so soft faults are recovered in-process and hard
+ones by the launcher, as in production) with one fault:
+
+- in-process faults (exception, hang, oom, gil_hang, stall) fire inside the step through the
+  example's ``--fault`` plan; the injector appends what it did, and when, to ``injections.jsonl``;
+- external ones are done by this harness to the rank's process when the rank's ``step_completed``
+  event shows it reached the step: SIGKILL, SIGSTOP; ``corrupt_checkpoint`` flips bytes in the
+  newest committed checkpoint, kills the whole job and starts it again (fresh shared memory), so
+  the restart has to read the disk and find the corruption.
+
+Figures per trial, from ``events.jsonl`` (every rank and agent) and ``injections.jsonl``:
+time to detect (injection → first detection event: ``fault_detected``, ``worker_died``,
+``heartbeat_missed``, ``checkpoint_rejected``), time to recover (injection → every rank
+completed a step in its new generation or process), steps lost (steps done again), goodput
+(the steps' worth of fault-free time / wall time from the first step to the end), bit-exact
+(final state vs a fault-free run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from chaos.compare import assert_bit_exact
+from chaos.schedule import EXTERNAL, Certification
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_tiny.py"
+DETECTION = ("fault_detected", "worker_died", "heartbeat_missed", "checkpoint_rejected")
+
+
+@dataclass
+class Trial:
+    cls: str
+    trial: int
+    fault_step: int
+    ok: bool = False  # the job finished (exit 0)
+    detect_s: float | None = None
+    recover_s: float | None = None
+    steps_lost: int | None = None
+    goodput: float | None = None
+    bit_exact: bool | None = None
+    previous_loaded: bool | None = None
+    fired: int = 0
+    error: str = ""
+    failed_slos: list[str] = field(default_factory=list)
+    timeline: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- one job ---------------------------------------------------------------------------------------
+class Job:
+    """``resilient launch`` of the example in ``cwd``; killed by process group when done."""
+
+    def __init__(self, cert: Certification, cwd: Path, plan: str = "") -> None:
+        j = cert.job
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.cwd = cwd
+        cfg = cwd / "runtime.yaml"
+        cfg.write_text(yaml.safe_dump({"events": {"steps": True}}))
+        argv = [
+            sys.executable, "-m", "resilient.cli", "launch", "--standalone",
+            "--nproc-per-node", str(j.nproc), "--max-restarts", str(j.max_restarts),
+            "--monitor-interval", "0.1", "--heartbeat-timeout", str(j.heartbeat_timeout),
+            "--startup-timeout", "60", "--backoff-initial", "0",
+            str(EXAMPLE), "--steps", str(j.steps), "--step-ms", str(j.step_ms),
+            "--hang-timeout", str(j.hang_timeout), "--config", str(cfg),
+            "--ckpt-dir", str(cwd / "ck"), "--ckpt-every", str(j.checkpoint_every),
+            "--out", str(cwd / "state"),
+        ]  # fmt: skip
+        if plan:
+            argv += ["--fault", plan, "--fault-attempt", "0"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        env["CHAOS_INJECTIONS"] = str(cwd / "injections.jsonl")
+        env.pop("RESILIENT_RUN_ID", None)
+        self.log = open(cwd / "launch.log", "a")  # noqa: SIM115 - closed in stop()
+        self.p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+
+    def stop(self, timeout: float) -> int | None:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            self.kill()
+            self.log.close()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait()
+        for e in events(self.cwd):  # workers run in sessions of their own
+            if e["event"] == "run_started" and e["rank"] >= 0:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(int(e["pid"]), signal.SIGKILL)
+        for leftover in Path("/dev/shm").glob(f"resilient-*-{self.p.pid}"):
+            import shutil
+
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a line being written right now
+            out.append(json.loads(line))
+    return out
+
+
+def events(cwd: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for f in (cwd / "resilient_runs").glob("*/events.jsonl"):
+        out += _jsonl(f)
+    return sorted(out, key=lambda e: e["ts"])
+
+
+def _record_injection(cwd: Path, kind: str, rank: int, step: int, **extra: Any) -> float:
+    ts = time.time()
+    with open(cwd / "injections.jsonl", "a") as f:
+        rec = {"ts": ts, "kind": kind, "rank": rank, "step": step, "by": "harness", **extra}
+        f.write(json.dumps(rec) + "\n")
+    return ts
+
+
+def _wait_for(cwd: Path, job: Job, pred: Any, deadline: float) -> dict[str, Any] | None:
+    while time.monotonic() < deadline:  # another process appends the log: poll it, bounded
+        for e in events(cwd):
+            if pred(e):
+                return e
+        if job.p.poll() is not None:
+            return None
+        time.sleep(0.02)
+    return None
+
+
+# ---- the figures -------------------------------------------------------------------------------------
+def measure(evs: list[dict[str, Any]], injected_ts: float, nproc: int, ref_step_s: float) -> dict[str, Any]:
+    steps = [e for e in evs if e["event"] == "step_completed"]
+    detect = next((e for e in evs if e["event"] in DETECTION and e["ts"] >= injected_ts), None)
+    before: dict[int, tuple[int, int]] = {}
+    last_done = -1
+    for e in steps:
+        if e["ts"] < injected_ts:
+            before[e["rank"]] = (e["pid"], e["generation"])
+            last_done = max(last_done, e["step"])
+    first_after: dict[int, dict[str, Any]] = {}
+    for e in steps:
+        new_incarnation = (e["pid"], e["generation"]) != before.get(e["rank"])
+        if e["ts"] >= injected_ts and e["rank"] not in first_after and new_incarnation:
+            first_after[e["rank"]] = e
+    out: dict[str, Any] = {"detect_ts": detect["ts"] if detect else None}
+    if detect is not None:
+        out["detect_s"] = detect["ts"] - injected_ts
+        out["detected_by"] = f"{detect['event']} (rank {detect['rank']})"
+    if len(first_after) == nproc:
+        out["recover_s"] = max(e["ts"] for e in first_after.values()) - injected_ts
+        out["steps_lost"] = max(0, last_done + 1 - min(e["step"] for e in first_after.values()))
+    if steps:
+        distinct = len({e["step"] for e in steps})
+        end = max(e["ts"] for e in evs if e["event"] in ("run_finished", "step_completed"))
+        wall = end - steps[0]["ts"] + ref_step_s  # the first step's own time counts too
+        out["goodput"] = min(1.0, distinct * ref_step_s / wall) if wall > 0 else None
+    return out
+
+
+def _finals(cwd: Path, nproc: int) -> list[dict[str, Any]] | None:
+    try:
+        return [torch.load(cwd / "state" / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
+    except (OSError, RuntimeError):
+        return None
+
+
+def _strip(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in s.items() if k != "fired"} for s in states]
+
+
+# ---- certify -------------------------------------------------------------------------------------------
+def reference(cert: Certification, cwd: Path) -> tuple[list[dict[str, Any]], float]:
+    """A fault-free run of the same job: its final state and median step time."""
+    job = Job(cert, cwd)
+    rc = job.stop(cert.job.timeout_s)
+    finals = _finals(cwd, cert.job.nproc)
+    if rc != 0 or finals is None:
+        raise SystemExit(f"the fault-free reference run failed (rc={rc}); see {cwd / 'launch.log'}")
+    durations = [e["step_s"] for e in events(cwd) if e["event"] == "step_completed" and e.get("step_s")]
+    return _strip(finals), statistics.median(durations) if durations else cert.job.step_ms / 1e3
+
+
+def run_trial(
+    cert: Certification, name: str, trial: int, cwd: Path, ref: list[dict[str, Any]], ref_step_s: float
+) -> Trial:
+    c, j = cert.classes[name], cert.job
+    step = cert.trial_step(name, trial)
+    t = Trial(name, trial, step)
+    deadline = time.monotonic() + j.timeout_s
+    plan = "" if c.fault in EXTERNAL else f"{c.fault}@{step}:{c.rank}" + (f"={c.arg}" if c.arg else "")
+    job = Job(cert, cwd, plan)
+    rc: int | None = None
+    try:
+        if c.fault in ("sigkill", "sigstop"):
+            hit = _wait_for(cwd, job, lambda e: e["event"] == "step_completed" and e["rank"] == c.rank
+                            and e["step"] >= step - 1, deadline)  # fmt: skip
+            if hit is None:
+                t.error = "the target rank never reached the fault step"
+                return t
+            os.kill(int(hit["pid"]), getattr(signal, c.fault.upper()))
+            _record_injection(cwd, c.fault, c.rank, hit["step"] + 1, pid=hit["pid"])
+        elif c.fault == "corrupt_checkpoint":
+            job = _corrupt_and_restart(cert, cwd, job, step, deadline, t)
+            if t.error:
+                return t
+        rc = job.stop(max(1.0, deadline - time.monotonic()))
+    finally:
+        job.kill()
+    t.ok = rc == 0
+    if rc is None:
+        t.error = f"did not finish within {j.timeout_s:g} s"
+    elif rc != 0:
+        t.error = f"launcher exited {rc}"
+    injections = _jsonl(cwd / "injections.jsonl")
+    t.fired = len(injections)
+    evs = events(cwd)
+    if not injections:
+        t.error = t.error or "the fault never fired"
+        return t
+    inj = injections[0]
+    m = measure(evs, inj["ts"], j.nproc, ref_step_s)
+    t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
+    t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
+    if c.fault == "corrupt_checkpoint":
+        loaded = [e for e in evs if e["event"] == "checkpoint_loaded"]
+        t.previous_loaded = bool(loaded) and all(e["step"] < inj["step"] for e in loaded)
+    finals = _finals(cwd, j.nproc)
+    if finals is not None and t.ok:
+        try:
+            assert_bit_exact(ref, _strip(finals))
+            t.bit_exact = True
+        except AssertionError:
+            t.bit_exact = False
+    t.timeline = {
+        "injected": inj["ts"], "detected": m.get("detect_ts"),
+        "steps": [(e["ts"], e["rank"], e["step"]) for e in evs if e["event"] == "step_completed"],
+    }  # fmt: skip
+    t.failed_slos = _check(t, cert)
+    return t
+
+
+def _corrupt_and_restart(
+    cert: Certification, cwd: Path, job: Job, step: int, deadline: float, t: Trial
+) -> Job:
+    """Flip bytes in the newest committed checkpoint, kill the whole job, start it again."""
+    from resilient.checkpoint.manifest import committed_steps
+
+    ck = cwd / "ck"
+    while time.monotonic() < deadline:
+        done = committed_steps(ck) if ck.exists() else []
+        if len(done) >= 2 and done[0] >= step:
+            break
+        if job.p.poll() is not None:
+            t.error = "the job ended before two checkpoints were committed"
+            return job
+        time.sleep(0.05)
+    else:
+        t.error = "no two committed checkpoints in time"
+        return job
+    job.kill()  # the whole job, agent and workers, with its shared memory: the disk must serve
+    newest = committed_steps(ck)[0]
+    victim = sorted((ck / f"step-{newest:08d}").glob("rank*.bin"))[0]
+    with open(victim, "r+b") as f:  # real corruption: bytes in the middle of a shard change
+        f.seek(os.path.getsize(victim) // 2)
+        chunk = f.read(64)
+        f.seek(-len(chunk), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    _record_injection(cwd, "corrupt_checkpoint", -1, newest, file=victim.name)
+    return Job(cert, cwd)
+
+
+def _check(t: Trial, cert: Certification) -> list[str]:
+    s = cert.classes[t.cls].slo
+    failed = []
+    if not t.ok:
+        failed.append("finished")
+    if s.detect_s is not None and (t.detect_s is None or t.detect_s > s.detect_s):
+        failed.append("detect_s")
+    if s.recover_s is not None and (t.recover_s is None or t.recover_s > s.recover_s):
+        failed.append("recover_s")
+    if s.steps_lost_max is not None and (t.steps_lost is None or t.steps_lost > s.steps_lost_max):
+        failed.append("steps_lost")
+    if s.goodput_min is not None and (t.goodput is None or t.goodput < s.goodput_min):
+        failed.append("goodput")
+    if s.bit_exact and t.bit_exact is not True:
+        failed.append("bit_exact")
+    if s.previous_checkpoint_loads and not t.previous_loaded:
+        failed.append("previous_checkpoint_loads")
+    return failed
+
+
+def certify(cert: Certification, out: Path, only: list[str] | None = None) -> list[Trial]:
+    from rich.progress import Progress
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in cert.classes if not only or n in only]
+    total = sum(cert.trials_of(n) for n in names) + 1
+    trials: list[Trial] = []
+    with Progress(transient=True) as bar:
+        task = bar.add_task("reference run", total=total)
+        ref, ref_step_s = reference(cert, out / "reference")
+        bar.advance(task)
+        for name in names:
+            for k in range(cert.trials_of(name)):
+                bar.update(task, description=f"{name} trial {k + 1}/{cert.trials_of(name)}")
+                trials.append(run_trial(cert, name, k, out / f"{name}-{k}", ref, ref_step_s))
+                bar.advance(task)
+    return trials
+
+
+# ---- reports -------------------------------------------------------------------------------------------
+def _pct(xs: list[float | None], q: float) -> float | None:
+    vals = sorted(x for x in xs if x is not None)
+    if not vals:
+        return None
+    return vals[min(len(vals) - 1, round(q * (len(vals) - 1)))]
+
+
+def summarize(cert: Certification, trials: list[Trial]) -> list[dict[str, Any]]:
+    rows = []
+    for name, c in cert.classes.items():
+        ts = [t for t in trials if t.cls == name]
+        if not ts:
+            continue
+        detect, recover = [t.detect_s for t in ts], [t.recover_s for t in ts]
+        rows.append({
+            "class": name, "trials": len(ts), "finished": sum(t.ok for t in ts),
+            "detect_p50": _pct(detect, 0.5), "detect_p99": _pct(detect, 0.99),
+            "recover_p50": _pct(recover, 0.5), "recover_p99": _pct(recover, 0.99),
+            "steps_lost_max": max((t.steps_lost for t in ts if t.steps_lost is not None), default=None),
+            "goodput_min": min((t.goodput for t in ts if t.goodput is not None), default=None),
+            "bit_exact": all(t.bit_exact for t in ts),
+            "slo": c.slo.model_dump(exclude_none=True),
+            "failed": sorted({f for t in ts for f in t.failed_slos}),
+            "errors": [t.error for t in ts if t.error],
+        })  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    def f(x: float | None, slo: float | None = None) -> str:
+        if x is None:
+            return "—"
+        return f"{x:.2f}" + (f" ≤{slo:g}" if slo is not None else "")
+
+    tb = Table(title="resilient recovery certificate")
+    for col in ("class", "trials", "detect p50/p99 s", "recover p50/p99 s", "steps lost", "goodput",
+                "bit-exact", "SLO"):  # fmt: skip
+        tb.add_column(col)
+    for r in rows:
+        slo = r["slo"]
+        tb.add_row(
+            r["class"], f"{r['finished']}/{r['trials']}",
+            f"{f(r['detect_p50'])}/{f(r['detect_p99'], slo.get('detect_s'))}",
+            f"{f(r['recover_p50'])}/{f(r['recover_p99'], slo.get('recover_s'))}",
+            "—" if r["steps_lost_max"] is None else str(r["steps_lost_max"]),
+            "—" if r["goodput_min"] is None else f"{r['goodput_min']:.0%}",
+            "✓" if r["bit_exact"] else "✗",
+            "[green]PASS[/]" if not r["failed"] else f"[red]FAIL[/] {','.join(r['failed'])}",
+        )  # fmt: skip
+    return tb
+
+
+def timeline_png(trials: list[Trial], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [t for t in trials if t.timeline and t.trial == 0]
+    if not shown:
+        return
+    fig, axes = plt.subplots(len(shown), 1, figsize=(9, 2.2 * len(shown)), squeeze=False)
+    for ax, t in zip(axes[:, 0], shown, strict=True):
+        steps = t.timeline["steps"]
+        t0 = min(s[0] for s in steps)
+        for rank in sorted({s[1] for s in steps}):
+            pts = [(s[0] - t0, s[2]) for s in steps if s[1] == rank]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", ms=3, label=f"rank {rank}")
+        ax.axvline(t.timeline["injected"] - t0, color="red", lw=1, label="fault")
+        if t.timeline.get("detected"):
+            ax.axvline(t.timeline["detected"] - t0, color="orange", lw=1, label="detected")
+        if t.recover_s is not None:
+            ax.axvline(t.timeline["injected"] - t0 + t.recover_s, color="green", lw=1, label="recovered")
+        exact = "bit-exact" if t.bit_exact else "NOT bit-exact"
+        ax.set_title(f"{t.cls}: detect {t.detect_s or float('nan'):.2f} s, recover "
+                     f"{t.recover_s or float('nan'):.2f} s, {exact}", fontsize=9)  # fmt: skip
+        ax.set_ylabel("step")
+        ax.legend(fontsize=6, loc="lower right")
+    axes[-1, 0].set_xlabel("seconds since the first step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(cert: Certification, trials: list[Trial], out: Path) -> list[dict[str, Any]]:
+    rows = summarize(cert, trials)
+    data = {
+        "classes": rows,
+        "trials": [{k: v for k, v in asdict(t).items() if k != "timeline"} for t in trials],
+        "job": cert.job.model_dump(),
+        "seed": cert.seed,
+        "passed": all(not r["failed"] for r in rows),
+    }
+    (out / "certificate.json").write_text(json.dumps(data, indent=1))
+    timeline_png(trials, out / "timeline.png")
+    return rows

@@ -1,0 +1,110 @@
+"""Declarative chaos schedules (``configs/chaos/*.yaml``), validated, deterministic under a seed.
+
+A certificate config names the job (the bundled example by default), and per fault class: the
+fault (kind, target rank, the step it fires at), how many trials, and the SLOs it must meet::
+
+    seed: 0
+    job: {nproc: 2, steps: 40, step_ms: 50, hang_timeout: 2, heartbeat_timeout: 3}
+    classes:
+      exception: {fault: exception, step: 12, rank: 1, slo: {recover_s: 1.0}}
+      sigkill:   {fault: sigkill, step: 12, rank: 1, slo: {recover_s: 5.0}}
+
+A trial's fault step is drawn from ``step`` ± ``jitter`` with the seed (trial ``t`` of class
+``c`` uses ``Random(f"{seed}/{c}/{t}")``), so a certificate is reproducible run to run.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# in-process faults fire inside the training step (chaos/inject.py); external ones are done to
+# the rank's process by the harness when the event log shows the rank reached the step
+IN_PROCESS = ("exception", "hang", "oom", "gil_hang", "stall")
+EXTERNAL = ("sigkill", "sigstop", "corrupt_checkpoint")
+FaultKind = Literal[
+    "exception", "hang", "oom", "gil_hang", "stall", "sigkill", "sigstop", "corrupt_checkpoint"
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SLO(_Model):
+    detect_s: float | None = Field(None, gt=0, description="fault → first detection event, at most")
+    recover_s: float | None = Field(None, gt=0, description="fault → first step completed after, at most")
+    steps_lost_max: int | None = Field(None, ge=0)
+    goodput_min: float | None = Field(None, gt=0, le=1)
+    bit_exact: bool = True
+    previous_checkpoint_loads: bool = False  # corrupt_checkpoint: the one before the newest loads
+
+
+class FaultClass(_Model):
+    fault: FaultKind
+    step: int = Field(..., ge=1, description="the step the fault fires at (first attempt)")
+    rank: int = Field(1, ge=0)
+    jitter: int = Field(0, ge=0, description="trials draw the step from step ± jitter")
+    arg: float | None = None  # stall seconds
+    trials: int | None = Field(None, ge=1)
+    slo: SLO = Field(default_factory=SLO)
+
+
+class Job(_Model):
+    nproc: int = Field(2, ge=1, le=8)
+    steps: int = Field(40, ge=4)
+    step_ms: float = Field(50.0, ge=0)
+    hang_timeout: float = Field(2.0, gt=0)
+    heartbeat_timeout: float = Field(3.0, gt=0)
+    checkpoint_every: int = Field(5, ge=1)
+    max_restarts: int = Field(3, ge=0)
+    timeout_s: float = Field(180.0, gt=0, description="a trial running longer is killed and fails")
+
+
+class Certification(_Model):
+    seed: int = 0
+    trials: int = Field(1, ge=1)
+    job: Job = Field(default_factory=Job)
+    classes: dict[str, FaultClass]
+
+    @model_validator(mode="after")
+    def _ranks_exist(self) -> Certification:
+        for name, c in self.classes.items():
+            if c.rank >= self.job.nproc:
+                raise ValueError(f"classes.{name}.rank: {c.rank} but job.nproc is {self.job.nproc}")
+            if c.step + c.jitter >= self.job.steps - 1:
+                raise ValueError(
+                    f"classes.{name}.step: {c.step} (+ jitter {c.jitter}) leaves no step after it "
+                    f"(job.steps is {self.job.steps})"
+                )
+        return self
+
+    def trial_step(self, name: str, trial: int) -> int:
+        c = self.classes[name]
+        return c.step + random.Random(f"{self.seed}/{name}/{trial}").randint(-c.jitter, c.jitter)
+
+    def trials_of(self, name: str) -> int:
+        return self.classes[name].trials or self.trials
+
+
+def load(path: Path | str) -> Certification:
+    """The certificate config at ``path``; errors name the file and the bad field."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise SystemExit(f"{p}: cannot read: {e}") from None
+    except yaml.YAMLError as e:
+        raise SystemExit(f"{p}: not valid YAML: {e}") from None
+    try:
+        return Certification.model_validate(raw or {})
+    except ValidationError as e:
+        lines = [f"{p}: invalid chaos config"]
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc}: {err['msg']}")
+        raise SystemExit("\n".join(lines)) from None

@@ -1,0 +1,40 @@
+"""The CPU recovery certificate, every fault class once (the smoke run; `nox -s certify`: more)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_certificate_passes_every_slo(tmp_path: Path) -> None:
+    out = tmp_path / "cert"
+    r = subprocess.run(
+        [sys.executable, "-m", "chaos.cli", "certify", str(ROOT / "configs" / "chaos" / "cpu.yaml"),
+         "--out", str(out), "--trials", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    cert = json.loads((out / "certificate.json").read_text())
+    assert r.returncode == 0 and cert["passed"], r.stdout + r.stderr
+    classes = {c["class"]: c for c in cert["classes"]}
+    kinds = {"exception", "hang", "oom", "sigkill", "sigstop", "gil_hang", "corrupt_checkpoint"}
+    assert set(classes) == kinds
+    for c in classes.values():  # every class ran, finished, and ended equal to the fault-free run
+        assert c["finished"] == c["trials"] == 1 and c["bit_exact"], c
+    for t in cert["trials"]:
+        assert t["fired"] >= 1 and t["detect_s"] is not None and t["recover_s"] is not None, t
+    assert (out / "timeline.png").stat().st_size > 10_000
+
+
+def test_bad_certificate_config_names_the_field(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("job: {nproc: 2}\nclasses:\n  k: {fault: sigkill, step: 5, rank: 4}\n")
+    argv = [sys.executable, "-m", "chaos.cli", "certify", str(cfg)]
+    r = subprocess.run(argv, capture_output=True, text=True)
+    assert r.returncode != 0 and "rank: 4 but job.nproc is 2" in r.stderr, r.stderr
