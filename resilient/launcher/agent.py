@@ -135,6 +135,9 @@ class ResilientAgent(LocalElasticAgent):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.restart_window_s = restart_window_s
+        self.window_max_restarts = self._worker_group.spec.max_restarts
+        if restart_window_s is not None:
+            self._worker_group.spec.max_restarts = self._remaining_restarts = 1 << 30
         self._failure_times: list[float] = []
         self.max_health_failures = max_health_failures
         self.health_failures: list[dict[str, Any]] = []
@@ -272,10 +275,12 @@ class ResilientAgent(LocalElasticAgent):
         self._failure_times.append(now)
         if self.restart_window_s is not None and not self.excluded:
             # --max-restarts counts the failures of the last --restart-window seconds only: a job
-            # that fails once a day for a month is not a job that fails in a loop
+            # that fails once a day for a month is not a job that fails in a loop. (torch's own
+            # budget is unbounded then, so that TORCHELASTIC_RESTART_COUNT still counts up.)
             recent = [t for t in self._failure_times if now - t <= self.restart_window_s]
             self._failure_times = recent
-            self._remaining_restarts = self._worker_group.spec.max_restarts - len(recent) + 1
+            if len(recent) > self.window_max_restarts:
+                self._remaining_restarts = 0
         if self.verdict is not None:
             logger.info(f"a worker asked to stop ({_STOP_CODES[self.verdict]}): not restarting")
             self._remaining_restarts = 0

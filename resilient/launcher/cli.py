@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.HARD_FAULT)
     if result.is_failed():
         summary = "; ".join(f"rank {f.get('global_rank')}: {f['cause']}" for f in agent.failures[-8:])
-        print(f"resilient launch: giving up after {config.max_restarts} restarts: {summary}", file=sys.stderr)
+        within = f" within {args.restart_window:g} s" if args.restart_window else ""
+        print(
+            f"resilient launch: giving up after {config.max_restarts} restarts{within}: {summary}",
+            file=sys.stderr,
+        )
         return int(ExitCode.FATAL)
     return int(ExitCode.SUCCESS)
