@@ -58,6 +58,7 @@ class Trial:
     previous_loaded: bool | None = None
     fired: int = 0
     error: str = ""
+    skipped: str = ""  # a capability this machine lacks (never replaced by a pretend fault)
     failed_slos: list[str] = field(default_factory=list)
     timeline: dict[str, Any] = field(default_factory=dict)
 
@@ -211,9 +212,22 @@ def run_trial(
     t = Trial(name, trial, step)
     deadline = time.monotonic() + j.timeout_s
     plan = "" if c.fault in EXTERNAL else f"{c.fault}@{step}:{c.rank}" + (f"={c.arg}" if c.arg else "")
+    cgroup: Path | None = None
+    if c.fault == "kernel_oom":
+        plan = f"kernel_oom@{step}:{c.rank}"
+        cgroup, why = _memory_cgroup(int(c.arg or 700))
+        if cgroup is None:
+            t.skipped = why
+            return t
     job = Job(cert, cwd, plan)
     rc: int | None = None
     try:
+        if cgroup is not None:  # the target rank (first attempt) runs under a real memory limit
+            hit = _wait_for(cwd, job, lambda e: e["event"] == "run_started" and e["rank"] == c.rank, deadline)
+            if hit is None:
+                t.error = "the target rank never started"
+                return t
+            (cgroup / "cgroup.procs").write_text(str(hit["pid"]))
         if c.fault in ("sigkill", "sigstop"):
             hit = _wait_for(cwd, job, lambda e: e["event"] == "step_completed" and e["rank"] == c.rank
                             and e["step"] >= step - 1, deadline)  # fmt: skip
@@ -229,6 +243,8 @@ def run_trial(
         rc = job.stop(max(1.0, deadline - time.monotonic()))
     finally:
         job.kill()
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
     t.ok = rc == 0
     if rc is None:
         t.error = f"did not finish within {j.timeout_s:g} s"
@@ -292,6 +308,35 @@ def _corrupt_and_restart(
     return Job(cert, cwd)
 
 
+def _memory_cgroup(limit_mib: int) -> tuple[Path | None, str]:
+    """A fresh cgroup v1 memory cgroup limited to ``limit_mib`` (root only), or (None, why not)."""
+    base = Path("/sys/fs/cgroup/memory")
+    if not (base / "cgroup.procs").exists():
+        return None, "no cgroup v1 memory controller at /sys/fs/cgroup/memory"
+    if os.geteuid() != 0:
+        return None, "creating a memory cgroup needs root"
+    cg = base / f"chaos-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        cg.mkdir()
+        (cg / "memory.limit_in_bytes").write_text(str(limit_mib << 20))
+    except OSError as e:
+        return None, f"cannot create a memory cgroup here: {e}"
+    return cg, ""
+
+
+def _remove_cgroup(cg: Path) -> None:
+    with contextlib.suppress(OSError):
+        for pid in (cg / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while cg.exists() and time.monotonic() < deadline:  # rmdir works once its tasks are gone
+        try:
+            cg.rmdir()
+        except OSError:
+            time.sleep(0.05)
+
+
 def _check(t: Trial, cert: Certification) -> list[str]:
     s = cert.classes[t.cls].slo
     failed = []
@@ -345,6 +390,11 @@ def summarize(cert: Certification, trials: list[Trial]) -> list[dict[str, Any]]:
         ts = [t for t in trials if t.cls == name]
         if not ts:
             continue
+        skipped = [t.skipped for t in ts if t.skipped]
+        ts = [t for t in ts if not t.skipped]
+        if not ts:
+            rows.append({"class": name, "trials": 0, "skipped": skipped[0], "failed": [], "errors": []})
+            continue
         detect, recover = [t.detect_s for t in ts], [t.recover_s for t in ts]
         rows.append({
             "class": name, "trials": len(ts), "finished": sum(t.ok for t in ts),
@@ -373,6 +423,9 @@ def table(rows: list[dict[str, Any]]) -> Any:
                 "bit-exact", "SLO"):  # fmt: skip
         tb.add_column(col)
     for r in rows:
+        if r.get("skipped"):
+            tb.add_row(r["class"], "0", "—", "—", "—", "—", "—", f"[yellow]SKIPPED[/] {r['skipped']}")
+            continue
         slo = r["slo"]
         tb.add_row(
             r["class"], f"{r['finished']}/{r['trials']}",

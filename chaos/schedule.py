@@ -24,10 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # in-process faults fire inside the training step (chaos/inject.py); external ones are done to
 # the rank's process by the harness when the event log shows the rank reached the step
-IN_PROCESS = ("exception", "hang", "oom", "gil_hang", "stall")
+IN_PROCESS = ("exception", "hang", "oom", "gil_hang", "stall", "kernel_oom")
 EXTERNAL = ("sigkill", "sigstop", "corrupt_checkpoint")
 FaultKind = Literal[
-    "exception", "hang", "oom", "gil_hang", "stall", "sigkill", "sigstop", "corrupt_checkpoint"
+    "exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "sigkill", "sigstop", "corrupt_checkpoint"
 ]
 
 
@@ -49,7 +49,7 @@ class FaultClass(_Model):
     step: int = Field(..., ge=1, description="the step the fault fires at (first attempt)")
     rank: int = Field(1, ge=0)
     jitter: int = Field(0, ge=0, description="trials draw the step from step ± jitter")
-    arg: float | None = None  # stall seconds
+    arg: float | None = None  # stall: seconds; kernel_oom: the cgroup's memory limit in MiB
     trials: int | None = Field(None, ge=1)
     slo: SLO = Field(default_factory=SLO)
 

@@ -23,11 +23,14 @@ def test_cpu_certificate_passes_every_slo(tmp_path: Path) -> None:
     cert = json.loads((out / "certificate.json").read_text())
     assert r.returncode == 0 and cert["passed"], r.stdout + r.stderr
     classes = {c["class"]: c for c in cert["classes"]}
-    kinds = {"exception", "hang", "oom", "sigkill", "sigstop", "gil_hang", "corrupt_checkpoint"}
+    kinds = {"exception", "hang", "oom", "sigkill", "sigstop", "gil_hang", "corrupt_checkpoint",
+             "collective_stall", "kernel_oom"}  # fmt: skip
     assert set(classes) == kinds
-    for c in classes.values():  # every class ran, finished, and ended equal to the fault-free run
+    ran = {n: c for n, c in classes.items() if not c.get("skipped")}
+    assert set(kinds) - set(ran) <= {"kernel_oom"}, classes  # only for want of a memory cgroup
+    for c in ran.values():  # every class ran, finished, and ended equal to the fault-free run
         assert c["finished"] == c["trials"] == 1 and c["bit_exact"], c
-    for t in cert["trials"]:
+    for t in (t for t in cert["trials"] if not t["skipped"]):
         assert t["fired"] >= 1 and t["detect_s"] is not None and t["recover_s"] is not None, t
     assert (out / "timeline.png").stat().st_size > 10_000
 
