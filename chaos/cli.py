@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     cert.add_argument("--out", type=Path, default=Path("chaos_out"))
     cert.add_argument("--classes", default="", help="comma-separated subset of the config's classes")
     cert.add_argument("--trials", type=int, default=None, help="override every class's trial count")
+    cert.add_argument(
+        "command", nargs="*", help="after --: the training script and its arguments (default: the config's)"
+    )
     args = p.parse_args(argv)
     if args.cmd == "certify":
         return _certify(args)
@@ -40,6 +43,8 @@ def _certify(args: Any) -> int:
     from chaos import certify, schedule
 
     cert = schedule.load(args.config)
+    if args.command:
+        cert = cert.model_copy(update={"job": cert.job.model_copy(update={"command": list(args.command)})})
     only = [c for c in args.classes.split(",") if c]
     unknown = [c for c in only if c not in cert.classes]
     if unknown:

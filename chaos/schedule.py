@@ -55,6 +55,12 @@ class FaultClass(_Model):
 
 
 class Job(_Model):
+    command: list[str] | None = Field(
+        None,
+        description="the training script and its arguments, run under `resilient launch` in the "
+        "trial's directory; None: the bundled example (examples/train_tiny.py) with the fields below",
+    )
+    checkpoint_dir: str = Field("ck", description="where the command checkpoints, relative to the trial dir")
     nproc: int = Field(2, ge=1, le=8)
     steps: int = Field(40, ge=4)
     step_ms: float = Field(50.0, ge=0)

@@ -122,6 +122,7 @@ class Runtime:
         self.shm: ShmSnapshot | None = None  # snapshots in /dev/shm, under `resilient launch`
         self.replica: resume.StoreReplica | None = None  # small per-rank state, in the job's store
         self._adoptable: int | None = None  # restored from this rank's own shm snapshot of this step
+        self._chaos: Any = None  # chaos.inject.Injector, when RESILIENT_CHAOS names faults to fire
         self.run_dir: Path | None = None
 
     @property
@@ -167,6 +168,10 @@ class Runtime:
         self.interrupter.install()
         self.hard_timer.install()
         die_with_launcher()
+        self._chaos = _chaos_from_env()
+        if os.environ.get("RESILIENT_STEP_EVENTS") == "1":  # a certificate's timeline
+            events_cfg = self.cfg.events.model_copy(update={"steps": True})
+            self.cfg = self.cfg.model_copy(update={"events": events_cfg})
         self.heartbeat = Heartbeat.from_env()  # under `resilient launch`: the agent watches it
         shm_name = os.environ.get("RESILIENT_SHM_NAME")  # set by `resilient launch`, which keeps it
         # keyed by the local rank: a relaunched worker finds its predecessor's snapshot even when
@@ -251,6 +256,7 @@ class Runtime:
                 if done:
                     if self.persist is not None:
                         self.persist.close(self.generation, self.step)
+                    self._save_final_state()
                     self._ev.emit(
                         Event.RUN_FINISHED,
                         generation=self.generation,
@@ -449,6 +455,9 @@ class Runtime:
         start = self._begin_steps(total)
         for step in range(start, total):
             self.step = step
+            if self._chaos is not None:  # a certificate's fault, in this rank at this step
+                for where in ("step", "before_collective"):  # (both at the step's start here)
+                    self._chaos.maybe_fire(self.rank, step, where)
             yield step
             self._complete(step, total)
 
@@ -484,6 +493,16 @@ class Runtime:
         self._restore_state = None
         self.step = step
         return step
+
+    def _save_final_state(self) -> None:
+        """``RESILIENT_FINAL_STATE=DIR``: every tracked object's final state → DIR/rank<R>.pt (a
+        certificate compares it with a fault-free run's, bit for bit)."""
+        out = os.environ.get("RESILIENT_FINAL_STATE")
+        if not out:
+            return
+        Path(out).mkdir(parents=True, exist_ok=True)
+        state = {k: v for k, v in self.registry.capture().items() if k != RNG}
+        torch.save(state, Path(out) / f"rank{self.rank}.pt")
 
     def _mirror(self, step: int, state: dict[str, Any]) -> None:
         """Under ``resilient launch``: the snapshot also goes where it outlives this process (this
@@ -669,6 +688,21 @@ class Runtime:
         if now - self._last_nudge > 0.5:
             self._last_nudge = now
             self.interrupter.resend(generation)
+
+
+def _chaos_from_env() -> Any:
+    """``RESILIENT_CHAOS=kind@step[:rank],...`` (chaos/inject.py's plan): the runtime fires those
+    faults itself at the start of the step, so any wrapped script can be certified unchanged.
+    ``RESILIENT_CHAOS_ATTEMPT=N``: only in launch attempt N (TORCHELASTIC_RESTART_COUNT)."""
+    plan = os.environ.get("RESILIENT_CHAOS")
+    if not plan:
+        return None
+    only = os.environ.get("RESILIENT_CHAOS_ATTEMPT")
+    if only is not None and only != os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"):
+        return None
+    from chaos.inject import Injector
+
+    return Injector.parse(plan)
 
 
 def excepthook_exit_codes() -> None:

@@ -1,0 +1,74 @@
+"""The certificate's arithmetic: figures from an event log, SLO verdicts, config errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chaos import certify, schedule
+
+
+def _step(ts: float, rank: int, step: int, pid: int, gen: int = 0) -> dict:
+    return {"ts": ts, "event": "step_completed", "rank": rank, "step": step, "pid": pid, "generation": gen}
+
+
+def test_figures_come_from_the_event_log() -> None:
+    # 2 ranks, 0.1 s steps; rank 1 is SIGKILLed at t=10.05 after step 4; the agent sees it at
+    # 10.10; both ranks are relaunched (new pids) and redo step 3 (their snapshot) at 12.0/12.2
+    evs = [_step(10 + 0.1 * s, r, s, pid=100 + r) for s in range(5) for r in (0, 1)]
+    evs.append({"ts": 10.5, "event": "worker_died", "rank": -1, "pid": 1})
+    evs += [_step(12.0 + 0.1 * (s - 3), 0, s, pid=200) for s in range(3, 10)]
+    evs += [_step(12.2 + 0.1 * (s - 3), 1, s, pid=201) for s in range(3, 10)]
+    evs.append({"ts": 13.0, "event": "run_finished", "rank": 0, "step": 9})
+    m = certify.measure(sorted(evs, key=lambda e: e["ts"]), injected_ts=10.45, nproc=2, ref_step_s=0.1)
+    assert m["detect_s"] == pytest.approx(0.05)
+    assert m["recover_s"] == pytest.approx(12.2 - 10.45)  # the slower rank's first step after
+    assert m["steps_lost"] == 2  # steps 3 and 4 done again
+    assert m["goodput"] == pytest.approx(10 * 0.1 / (13.0 - 10.0 + 0.1))
+
+
+def test_a_rank_that_never_comes_back_has_no_recovery_figure() -> None:
+    evs = [_step(1.0, 0, 0, pid=1), _step(1.0, 1, 0, pid=2), _step(3.0, 0, 1, pid=3)]
+    m = certify.measure(evs, injected_ts=2.0, nproc=2, ref_step_s=0.1)
+    assert "recover_s" not in m and m["detect_ts"] is None
+
+
+def _cert(**slo: object) -> schedule.Certification:
+    classes = {"k": {"fault": "sigkill", "step": 5, "slo": slo}}
+    return schedule.Certification.model_validate({"classes": classes})
+
+
+def test_slo_verdicts_name_what_failed() -> None:
+    cert = _cert(detect_s=1.0, recover_s=5.0, goodput_min=0.5)
+    t = certify.Trial("k", 0, 5, ok=True, detect_s=2.0, recover_s=4.0, goodput=0.4, bit_exact=True)
+    assert certify._check(t, cert) == ["detect_s", "goodput"]
+    t = certify.Trial("k", 0, 5, ok=True, detect_s=0.5, recover_s=None, bit_exact=False)
+    assert certify._check(t, cert) == ["recover_s", "goodput", "bit_exact"]  # no figure: no pass
+
+
+def test_summary_counts_skipped_classes_apart() -> None:
+    cert = _cert()
+    rows = certify.summarize(cert, [certify.Trial("k", 0, 5, skipped="no cgroup v1 memory controller")])
+    assert rows == [{"class": "k", "trials": 0, "skipped": "no cgroup v1 memory controller", "failed": [],
+                     "errors": []}]  # fmt: skip
+
+
+def test_config_errors_name_the_file_and_field(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("job: {steps: 10}\nclasses:\n  odd: {fault: teleport, step: 2}\n")
+    with pytest.raises(SystemExit) as e:
+        schedule.load(cfg)
+    assert str(cfg) in str(e.value) and "classes.odd.fault" in str(e.value)
+    cfg.write_text("job: {steps: 10}\nclasses:\n  late: {fault: hang, step: 9}\n")
+    with pytest.raises(SystemExit, match=r"classes\.late\.step: 9"):
+        schedule.load(cfg)
+
+
+def test_trial_steps_are_reproducible_under_the_seed() -> None:
+    cert = schedule.Certification.model_validate(
+        {"seed": 7, "classes": {"k": {"fault": "hang", "step": 15, "jitter": 3}}}
+    )
+    steps = [cert.trial_step("k", t) for t in range(20)]
+    assert steps == [cert.trial_step("k", t) for t in range(20)]
+    assert set(steps) <= set(range(12, 19)) and len(set(steps)) > 1
