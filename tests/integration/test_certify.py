@@ -41,3 +41,19 @@ def test_bad_certificate_config_names_the_field(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "chaos.cli", "certify", str(cfg)]
     r = subprocess.run(argv, capture_output=True, text=True)
     assert r.returncode != 0 and "rank: 4 but job.nproc is 2" in r.stderr, r.stderr
+
+
+@pytest.mark.chaos
+def test_plugin_certifies_a_users_script_unchanged(chaos_certify, tmp_path: Path) -> None:
+    # the pytest plugin's fixture, on a script that knows nothing of chaos: the runtime fires the
+    # faults, records the steps and dumps the final state for the bit-exact comparison
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text(
+        "job: {nproc: 2, steps: 30, heartbeat_timeout: 3}\n"
+        "classes:\n"
+        "  exception: {fault: exception, step: 12, rank: 1, slo: {recover_s: 1.0}}\n"
+        "  sigkill: {fault: sigkill, step: 12, rank: 0, slo: {recover_s: 5.0}}\n"
+    )
+    result = chaos_certify(cfg, command=[str(Path(__file__).with_name("_user_train.py"))])
+    result.assert_passed()
+    assert result.row("sigkill")["bit_exact"] and result.row("exception")["recover_p50"] < 1.0
