@@ -1,4 +1,4 @@
-"""Sessions: `tests` (what CI runs), `demo` (the main job), `lint` (ruff + mypy), `bench`."""
+"""Sessions: `tests` (CI), `certify` (the main job: the recovery certificate), `soak`, `demo`, `lint`."""
 
 from __future__ import annotations
 
@@ -59,10 +59,22 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PY)
 def certify(session: nox.Session) -> None:
-    """The CPU recovery certificate, 5 trials per fault class: table, certificate.json, timeline.png."""
+    """The CPU recovery certificate (5 trials per fault class: table, certificate.json,
+    timeline.png), then goodput under a fault every 60 s (stream.json). Exit 1 on a failed SLO."""
     _install(session)
+    env = {"OMP_NUM_THREADS": "1"}
     args = session.posargs or ["configs/chaos/cpu.yaml", "--out", "chaos_out", "--trials", "5"]
-    session.run("chaos", "certify", *args, env={"OMP_NUM_THREADS": "1"})
+    session.run("chaos", "certify", *args, env=env)
+    if not session.posargs:
+        session.run("chaos", "stream", "configs/chaos/cpu.yaml", "--out", "chaos_out/stream", env=env)
+
+
+@nox.session(python=PY)
+def soak(session: nox.Session) -> None:
+    """200 faults of every CPU kind in one run (configs/chaos/soak.yaml, ~15 min)."""
+    _install(session)
+    args = session.posargs or ["configs/chaos/soak.yaml", "--out", "chaos_soak"]
+    session.run("chaos", "stream", *args, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session(python=PY)

@@ -67,15 +67,20 @@ class Trial:
 class Job:
     """``resilient launch`` of the example in ``cwd``; killed by process group when done."""
 
-    def __init__(self, cert: Certification, cwd: Path, plan: str = "") -> None:
+    def __init__(self, cert: Certification, cwd: Path, plan: str = "", attempt: str | None = "0") -> None:
         j = cert.job
         cwd.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
         command = j.command or [
             str(EXAMPLE), "--steps", str(j.steps), "--step-ms", str(j.step_ms),
             "--hang-timeout", str(j.hang_timeout), "--ckpt-dir", j.checkpoint_dir,
-            "--ckpt-every", str(j.checkpoint_every),
+            "--ckpt-every", str(j.checkpoint_every), "--backend", j.backend,
         ]  # fmt: skip
+        if j.runtime and not j.command:
+            import yaml
+
+            (cwd / "runtime.yaml").write_text(yaml.safe_dump(j.runtime))
+            command += ["--config", str(cwd / "runtime.yaml")]
         if command[0] in ("python", "python3", sys.executable):  # `resilient launch` runs python itself
             command = command[1:]
         argv = [
@@ -91,8 +96,10 @@ class Job:
         env["CHAOS_INJECTIONS"] = str(cwd / "injections.jsonl")
         env["RESILIENT_STEP_EVENTS"] = "1"
         env["RESILIENT_FINAL_STATE"] = str(cwd / "state")
-        if plan:
-            env["RESILIENT_CHAOS"], env["RESILIENT_CHAOS_ATTEMPT"] = plan, "0"
+        if plan:  # attempt None: every launch fires the plan's faults it reaches
+            env["RESILIENT_CHAOS"] = plan
+            if attempt is not None:
+                env["RESILIENT_CHAOS_ATTEMPT"] = attempt
         env.pop("RESILIENT_RUN_ID", None)
         self.log = open(cwd / "launch.log", "a")  # noqa: SIM115 - closed in stop()
         self.p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT,

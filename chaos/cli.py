@@ -26,9 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     cert.add_argument(
         "command", nargs="*", help="after --: the training script and its arguments (default: the config's)"
     )
+    stream = sub.add_parser("stream", help="one long run with the config's stream of faults (goodput, soak)")
+    stream.add_argument("config", type=Path)
+    stream.add_argument("--out", type=Path, default=Path("chaos_stream"))
+    stream.add_argument("--faults", type=int, default=None, help="override the stream's fault count")
     args = p.parse_args(argv)
     if args.cmd == "certify":
         return _certify(args)
+    if args.cmd == "stream":
+        return _stream(args)
     if args.cmd == "kinds":
         print("\n".join(KINDS))
     else:
@@ -66,3 +72,30 @@ def _certify(args: Any) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _stream(args: Any) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from chaos import schedule, stream
+
+    cert = schedule.load(args.config)
+    if cert.stream is None:
+        raise SystemExit(f"{args.config}: no `stream:` section")
+    if args.faults is not None:
+        cert = cert.model_copy(update={"stream": cert.stream.model_copy(update={"faults": args.faults})})
+    report = stream.run(cert, args.out)
+    (args.out / "stream.json").write_text(json.dumps(report, indent=1))
+    st = cert.stream
+    assert st is not None
+    how = " on average" if st.random else ""
+    tb = Table(title=f"fault stream: one fault every {st.mtbf_s:g} s{how}")
+    tb.add_column("figure")
+    tb.add_column("value")
+    for k, v in report.items():
+        tb.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    Console(width=120).print(tb)
+    return 0 if not report["failed"] else 1

@@ -24,11 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # in-process faults fire inside the training step (chaos/inject.py); external ones are done to
 # the rank's process by the harness when the event log shows the rank reached the step
-IN_PROCESS = ("exception", "hang", "oom", "gil_hang", "stall", "kernel_oom")
+IN_PROCESS = ("exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom")
 EXTERNAL = ("sigkill", "sigstop", "corrupt_checkpoint")
 FaultKind = Literal[
-    "exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "sigkill", "sigstop", "corrupt_checkpoint"
-]
+    "exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom",
+    "sigkill", "sigstop", "corrupt_checkpoint",
+]  # fmt: skip
 
 
 class _Model(BaseModel):
@@ -62,13 +63,35 @@ class Job(_Model):
     )
     checkpoint_dir: str = Field("ck", description="where the command checkpoints, relative to the trial dir")
     nproc: int = Field(2, ge=1, le=8)
+    backend: Literal["gloo", "nccl", "auto"] = "gloo"  # the bundled example's; nccl: one GPU per rank
     steps: int = Field(40, ge=4)
     step_ms: float = Field(50.0, ge=0)
     hang_timeout: float = Field(2.0, gt=0)
     heartbeat_timeout: float = Field(3.0, gt=0)
     checkpoint_every: int = Field(5, ge=1)
     max_restarts: int = Field(3, ge=0)
+    runtime: dict[str, object] = Field(
+        default_factory=dict,
+        description="runtime config for the bundled example (its --config), e.g. "
+        "{restart: {max_restarts: 500}}",
+    )
     timeout_s: float = Field(180.0, gt=0, description="a trial running longer is killed and fails")
+
+
+_STREAM_KINDS: tuple[FaultKind, ...] = ("exception", "hang", "oom", "sigkill")
+
+
+class Stream(_Model):
+    """Many faults in one long job: a fault every ``mtbf_s`` seconds (``random``: exponential
+    inter-arrival times with that mean), kind and rank drawn with the seed. ``nox -s certify``
+    runs it for goodput; ``nox -s soak`` with at least 200 faults."""
+
+    mtbf_s: float = Field(60.0, gt=0)
+    faults: int = Field(4, ge=1, description="how many faults the run gets (its length follows)")
+    random: bool = False
+    kinds: list[FaultKind] = Field(default_factory=lambda: list(_STREAM_KINDS))
+    checkpoint_every: int = Field(100, ge=1)
+    slo: SLO = Field(default_factory=lambda: SLO(goodput_min=0.9))
 
 
 class Certification(_Model):
@@ -76,6 +99,7 @@ class Certification(_Model):
     trials: int = Field(1, ge=1)
     job: Job = Field(default_factory=Job)
     classes: dict[str, FaultClass]
+    stream: Stream | None = None
 
     @model_validator(mode="after")
     def _ranks_exist(self) -> Certification:
