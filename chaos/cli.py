@@ -70,10 +70,6 @@ def _certify(args: Any) -> int:
     return 0 if all(not r["failed"] for r in rows) else 1
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def _stream(args: Any) -> int:
     import json
 
@@ -99,3 +95,7 @@ def _stream(args: Any) -> int:
         tb.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     Console(width=120).print(tb)
     return 0 if not report["failed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

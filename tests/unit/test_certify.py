@@ -72,3 +72,20 @@ def test_trial_steps_are_reproducible_under_the_seed() -> None:
     steps = [cert.trial_step("k", t) for t in range(20)]
     assert steps == [cert.trial_step("k", t) for t in range(20)]
     assert set(steps) <= set(range(12, 19)) and len(set(steps)) > 1
+
+
+def test_stream_plan_spaces_faults_and_sizes_the_run() -> None:
+    from chaos import stream
+
+    st = {"mtbf_s": 60, "faults": 4, "kinds": ["hang", "sigkill"]}
+    cert = schedule.Certification.model_validate({"job": {"nproc": 2}, "classes": {}, "stream": st})
+    faults, steps = stream.plan(cert, step_s=0.05)
+    assert [t for t, _, _ in faults] == [60, 120, 180, 240]
+    assert {k for _, k, _ in faults} <= {"hang", "sigkill"} and {r for _, _, r in faults} <= {0, 1}
+    assert steps == int((240 + 30) / 0.05) + 1  # half an interval of clean running after the last
+    assert cert.stream is not None
+    soak = cert.model_copy(update={"stream": cert.stream.model_copy(update={"random": True, "faults": 200})})
+    times = [t for t, _, _ in stream.plan(soak, 0.05)[0]]
+    assert times == sorted(times) and len(set(times)) == 200
+    assert 0.5 * 60 < times[-1] / 200 < 1.5 * 60  # exponential gaps with the configured mean
+    assert stream.plan(soak, 0.05) == stream.plan(soak, 0.05)  # the seed decides
