@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from chaos.cgroup import memory_cgroup, remove_cgroup
 from chaos.compare import assert_bit_exact
 from chaos.schedule import EXTERNAL, Certification
 
@@ -224,7 +225,7 @@ def _run_trial(
     cgroup: Path | None = None
     if c.fault == "kernel_oom":
         plan = f"kernel_oom@{step}:{c.rank}"
-        cgroup, why = _memory_cgroup(int(c.arg or 700))
+        cgroup, why = memory_cgroup(int(c.arg or 700))
         if cgroup is None:
             t.skipped = why
             return t
@@ -253,7 +254,7 @@ def _run_trial(
     finally:
         job.kill()
         if cgroup is not None:
-            _remove_cgroup(cgroup)
+            remove_cgroup(cgroup)
     t.ok = rc == 0
     if rc is None:
         t.error = f"did not finish within {j.timeout_s:g} s"
@@ -324,35 +325,6 @@ def _corrupt_and_restart(
         f.write(bytes(b ^ 0xFF for b in chunk))
     _record_injection(cwd, "corrupt_checkpoint", -1, newest, file=victim.name)
     return Job(cert, cwd)
-
-
-def _memory_cgroup(limit_mib: int) -> tuple[Path | None, str]:
-    """A fresh cgroup v1 memory cgroup limited to ``limit_mib`` (root only), or (None, why not)."""
-    base = Path("/sys/fs/cgroup/memory")
-    if not (base / "cgroup.procs").exists():
-        return None, "no cgroup v1 memory controller at /sys/fs/cgroup/memory"
-    if os.geteuid() != 0:
-        return None, "creating a memory cgroup needs root"
-    cg = base / f"chaos-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        cg.mkdir()
-        (cg / "memory.limit_in_bytes").write_text(str(limit_mib << 20))
-    except OSError as e:
-        return None, f"cannot create a memory cgroup here: {e}"
-    return cg, ""
-
-
-def _remove_cgroup(cg: Path) -> None:
-    with contextlib.suppress(OSError):
-        for pid in (cg / "cgroup.procs").read_text().split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while cg.exists() and time.monotonic() < deadline:  # rmdir works once its tasks are gone
-        try:
-            cg.rmdir()
-        except OSError:
-            time.sleep(0.05)
 
 
 def _check(t: Trial, cert: Certification) -> list[str]:

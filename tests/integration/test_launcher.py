@@ -145,30 +145,16 @@ def test_gil_holding_hang_is_caught_by_the_missing_heartbeat(
 @pytest.fixture
 def memory_cgroup() -> Any:
     """A real cgroup v1 memory limit of 700 MiB (root only); removed even if the test fails."""
-    base = Path("/sys/fs/cgroup/memory")
-    if not (base / "cgroup.procs").exists() or os.geteuid() != 0:
-        pytest.skip("needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
-    cg = base / f"resilient-test-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        cg.mkdir()
-        (cg / "memory.limit_in_bytes").write_text(str(700 << 20))
-    except OSError as e:
-        pytest.skip(f"cannot create a memory cgroup here: {e}")
+    from chaos.cgroup import memory_cgroup as make
+    from chaos.cgroup import remove_cgroup
+
+    cg, why = make(700)
+    if cg is None:
+        pytest.skip(why)
     try:
         yield cg
     finally:
-        for pid in (cg / "cgroup.procs").read_text().split():  # anything still charged to it
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while True:  # rmdir succeeds once the killed tasks are gone
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        remove_cgroup(cg, strict=True)
 
 
 def test_kernel_oom_kill_is_named_and_recovered(
