@@ -1,11 +1,12 @@
 """One long job with a stream of faults (``stream:`` in a certificate config): goodput under a
 fault every ``mtbf_s`` seconds, and the soak (hundreds of faults of every kind in one run).
 
-In-process faults are planned by step (the reference run's step time turns a fault time into a
-step) and fired by the runtime; SIGKILL/SIGSTOP are sent by this harness at their times to the
-rank's current process. Reported: faults injected, detected, recovered, goodput, committed
-checkpoints that no longer load (must be 0), final state vs a fault-free run of the same length
-(must be identical), and whether the harness had to kill a run that never ended (must not).
+Every fault is placed by step (the fault-free step time turns a fault time into a step):
+in-process ones are fired by the runtime, SIGKILL/SIGSTOP are sent by this harness to the rank's
+current process once the event log shows it reached the step. Reported: faults injected,
+detected, recovered, goodput, committed checkpoints that no longer load (must be 0), final
+state vs a fault-free run of the same length (must be identical), and whether the harness had
+to kill a run that never ended (must not).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def plan(cert: Certification, step_s: float) -> tuple[list[tuple[float, Any, int
     return out, steps
 
 
+def at_step(faults: list[tuple[float, Any, int]], step_s: float) -> list[tuple[int, Any, int]]:
+    """The faults with their times turned into the step the fault-free run is at then."""
+    return [(max(1, int(t / step_s)), k, r) for t, k, r in faults]
+
+
 def run(cert: Certification, out: Path) -> dict[str, Any]:
     st = cert.stream
     assert st is not None
@@ -47,30 +53,31 @@ def run(cert: Certification, out: Path) -> dict[str, Any]:
     job_cfg = cert.job.model_copy(update=update)
     long = cert.model_copy(update={"job": job_cfg})
     ref, ref_step_s = reference(long, out / "reference")
-    at = [(max(1, int(t / probe_step_s)), k, r) for t, k, r in faults if k not in EXTERNAL]
-    in_process = ",".join(f"{k}@{s}:{r}" for s, k, r in at)
+    in_process = ",".join(f"{k}@{s}:{r}" for s, k, r in at_step(faults, probe_step_s) if k not in EXTERNAL)
     cwd = out / "stream"
     job = Job(long, cwd, in_process, attempt=None)
     deadline = time.monotonic() + job_cfg.timeout_s
     hung = False
     try:
-        first: dict[str, Any] | None = None
-        while first is None and time.monotonic() < deadline and job.p.poll() is None:
-            first = next((e for e in events(cwd) if e["event"] == "step_completed"), None)
-            time.sleep(0.05)
-        t0 = float(first["ts"]) if first is not None else 0.0
-        for t, kind, rank in faults if first is not None else []:
+        # Every fault is placed by training progress (its time on the fault-free clock turned into
+        # a step): a wall-clock schedule denser than a relaunch starves the job (measured: a
+        # SIGKILL every ~4 s kept relaunching it at step ~380 for 6 minutes).
+        for step, kind, rank in sorted(at_step(faults, probe_step_s)):
             if kind not in EXTERNAL:
                 continue
-            while time.time() < t0 + t and job.p.poll() is None:  # the schedule's own clock
-                time.sleep(0.05)
-            last = [e for e in events(cwd) if e["event"] == "step_completed" and e["rank"] == rank]
-            if last and job.p.poll() is None:
-                try:
-                    os.kill(int(last[-1]["pid"]), getattr(signal, kind.upper()))
-                    _record_injection(cwd, kind, rank, last[-1]["step"] + 1, pid=last[-1]["pid"])
-                except ProcessLookupError:
-                    pass  # that process is gone already (another fault's relaunch): not injected
+            hit = None
+            while hit is None and time.monotonic() < deadline and job.p.poll() is None:
+                done = [e for e in events(cwd) if e["event"] == "step_completed" and e["rank"] == rank]
+                hit = done[-1] if done and max(e["step"] for e in done) >= step - 1 else None
+                if hit is None:
+                    time.sleep(0.05)
+            if hit is None:
+                break
+            try:
+                os.kill(int(hit["pid"]), getattr(signal, kind.upper()))
+                _record_injection(cwd, kind, rank, hit["step"] + 1, pid=hit["pid"])
+            except ProcessLookupError:
+                pass  # gone already (another fault's relaunch): not injected, not counted
         rc = job.stop(max(1.0, deadline - time.monotonic()))
         hung = rc is None
     finally:
