@@ -81,11 +81,30 @@ class Injector:
         for f in self.faults:
             if f.rank == rank and f.step == step and f.where == where and self.fired[f] < f.times:
                 self.fired[f] += 1
+                if _fired_in_job(f) >= f.times:  # an earlier process of this job fired it already
+                    continue
                 _record(f)
                 _fire(f)
 
     def counts(self) -> dict[str, int]:
         return {f"{f.kind}@{f.step}:{f.rank}": self.fired[f] for f in self.faults}
+
+
+def _fired_in_job(f: Fault) -> int:
+    """How often earlier processes of this job fired ``f`` (``$CHAOS_INJECTIONS``): a relaunched
+    worker must not fire a planned fault again (a fault per plan entry, not per process)."""
+    path = os.environ.get("CHAOS_INJECTIONS")
+    if not path or not os.path.exists(path):
+        return 0
+    n = 0
+    with open(path) as fh:
+        for line in fh:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            n += r.get("by") == "injector" and (r["kind"], r["step"], r["rank"]) == (f.kind, f.step, f.rank)
+    return n
 
 
 def _record(f: Fault) -> None:

@@ -131,9 +131,12 @@ class ResilientAgent(LocalElasticAgent):
         admit_waiting: bool = False,
         max_health_failures: int = 2,
         restart_window_s: float | None = None,
+        max_repeats: int = 3,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.max_repeats = max_repeats
+        self._deaths: list[tuple[int, int]] = []  # (global rank, the step it was in)
         self.restart_window_s = restart_window_s
         self.window_max_restarts = self._worker_group.spec.max_restarts
         if restart_window_s is not None:
@@ -254,7 +257,13 @@ class ResilientAgent(LocalElasticAgent):
             return result
         if result.state != WorkerState.HEALTHY:
             return result
-        return self._check_heartbeats(worker_group) or result
+        silent = self._check_heartbeats(worker_group)
+        if silent is None:
+            return result
+        self._check_repeats(worker_group, silent)
+        if self.verdict is not None:
+            self._remaining_restarts = 0
+        return silent
 
     def _on_failed(self, worker_group: WorkerGroup, result: RunResult) -> None:
         oom = oom_kills()
@@ -271,6 +280,7 @@ class ResilientAgent(LocalElasticAgent):
             if failure.exitcode in _STOP_CODES and self.verdict is None:
                 self.verdict = failure.exitcode
         self._count_health_failures(worker_group)
+        self._check_repeats(worker_group, result)
         now = time.monotonic()
         self._failure_times.append(now)
         if self.restart_window_s is not None and not self.excluded:
@@ -282,8 +292,25 @@ class ResilientAgent(LocalElasticAgent):
             if len(recent) > self.window_max_restarts:
                 self._remaining_restarts = 0
         if self.verdict is not None:
-            logger.info(f"a worker asked to stop ({_STOP_CODES[self.verdict]}): not restarting")
+            logger.info(f"stopping ({_STOP_CODES[self.verdict]}): not restarting")
             self._remaining_restarts = 0
+
+    def _check_repeats(self, worker_group: WorkerGroup, result: RunResult) -> None:
+        """A hard fault that kills a rank at the same step launch after launch (the runtime's own
+        repeat guard dies with the process) is diagnosed and stops the job: FATAL, not a loop."""
+        by_global = {w.global_rank: w for w in worker_group.workers}
+        for global_rank in sorted(result.failures):
+            w = by_global.get(global_rank)
+            beat = read_beat(beat_path(self.heartbeat_dir, w.local_rank)) if w is not None else None
+            if beat is not None and beat[1] >= 0:
+                self._deaths.append((global_rank, beat[1]))
+        last = self._deaths[-self.max_repeats :]
+        if self.verdict is None and len(last) == self.max_repeats and len(set(last)) == 1:
+            rank, step = last[0]
+            cause = f"rank {rank} died at step {step} {self.max_repeats} times in a row: the fault repeats"
+            self.failures.append({"global_rank": rank, "cause": cause, "ts": time.time()})
+            logger.error(f"{cause}; not restarting")
+            self.verdict = int(ExitCode.FATAL)
 
     def _count_health_failures(self, worker_group: WorkerGroup) -> None:
         checks = []

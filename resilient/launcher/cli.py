@@ -57,6 +57,12 @@ def parser() -> Any:
         "(default: every failure of the job, as torchrun)",
     )
     p.add_argument(
+        "--max-repeats",
+        type=int,
+        default=3,
+        help="a rank dying at the same step this many launches in a row stops the job (exit 3)",
+    )
+    p.add_argument(
         "--admit-waiting",
         action="store_true",
         help="restart a healthy group to admit a node that joins (torchrun's behaviour); by default "
@@ -148,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         admit_waiting=args.admit_waiting,
         max_health_failures=args.max_health_failures,
         restart_window_s=args.restart_window,
+        max_repeats=args.max_repeats,
     )
     _forward_preemption(agent)
     try:
@@ -164,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             hb_dir.rmdir()
         ShmSnapshot(shm_name).unlink()  # the job is over: its snapshots go
     if agent.verdict is not None:
+        if agent.verdict == int(ExitCode.FATAL) and agent.failures:
+            print(f"resilient launch: giving up: {agent.failures[-1]['cause']}", file=sys.stderr)
         return agent.verdict
     if agent.excluded:
         last = agent.health_failures[-1]["checks"][0]

@@ -455,6 +455,8 @@ class Runtime:
         start = self._begin_steps(total)
         for step in range(start, total):
             self.step = step
+            if self.heartbeat is not None:  # the step a hard fault hits, exactly, for the agent
+                self.heartbeat.beat(step)
             if self._chaos is not None:  # a certificate's fault, in this rank at this step
                 for where in ("step", "before_collective"):  # (both at the step's start here)
                     self._chaos.maybe_fire(self.rank, step, where)

@@ -303,3 +303,14 @@ def test_restart_window_counts_only_recent_failures(tmp_path: Path, window: str 
         assert rc == ExitCode.FATAL and relaunched == 1, run.output()
     else:
         assert rc == 0 and relaunched == 3, run.output()
+
+
+def test_hard_fault_at_the_same_step_every_launch_stops_fatal(tmp_path: Path) -> None:
+    # rank 1 holds the GIL at step 10 in every launch (no --fault-attempt): the runtime's own repeat
+    # guard dies with each process, so the agent must see the repetition and stop, not loop
+    run = _example(tmp_path, "--fault", "gil_hang@10:1")
+    rc = run.finish()
+    events = run.events()
+    assert rc == ExitCode.FATAL, run.output()
+    assert [e["event"] for e in events].count("relaunched") == 2, run.output()
+    assert "rank 1 died at step 10 3 times in a row" in run.output()
