@@ -435,7 +435,10 @@ class Runtime:
                     unhealthy_path(Path(hb_dir), self.local_rank).write_text(
                         json.dumps({"check": f.name, "value": str(f.value), "detail": f.detail})
                     )
-            self.coord.abort_generation(gen, f"health check {f.name!r} failed: {f.value}")
+            try:
+                self.coord.abort_generation(gen, f"health check {f.name!r} failed: {f.value}")
+            except Exception as e:  # the store's host (rank 0) may have exited first, failing its own
+                logger.warning(f"rank {self.rank}: could not tell the peers (store unreachable: {e})")
             raise HealthCheckFailed(f.name, f.value, f.detail)
 
     # -- user-facing hooks (called through Context) -----------------------------------------------
