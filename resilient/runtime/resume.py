@@ -148,34 +148,16 @@ def _owner_of(held: list[list[dict[str, Any]]], step: int, old_rank: int, world_
     return old_rank if old_rank in found else found[0]
 
 
-def restore(
-    *,
-    shm: ShmSnapshot,
-    rank: int,
-    world: int,
-    names: list[str],
-    exchange: Exchange,
-    replica: StoreReplica | None,
-    newest_checkpoint: int,
-) -> Restored | None:
-    """The state this rank resumes from, or None (every rank then falls back to disk together)."""
-    return _Resume(shm, rank, world, names, exchange, replica).run(newest_checkpoint)
-
-
+@dataclass
 class _Resume:
-    def __init__(
-        self,
-        shm: ShmSnapshot,
-        rank: int,
-        world: int,
-        names: list[str],
-        exchange: Exchange,
-        replica: StoreReplica | None,
-    ) -> None:
-        self.shm, self.rank, self.world, self.names = shm, rank, world, names
-        self.exchange, self.replica = exchange, replica
-        self._loaded: dict[int, dict[str, Any] | None] = {}
-        self._group: Any = None
+    shm: ShmSnapshot
+    rank: int
+    world: int
+    names: list[str]
+    exchange: Exchange
+    replica: StoreReplica | None
+    _loaded: dict[int, dict[str, Any] | None] = field(default_factory=dict)
+    _group: Any = None
 
     def run(self, newest_checkpoint: int) -> Restored | None:
         held = [json.loads(v) for v in self.exchange("resume_slots", json.dumps(self.shm.slots()))]
@@ -315,3 +297,9 @@ class _Resume:
         local_only = not p.replica and not p.donated and all(o == r for r, o in p.owners.items())
         source = "shm" if local_only and len(p.owners) == self.world else "peer"
         return Restored(step, state, source, p.world_from, sources)
+
+
+def restore(*, newest_checkpoint: int, **how: Any) -> Restored | None:
+    """The state this rank resumes from, or None (every rank then falls back to disk together).
+    ``how``: shm, rank, world, names, exchange, replica (see :class:`_Resume`)."""
+    return _Resume(**how).run(newest_checkpoint)
