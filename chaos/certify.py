@@ -36,9 +36,12 @@ from typing import Any
 
 import torch
 
+from chaos import netns
 from chaos.cgroup import memory_cgroup, remove_cgroup
 from chaos.compare import assert_bit_exact
-from chaos.schedule import EXTERNAL, Certification
+from chaos.netns import ENV as NETNS_ENV
+from chaos.netns import VethLink
+from chaos.schedule import EXTERNAL, LINK, Certification
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_tiny.py"
@@ -57,6 +60,7 @@ class Trial:
     goodput: float | None = None
     bit_exact: bool | None = None
     previous_loaded: bool | None = None
+    recover_after_restore_s: float | None = None  # link faults: link back → first step after
     fired: int = 0
     error: str = ""
     skipped: str = ""  # a capability this machine lacks (never replaced by a pretend fault)
@@ -68,7 +72,14 @@ class Trial:
 class Job:
     """``resilient launch`` of the example in ``cwd``; killed by process group when done."""
 
-    def __init__(self, cert: Certification, cwd: Path, plan: str = "", attempt: str | None = "0") -> None:
+    def __init__(
+        self,
+        cert: Certification,
+        cwd: Path,
+        plan: str = "",
+        attempt: str | None = "0",
+        link: VethLink | None = None,
+    ) -> None:
         j = cert.job
         cwd.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
@@ -88,7 +99,8 @@ class Job:
             sys.executable, "-m", "resilient.cli", "launch", "--standalone",
             "--nproc-per-node", str(j.nproc), "--max-restarts", str(j.max_restarts),
             "--monitor-interval", "0.1", "--heartbeat-timeout", str(j.heartbeat_timeout),
-            "--startup-timeout", "60", "--backoff-initial", "0", *command,
+            "--startup-timeout", "60", "--backoff-initial", "0",
+            *(["-m", "chaos.netns"] if link else []), *command,
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -102,6 +114,8 @@ class Job:
             if attempt is not None:
                 env["RESILIENT_CHAOS_ATTEMPT"] = attempt
         env.pop("RESILIENT_RUN_ID", None)
+        if link is not None:  # every rank starts through chaos.netns; the target one enters the netns
+            env[NETNS_ENV] = link.env()
         self.log = open(cwd / "launch.log", "a")  # noqa: SIM115 - closed in stop()
         self.p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                   start_new_session=True)  # fmt: skip
@@ -223,14 +237,22 @@ def _run_trial(
     deadline = time.monotonic() + j.timeout_s
     plan = "" if c.fault in EXTERNAL else f"{c.fault}@{step}:{c.rank}" + (f"={c.arg}" if c.arg else "")
     cgroup: Path | None = None
+    link: VethLink | None = None
+    if c.fault in LINK:  # the target rank runs behind a veth link of its own
+        why = netns.capability(loss=c.fault == "link_loss")
+        if why is not None:
+            t.skipped = why
+            return t
+        link = VethLink.create(c.rank)
     if c.fault == "kernel_oom":
         plan = f"kernel_oom@{step}:{c.rank}"
         cgroup, why = memory_cgroup(int(c.arg or 700))
         if cgroup is None:
             t.skipped = why
             return t
-    job = Job(cert, cwd, plan)
+    job = Job(cert, cwd, plan, link=link)
     rc: int | None = None
+    restored: float | None = None
     try:
         if cgroup is not None:  # the target rank (first attempt) runs under a real memory limit
             hit = _wait_for(cwd, job, lambda e: e["event"] == "run_started" and e["rank"] == c.rank, deadline)
@@ -250,11 +272,17 @@ def _run_trial(
             job = _corrupt_and_restart(cert, cwd, job, step, deadline, t)
             if t.error:
                 return t
+        elif link is not None:
+            restored = _link_fault(cwd, job, link, c.fault, step, c.arg, c.duration, deadline, t)
+            if t.error:
+                return t
         rc = job.stop(max(1.0, deadline - time.monotonic()))
     finally:
         job.kill()
         if cgroup is not None:
             remove_cgroup(cgroup)
+        if link is not None:
+            link.remove()
     t.ok = rc == 0
     if rc is None:
         t.error = f"did not finish within {j.timeout_s:g} s"
@@ -270,6 +298,8 @@ def _run_trial(
     m = measure(evs, inj["ts"], j.nproc, ref_step_s)
     t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
     t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
+    if restored is not None and t.recover_s is not None:
+        t.recover_after_restore_s = inj["ts"] + t.recover_s - restored
     if c.fault == "corrupt_checkpoint":
         loaded = [e for e in evs if e["event"] == "checkpoint_loaded"]
         t.previous_loaded = bool(loaded) and all(e["step"] < inj["step"] for e in loaded)
@@ -281,7 +311,7 @@ def _run_trial(
         except AssertionError:
             t.bit_exact = False
     t.timeline = {
-        "injected": inj["ts"], "detected": m.get("detect_ts"),
+        "injected": inj["ts"], "detected": m.get("detect_ts"), "restored": restored,
         "steps": [(e["ts"], e["rank"], e["step"]) for e in evs if e["event"] == "step_completed"],
     }  # fmt: skip
     t.failed_slos = _check(t, cert)
@@ -327,6 +357,42 @@ def _corrupt_and_restart(
     return Job(cert, cwd)
 
 
+def _link_fault(
+    cwd: Path,
+    job: Job,
+    link: VethLink,
+    kind: str,
+    step: int,
+    pct: float | None,
+    duration: float,
+    deadline: float,
+    t: Trial,
+) -> float | None:
+    """When the rank reaches ``step``: its link down (or lossy) for ``duration`` s, then back.
+    Returns when the link came back."""
+    hit = _wait_for(cwd, job, lambda e: e["event"] == "step_completed" and e["rank"] == link.rank
+                    and e["step"] >= step - 1, deadline)  # fmt: skip
+    if hit is None:
+        t.error = "the target rank never reached the fault step"
+        return None
+    extra = {"duration_s": duration, **({"loss_pct": pct} if kind == "link_loss" else {})}
+    _record_injection(cwd, kind, link.rank, hit["step"] + 1, pid=hit["pid"], **extra)
+    if kind == "link_drop":
+        link.down()
+    else:
+        link.loss(pct or 100.0)
+    try:
+        # the fault lasts this long by definition; the job may end (fail) meanwhile
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            job.p.wait(duration)
+    finally:
+        if kind == "link_drop":
+            link.up()
+        else:
+            link.loss(0)
+    return time.time()
+
+
 def _check(t: Trial, cert: Certification) -> list[str]:
     s = cert.classes[t.cls].slo
     failed = []
@@ -342,6 +408,9 @@ def _check(t: Trial, cert: Certification) -> list[str]:
         failed.append("goodput")
     if s.bit_exact and t.bit_exact is not True:
         failed.append("bit_exact")
+    limit = s.recover_after_restore_s
+    if limit is not None and (t.recover_after_restore_s is None or t.recover_after_restore_s > limit):
+        failed.append("recover_after_restore_s")
     if s.previous_checkpoint_loads and not t.previous_loaded:
         failed.append("previous_checkpoint_loads")
     return failed
@@ -390,6 +459,7 @@ def summarize(cert: Certification, trials: list[Trial]) -> list[dict[str, Any]]:
             "class": name, "trials": len(ts), "finished": sum(t.ok for t in ts),
             "detect_p50": _pct(detect, 0.5), "detect_p99": _pct(detect, 0.99),
             "recover_p50": _pct(recover, 0.5), "recover_p99": _pct(recover, 0.99),
+            "recover_after_restore_p99": _pct([t.recover_after_restore_s for t in ts], 0.99),
             "steps_lost_max": max((t.steps_lost for t in ts if t.steps_lost is not None), default=None),
             "goodput_min": min((t.goodput for t in ts if t.goodput is not None), default=None),
             "bit_exact": all(t.bit_exact for t in ts),
@@ -420,7 +490,9 @@ def table(rows: list[dict[str, Any]]) -> Any:
         tb.add_row(
             r["class"], f"{r['finished']}/{r['trials']}",
             f"{f(r['detect_p50'])}/{f(r['detect_p99'], slo.get('detect_s'))}",
-            f"{f(r['recover_p50'])}/{f(r['recover_p99'], slo.get('recover_s'))}",
+            f"{f(r['recover_p50'])}/{f(r['recover_p99'], slo.get('recover_s'))}" + (
+                "" if r.get("recover_after_restore_p99") is None else
+                f"\n{f(r['recover_after_restore_p99'], slo.get('recover_after_restore_s'))} after the link"),
             "—" if r["steps_lost_max"] is None else str(r["steps_lost_max"]),
             "—" if r["goodput_min"] is None else f"{r['goodput_min']:.0%}",
             "✓" if r["bit_exact"] else "✗",
@@ -448,6 +520,9 @@ def timeline_png(trials: list[Trial], path: Path) -> None:
         ax.axvline(t.timeline["injected"] - t0, color="red", lw=1, label="fault")
         if t.timeline.get("detected"):
             ax.axvline(t.timeline["detected"] - t0, color="orange", lw=1, label="detected")
+        if t.timeline.get("restored"):
+            ax.axvspan(t.timeline["injected"] - t0, t.timeline["restored"] - t0, color="red", alpha=0.1,
+                       label="link down")  # fmt: skip
         if t.recover_s is not None:
             ax.axvline(t.timeline["injected"] - t0 + t.recover_s, color="green", lw=1, label="recovered")
         exact = "bit-exact" if t.bit_exact else "NOT bit-exact"

@@ -14,6 +14,11 @@ up to N); without it a fault fires once. Kinds:
   memory-limited cgroup (refused otherwise: it would take the whole machine's memory).
 - ``gil_hang``: a regular-expression match with catastrophic backtracking: C code that holds the
   GIL for hours, unreachable by signals and other Python threads (a hard fault).
+- ``desync``: the rank skips collectives its peers issue. With a ``DistributedDataParallel`` model
+  among ``objects`` (the runtime passes its tracked state) the rank does not all-reduce that step's
+  gradients (DDP's ``require_backward_grad_sync``, off for this one step); otherwise its next
+  ``torch.distributed`` collective call returns without communicating. Its peers' collectives then
+  pair with the wrong ones: silent corruption unless something compares (runtime/fingerprint.py).
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ import os
 import re
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 
-KINDS = ("exception", "hang", "stall", "oom", "cuda_oom", "kernel_oom", "gil_hang")
+KINDS = ("exception", "hang", "stall", "oom", "cuda_oom", "kernel_oom", "gil_hang", "desync")
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "reduce", "all_to_all_single", "barrier")  # fmt: skip
 _SPEC = re.compile(
     r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?$"
 )
@@ -56,6 +65,7 @@ class Injector:
 
     faults: list[Fault] = field(default_factory=list)
     fired: Counter[Fault] = field(default_factory=Counter)
+    _undo: list[tuple[int, Any]] = field(default_factory=list)  # (step, callable) one-step changes
 
     @classmethod
     def parse(cls, plan: str | None) -> Injector:
@@ -77,14 +87,22 @@ class Injector:
             )
         return cls(faults)
 
-    def maybe_fire(self, rank: int, step: int, where: str = "step") -> None:
+    def maybe_fire(self, rank: int, step: int, where: str = "step", objects: Iterable[object] = ()) -> None:
+        """Fire the faults planned for ``(rank, step, where)``. ``objects``: the state the runtime
+        tracks (a ``desync`` acts on a DDP model among them)."""
+        for s, undo in [u for u in self._undo if u[0] != step]:  # a one-step change (desync) ends
+            undo()
+            self._undo.remove((s, undo))
         for f in self.faults:
             if f.rank == rank and f.step == step and f.where == where and self.fired[f] < f.times:
                 self.fired[f] += 1
                 if _fired_in_job(f) >= f.times:  # an earlier process of this job fired it already
                     continue
                 _record(f)
-                _fire(f)
+                if f.kind == "desync":
+                    self._undo += [(step, u) for u in _desync(objects)]
+                else:
+                    _fire(f)
 
     def counts(self) -> dict[str, int]:
         return {f"{f.kind}@{f.step}:{f.rank}": self.fired[f] for f in self.faults}
@@ -158,6 +176,42 @@ def _fire(f: Fault) -> None:
             hold.append(chunk)
     elif f.kind == "gil_hang":
         re.match(r"(a+)+$", "a" * 64 + "b")
+
+
+def _desync(objects: Iterable[object]) -> list[Any]:
+    """Make this rank skip collectives its peers issue; return what undoes it after the step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = [o for o in objects if isinstance(o, DistributedDataParallel)]
+    if ddp:  # this step's gradient all-reduces are not issued by this rank (DDP's no_sync path)
+        for m in ddp:
+            m.require_backward_grad_sync = False
+        return [lambda m=m: setattr(m, "require_backward_grad_sync", True) for m in ddp]
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def restore() -> None:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+    def skipped(*_args: Any, **kwargs: Any) -> Any:  # the next collective call: not issued at all
+        restore()
+        return _Skipped() if kwargs.get("async_op") else None
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, skipped)
+    return [restore]
+
+
+class _Skipped:
+    """What a skipped ``async_op=True`` collective hands back: done, with nothing exchanged."""
+
+    def wait(self, *_args: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 def _cgroup_memory_limit() -> int | None:

@@ -24,11 +24,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # in-process faults fire inside the training step (chaos/inject.py); external ones are done to
 # the rank's process by the harness when the event log shows the rank reached the step
-IN_PROCESS = ("exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom")
-EXTERNAL = ("sigkill", "sigstop", "corrupt_checkpoint")
+IN_PROCESS = ("exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom", "desync")
+# link faults: the target rank runs in its own network namespace (chaos/netns.py), and the harness
+# takes its veth link down (link_drop) or makes netem drop ``arg`` % of its packets (link_loss) for
+# ``duration`` seconds
+LINK = ("link_drop", "link_loss")
+EXTERNAL = ("sigkill", "sigstop", "corrupt_checkpoint", *LINK)
 FaultKind = Literal[
-    "exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom",
-    "sigkill", "sigstop", "corrupt_checkpoint",
+    "exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom", "desync",
+    "sigkill", "sigstop", "corrupt_checkpoint", "link_drop", "link_loss",
 ]  # fmt: skip
 
 
@@ -43,6 +47,9 @@ class SLO(_Model):
     goodput_min: float | None = Field(None, gt=0, le=1)
     bit_exact: bool = True
     previous_checkpoint_loads: bool = False  # corrupt_checkpoint: the one before the newest loads
+    recover_after_restore_s: float | None = Field(
+        None, gt=0, description="link faults: link back → first step completed after, at most"
+    )
 
 
 class FaultClass(_Model):
@@ -50,7 +57,8 @@ class FaultClass(_Model):
     step: int = Field(..., ge=1, description="the step the fault fires at (first attempt)")
     rank: int = Field(1, ge=0)
     jitter: int = Field(0, ge=0, description="trials draw the step from step ± jitter")
-    arg: float | None = None  # stall: seconds; kernel_oom: the cgroup's memory limit in MiB
+    arg: float | None = None  # stall: seconds; kernel_oom: the cgroup's memory limit in MiB; link_loss: %
+    duration: float = Field(10.0, gt=0, description="link faults: seconds the link stays down / lossy")
     trials: int | None = Field(None, ge=1)
     slo: SLO = Field(default_factory=SLO)
 
@@ -79,6 +87,9 @@ class Job(_Model):
 
 
 _STREAM_KINDS: tuple[FaultKind, ...] = ("exception", "hang", "oom", "sigkill")
+# a stream fires in-process faults through the runtime and SIGKILL/SIGSTOP from the harness; a
+# kernel OOM needs the rank in a cgroup and a link fault a namespace, which one long job lacks
+STREAM_KINDS = ("exception", "hang", "oom", "gil_hang", "stall", "desync", "cuda_oom", "sigkill", "sigstop")
 
 
 class Stream(_Model):
@@ -93,6 +104,13 @@ class Stream(_Model):
     checkpoint_every: int = Field(100, ge=1)
     slo: SLO = Field(default_factory=lambda: SLO(goodput_min=0.9))
 
+    @model_validator(mode="after")
+    def _kinds_streamable(self) -> Stream:
+        bad = [k for k in self.kinds if k not in STREAM_KINDS]
+        if bad:
+            raise ValueError(f"kinds: {bad} cannot run in a stream (it runs {list(STREAM_KINDS)})")
+        return self
+
 
 class Certification(_Model):
     seed: int = 0
@@ -104,6 +122,8 @@ class Certification(_Model):
     @model_validator(mode="after")
     def _ranks_exist(self) -> Certification:
         for name, c in self.classes.items():
+            if c.fault == "link_loss" and not (c.arg and 0 < c.arg <= 100):
+                raise ValueError(f"classes.{name}.arg: link_loss needs the % of packets dropped (0-100]")
             if c.rank >= self.job.nproc:
                 raise ValueError(f"classes.{name}.rank: {c.rank} but job.nproc is {self.job.nproc}")
             if c.step + c.jitter >= self.job.steps - 1:

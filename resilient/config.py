@@ -151,6 +151,12 @@ class Config(_Model):
         description="gc.freeze() the objects alive at start so the full collection that frees a failed "
         "generation (its model, optimizer state, group) takes milliseconds instead of ~80 ms",
     )
+    collective_check: bool = Field(
+        True,
+        description="compare each step's collective count across ranks before its state is kept "
+        "(a rank that skipped a collective is a desync fault, never a silently wrong snapshot); off "
+        "only where ranks legitimately issue different collectives on the default group",
+    )
     restart: RestartConfig = Field(default_factory=RestartConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)

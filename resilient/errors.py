@@ -39,6 +39,10 @@ class ConfigError(ResilienceError):
     """A configuration value is invalid; the message names the field, the value and the source."""
 
 
+class SoftFault(ResilienceError):
+    """A fault the runtime itself detected inside a step and recovers from in-process."""
+
+
 class HardFault(ResilienceError):
     """A fault that in-process recovery cannot fix; the process should exit for the launcher."""
 

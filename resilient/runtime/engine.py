@@ -38,6 +38,7 @@ from resilient.errors import (
     Preempted,
     ResilienceError,
     RestartBudgetExhausted,
+    SoftFault,
     StateRestoreError,
     StepInterrupted,
 )
@@ -46,6 +47,7 @@ from resilient.launcher.heartbeat import ENV_DIR, Heartbeat, die_with_launcher, 
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime import resume
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.fingerprint import CollectiveCount
 from resilient.runtime.health import Check, HealthInput, run_checks
 from resilient.runtime.persist import Persistence
 from resilient.runtime.pg import Group, build_group, resolve_backend
@@ -60,6 +62,7 @@ _COLLECTIVE_MODULES = (
     "torch/distributed/",
     "torch/autograd/",
     "torch/nn/parallel/distributed.py",
+    "resilient/runtime/fingerprint.py",  # waiting for a peer's collective count: a victim's wait too
 )
 
 
@@ -123,6 +126,7 @@ class Runtime:
         self.replica: resume.StoreReplica | None = None  # small per-rank state, in the job's store
         self._adoptable: int | None = None  # restored from this rank's own shm snapshot of this step
         self._chaos: Any = None  # chaos.inject.Injector, when RESILIENT_CHAOS names faults to fire
+        self.fp: CollectiveCount | None = None  # this generation's per-step collective counts
         self.run_dir: Path | None = None
 
     @property
@@ -286,7 +290,7 @@ class Runtime:
             result = fn()
         except (Exception, StepInterrupted) as exc:
             self.phase = Phase.RECOVERING  # first: a late interrupt must not fire in recovery code
-            if isinstance(exc, ResilienceError) and not isinstance(exc, HardFault):
+            if isinstance(exc, ResilienceError) and not isinstance(exc, HardFault | SoftFault):
                 self.coord.abort_generation(self.generation, f"{type(exc).__name__}: {exc}")
                 raise
             return False, None, exc
@@ -332,6 +336,9 @@ class Runtime:
             )
         self.registry.clear()
         self._restored = set()
+        if self.cfg.collective_check:
+            fp_prefix = f"{self.coord.ns}/g{self.generation}/fp"
+            self.fp = CollectiveCount(self.store, fp_prefix, self.rank, self.world_size)
         self._progress, self._stepped = time.monotonic(), False
         self.phase = Phase.RUNNING
         self.listener.watch(self.generation)
@@ -460,9 +467,11 @@ class Runtime:
             self.step = step
             if self.heartbeat is not None:  # the step a hard fault hits, exactly, for the agent
                 self.heartbeat.beat(step)
+            if self.fp is not None:
+                self.fp.begin(step)
             if self._chaos is not None:  # a certificate's fault, in this rank at this step
                 for where in ("step", "before_collective"):  # (both at the step's start here)
-                    self._chaos.maybe_fire(self.rank, step, where)
+                    self._chaos.maybe_fire(self.rank, step, where, objects=self.registry.objects())
             yield step
             self._complete(step, total)
 
@@ -574,6 +583,8 @@ class Runtime:
         step_s = now - self._progress if self._stepped else None
         self._progress, self._stepped = now, True
         self.hard_timer.arm(self.t.hard)
+        if self.fp is not None:  # every rank issued the same collectives, or nothing is captured
+            self.fp.check(step)
         if self.cfg.events.steps:
             ev = Event.STEP_COMPLETED
             self._ev.emit(ev, generation=self.generation, step=step, step_s=step_s, log=False)
@@ -672,13 +683,19 @@ class Runtime:
         where, _ = self.main_thread_where()
         limit = self.t.hang if self._stepped else self.t.startup
         msg = f"no step progress for {idle_s:.2f}s (limit {limit:g}s); main thread at {where}"
+        kind, sig = FaultKind.HANG, "hang: no step progress"
+        fp = self.fp
+        desync = fp.diagnose(self.monitor_store) if fp is not None else None
+        if desync is not None:  # waiting in a collective a neighbour finished the step without
+            kind, msg = FaultKind.DESYNC, f"{desync} ({msg})"
+            sig = "desync: ranks issued different collectives in a step"
         rec = FaultRecord(
             rank=self.rank,
             generation=generation,
             step=self.step,
-            kind=FaultKind.HANG.value,
+            kind=kind.value,
             severity=Severity.SOFT.value,
-            signature="hang: no step progress",
+            signature=sig,
             message=msg,
             latency_s=idle_s,
         )
@@ -686,7 +703,7 @@ class Runtime:
         group = self.group
         if group is not None and group.generation == generation:
             group.abort()
-        self.interrupter.interrupt(generation, f"hang: {msg}")
+        self.interrupter.interrupt(generation, f"{kind.value}: {msg}")
 
     def nudge(self, generation: int) -> None:
         now = time.monotonic()

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from resilient.errors import StepInterrupted
+from resilient.runtime.fingerprint import CollectiveDesync
 
 
 class FaultKind(str, enum.Enum):
@@ -26,6 +27,7 @@ class FaultKind(str, enum.Enum):
     PEER = "peer"  # this rank was pulled out because another rank faulted
     PREEMPT = "preempt"  # a preemption signal: save a final checkpoint and exit for requeue
     CUDA = "cuda"  # a sticky CUDA error: the context is unusable, in-process recovery is impossible
+    DESYNC = "desync"  # ranks issued different collectives in one step (runtime/fingerprint.py)
 
 
 class Severity(str, enum.Enum):
@@ -60,7 +62,11 @@ def classify(exc: BaseException) -> tuple[FaultKind, Severity]:
     if isinstance(exc, StepInterrupted):
         if exc.reason.startswith("preempt"):
             return FaultKind.PREEMPT, Severity.SOFT
+        if exc.reason.startswith("desync"):
+            return FaultKind.DESYNC, Severity.SOFT
         return (FaultKind.HANG if exc.reason.startswith("hang") else FaultKind.PEER), Severity.SOFT
+    if isinstance(exc, CollectiveDesync):
+        return FaultKind.DESYNC, Severity.SOFT
     if isinstance(exc, torch.OutOfMemoryError | MemoryError) or _OOM_PATTERNS.search(msg):
         return FaultKind.OOM, Severity.SOFT
     if _STICKY_CUDA.search(msg) and ("cuda" in msg.lower() or "device-side" in msg.lower()):
@@ -74,6 +80,8 @@ def signature(kind: FaultKind, exc: BaseException) -> str:
     """A stable, human-readable signature: kind, type and normalized first line of the message."""
     first = (str(exc).strip().splitlines() or [""])[0]
     first = _VOLATILE.sub("N", first)[:160]
+    if kind is FaultKind.DESYNC:  # the counts differ run to run; the place does not
+        return "desync: ranks issued different collectives in a step"
     if kind in (FaultKind.HANG, FaultKind.PEER):
         return f"{kind.value}: {first}"
     return f"{kind.value}: {type(exc).__name__}: {first}"

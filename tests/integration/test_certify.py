@@ -24,10 +24,16 @@ def test_cpu_certificate_passes_every_slo(tmp_path: Path) -> None:
     assert r.returncode == 0 and cert["passed"], r.stdout + r.stderr
     classes = {c["class"]: c for c in cert["classes"]}
     kinds = {"exception", "hang", "oom", "sigkill", "sigstop", "gil_hang", "corrupt_checkpoint",
-             "collective_stall", "kernel_oom"}  # fmt: skip
+             "collective_stall", "kernel_oom", "link_drop", "link_loss"}  # fmt: skip
     assert set(classes) == kinds
     ran = {n: c for n, c in classes.items() if not c.get("skipped")}
-    assert set(kinds) - set(ran) <= {"kernel_oom"}, classes  # only for want of a memory cgroup
+    # skipped only for want of a capability (a memory cgroup, root for netns, netem), never faked
+    assert set(kinds) - set(ran) <= {"kernel_oom", "link_drop", "link_loss"}, classes
+    if "link_drop" in ran:  # back within the SLO after the link returned, and no netns left behind
+        t = next(t for t in cert["trials"] if t["cls"] == "link_drop")
+        assert t["recover_after_restore_s"] is not None and t["recover_after_restore_s"] <= 15, t
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert "rchaos-" not in left, left
     for c in ran.values():  # every class ran, finished, and ended equal to the fault-free run
         assert c["finished"] == c["trials"] == 1 and c["bit_exact"], c
     for t in (t for t in cert["trials"] if not t["skipped"]):

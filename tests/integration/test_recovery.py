@@ -159,3 +159,36 @@ def test_under_torchrun_with_agent_store(tmp_path, reference):
 
     events = read_events(tmp_path / "resilient_runs" / "torchrun" / "events.jsonl")
     assert [e["origin_rank"] for e in events if e["event"] == "fault_detected"] == [1, 1]
+
+
+def _desync_run(tmp: Path, check: str, plan: str):
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = {"RESILIENT_FINAL_STATE": str(tmp / "state")} | ({"RESILIENT_CHAOS": plan} if plan else {})
+    script = str(Path(__file__).with_name("_desync_train.py"))
+    return run_ranks([script, "--check", check], 2, cwd=tmp, run_id=f"desync-{check}-{bool(plan)}", env=env,
+                     timeout=90)  # fmt: skip
+
+
+def test_skipped_collective_is_a_desync_fault_never_a_silent_wrong_state(tmp_path):
+    """Rank 1 skips one of three equal-shape all-reduces at step 8 (a real skip: the call is not
+    issued). Every later all-reduce then pairs with the wrong one and gives wrong sums without an
+    error. With the collective check the step is refused and restored: bit-exact. Without it the run
+    also "recovers" (from the hang at the very end) but from snapshots taken after the corruption."""
+    ref = _desync_run(tmp_path / "ref", "on", "")
+    assert ref.ok, ref.describe()
+    expected = [torch.load(tmp_path / "ref" / "state" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+    res = _desync_run(tmp_path / "on", "on", "desync@8:1")
+    assert res.ok, res.describe()
+    faults = res.of("fault_detected")
+    assert faults and {e["kind"] for e in faults} == {"desync"}, faults
+    assert {e["origin_step"] for e in faults} == {8}
+    got = [torch.load(tmp_path / "on" / "state" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for r in range(2):
+        assert_bit_exact(expected[r], got[r], f"rank{r}")
+
+    off = _desync_run(tmp_path / "off", "off", "desync@8:1")
+    assert off.ok, off.describe()  # it "finished" ...
+    bad = [torch.load(tmp_path / "off" / "state" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    with pytest.raises(AssertionError):  # ... with a model the fault-free run never had
+        assert_bit_exact(expected[0]["model"], bad[0]["model"], "rank0/model")
