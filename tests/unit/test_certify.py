@@ -89,3 +89,20 @@ def test_stream_plan_spaces_faults_and_sizes_the_run() -> None:
     assert times == sorted(times) and len(set(times)) == 200
     assert 0.5 * 60 < times[-1] / 200 < 1.5 * 60  # exponential gaps with the configured mean
     assert stream.plan(soak, 0.05) == stream.plan(soak, 0.05)  # the seed decides
+
+
+def test_link_fault_configs_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"classes\.lossy\.arg: link_loss needs the %"):
+        schedule.Certification.model_validate({"classes": {"lossy": {"fault": "link_loss", "step": 5}}})
+    with pytest.raises(ValueError, match=r"kinds: \['link_drop'\] cannot run in a stream"):
+        schedule.Certification.model_validate({"classes": {}, "stream": {"kinds": ["sigkill", "link_drop"]}})
+
+
+def test_link_recovery_is_judged_from_the_link_s_return() -> None:
+    cert = schedule.Certification.model_validate(
+        {"classes": {"k": {"fault": "link_drop", "step": 5, "slo": {"recover_after_restore_s": 15}}}}
+    )
+    t = certify.Trial("k", 0, 5, ok=True, recover_s=24.0, recover_after_restore_s=14.0, bit_exact=True)
+    assert certify._check(t, cert) == []
+    t = certify.Trial("k", 0, 5, ok=True, recover_s=27.0, recover_after_restore_s=17.0, bit_exact=True)
+    assert certify._check(t, cert) == ["recover_after_restore_s"]

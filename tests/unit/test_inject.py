@@ -80,3 +80,40 @@ def test_stall_and_hang_sleep_where_planned(sleeps):
 def test_injected_fault_is_an_ordinary_exception():
     # user code and the runtime see it like any other bug in the step
     assert issubclass(InjectedFault, Exception)
+
+
+def test_desync_skips_exactly_one_collective_call_then_restores(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("CHAOS_INJECTIONS", str(tmp_path / "inj.jsonl"))
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: calls.append(t))
+    original = dist.all_reduce
+    inj = Injector.parse("desync@3:0")
+    inj.maybe_fire(0, 3)
+    assert dist.all_reduce("skipped") is None and calls == []  # not issued at all
+    assert dist.all_reduce is original
+    dist.all_reduce("issued")
+    assert calls == ["issued"]
+    assert '"kind": "desync"' in (tmp_path / "inj.jsonl").read_text()
+
+
+def test_desync_on_a_ddp_model_turns_off_one_steps_gradient_sync():
+    class FakeDDP:  # the injector only touches DDP's documented no_sync switch
+        require_backward_grad_sync = True
+
+    import torch.nn.parallel as par
+
+    m = FakeDDP()
+    inj = Injector.parse("desync@2:1")
+    orig = par.DistributedDataParallel
+    try:
+        par.DistributedDataParallel = FakeDDP  # type: ignore[misc,assignment]
+        inj.maybe_fire(1, 2, objects=[m])
+        assert m.require_backward_grad_sync is False
+        inj.maybe_fire(1, 2, "before_collective", objects=[m])  # same step: still off
+        assert m.require_backward_grad_sync is False
+        inj.maybe_fire(1, 3, objects=[m])  # the next step syncs again
+        assert m.require_backward_grad_sync is True
+    finally:
+        par.DistributedDataParallel = orig  # type: ignore[misc]
