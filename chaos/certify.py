@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from chaos import netns
-from chaos.cgroup import memory_cgroup, remove_cgroup
+from chaos.cgroup import blkio_cgroup, memory_cgroup, release_blkio, remove_cgroup
 from chaos.compare import assert_bit_exact
 from chaos.netns import ENV as NETNS_ENV
 from chaos.netns import VethLink
@@ -46,6 +47,7 @@ from chaos.schedule import EXTERNAL, LINK, Certification
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_tiny.py"
 DETECTION = ("fault_detected", "worker_died", "heartbeat_missed", "checkpoint_rejected")
+SLOW_STORAGE = ("checkpoint_slow",)  # how a slow disk shows (it is no crash: nothing restarts)
 
 
 @dataclass
@@ -61,6 +63,8 @@ class Trial:
     bit_exact: bool | None = None
     previous_loaded: bool | None = None
     recover_after_restore_s: float | None = None  # link faults: link back → first step after
+    restarts: int | None = None  # incarnations beyond the first, over every rank
+    lost_checkpoints: int | None = None  # committed checkpoints that no longer load
     fired: int = 0
     error: str = ""
     skipped: str = ""  # a capability this machine lacks (never replaced by a pretend fault)
@@ -180,9 +184,15 @@ def _wait_for(cwd: Path, job: Job, pred: Any, deadline: float) -> dict[str, Any]
 
 
 # ---- the figures -------------------------------------------------------------------------------------
-def measure(evs: list[dict[str, Any]], injected_ts: float, nproc: int, ref_step_s: float) -> dict[str, Any]:
+def measure(
+    evs: list[dict[str, Any]],
+    injected_ts: float,
+    nproc: int,
+    ref_step_s: float,
+    detection: tuple[str, ...] = DETECTION,
+) -> dict[str, Any]:
     steps = [e for e in evs if e["event"] == "step_completed"]
-    detect = next((e for e in evs if e["event"] in DETECTION and e["ts"] >= injected_ts), None)
+    detect = next((e for e in evs if e["event"] in detection and e["ts"] >= injected_ts), None)
     before: dict[int, tuple[int, int]] = {}
     last_done = -1
     for e in steps:
@@ -276,6 +286,12 @@ def _run_trial(
             restored = _link_fault(cwd, job, link, c.fault, step, c.arg, c.duration, deadline, t)
             if t.error:
                 return t
+        elif c.fault == "slow_disk":
+            restored = _slow_disk(
+                cwd / j.checkpoint_dir, cwd, job, c.rank, step, c.arg, c.duration, deadline, t
+            )
+            if t.error or t.skipped:
+                return t
         rc = job.stop(max(1.0, deadline - time.monotonic()))
     finally:
         job.kill()
@@ -295,11 +311,15 @@ def _run_trial(
         t.error = t.error or "the fault never fired"
         return t
     inj = injections[0]
-    m = measure(evs, inj["ts"], j.nproc, ref_step_s)
+    m = measure(evs, inj["ts"], j.nproc, ref_step_s, SLOW_STORAGE if c.fault == "slow_disk" else DETECTION)
     t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
     t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
     if restored is not None and t.recover_s is not None:
         t.recover_after_restore_s = inj["ts"] + t.recover_s - restored
+    done = [e for e in evs if e["event"] == "step_completed"]
+    t.restarts = len({(e["rank"], e["pid"], e["generation"]) for e in done}) - len({e["rank"] for e in done})
+    corrupted = {i["step"] for i in injections if i["kind"] == "corrupt_checkpoint"}  # not loading: by design
+    t.lost_checkpoints = unloadable_checkpoints(cwd / j.checkpoint_dir, j.nproc, skip=corrupted)
     if c.fault == "corrupt_checkpoint":
         loaded = [e for e in evs if e["event"] == "checkpoint_loaded"]
         t.previous_loaded = bool(loaded) and all(e["step"] < inj["step"] for e in loaded)
@@ -393,6 +413,68 @@ def _link_fault(
     return time.time()
 
 
+def _slow_disk(
+    ck: Path,
+    cwd: Path,
+    job: Job,
+    rank: int,
+    step: int,
+    kib_s: float | None,
+    duration: float,
+    deadline: float,
+    t: Trial,
+) -> float | None:
+    """When the rank reaches ``step``: its writes to the checkpoint disk throttled to ``kib_s``
+    KiB/s for ``duration`` s (the process and its children, writer threads included)."""
+    import psutil
+
+    hit = _wait_for(cwd, job, lambda e: e["event"] == "step_completed" and e["rank"] == rank
+                    and e["step"] >= step - 1, deadline)  # fmt: skip
+    if hit is None:
+        t.error = "the target rank never reached the fault step"
+        return None
+    ck.mkdir(parents=True, exist_ok=True)
+    bps = int((kib_s or 64) * 1024)
+    cg, why = blkio_cgroup(ck, bps)
+    if cg is None:
+        t.skipped = why
+        return None
+    try:
+        proc = psutil.Process(int(hit["pid"]))
+        pids = [proc.pid, *(c.pid for c in proc.children(recursive=True))]
+        for pid in pids:
+            (cg / "cgroup.procs").write_text(str(pid))
+        _record_injection(cwd, "slow_disk", rank, hit["step"] + 1, pid=hit["pid"], duration_s=duration,
+                          write_bps=bps)  # fmt: skip
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the fault lasts this long by definition
+            job.p.wait(duration)
+    except (psutil.NoSuchProcess, ProcessLookupError, OSError) as e:
+        t.error = f"could not throttle rank {rank}: {e}"
+    finally:
+        release_blkio(cg)
+    return time.time()
+
+
+def unloadable_checkpoints(root: Path, nproc: int, skip: Collection[int] = ()) -> int:
+    """Committed checkpoints (still listed) that do not load on every rank."""
+    from resilient.checkpoint.manifest import committed_steps
+    from resilient.checkpoint.reader import load_step
+    from resilient.errors import CheckpointError
+
+    if not root.exists():
+        return 0
+    bad = 0
+    for step in committed_steps(root):
+        if step in skip:
+            continue
+        try:
+            for r in range(nproc):
+                load_step(root, step, r, nproc)
+        except CheckpointError:
+            bad += 1
+    return bad
+
+
 def _check(t: Trial, cert: Certification) -> list[str]:
     s = cert.classes[t.cls].slo
     failed = []
@@ -408,6 +490,10 @@ def _check(t: Trial, cert: Certification) -> list[str]:
         failed.append("goodput")
     if s.bit_exact and t.bit_exact is not True:
         failed.append("bit_exact")
+    if s.restarts_max is not None and (t.restarts is None or t.restarts > s.restarts_max):
+        failed.append("restarts")
+    if s.checkpoints_load and t.lost_checkpoints:
+        failed.append("checkpoints_load")
     limit = s.recover_after_restore_s
     if limit is not None and (t.recover_after_restore_s is None or t.recover_after_restore_s > limit):
         failed.append("recover_after_restore_s")

@@ -29,10 +29,11 @@ IN_PROCESS = ("exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cu
 # takes its veth link down (link_drop) or makes netem drop ``arg`` % of its packets (link_loss) for
 # ``duration`` seconds
 LINK = ("link_drop", "link_loss")
-EXTERNAL = ("sigkill", "sigstop", "corrupt_checkpoint", *LINK)
+# slow_disk: the target rank's writes to the checkpoint disk throttled to ``arg`` KiB/s (blkio)
+EXTERNAL = ("sigkill", "sigstop", "corrupt_checkpoint", "slow_disk", *LINK)
 FaultKind = Literal[
     "exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom", "desync",
-    "sigkill", "sigstop", "corrupt_checkpoint", "link_drop", "link_loss",
+    "sigkill", "sigstop", "corrupt_checkpoint", "slow_disk", "link_drop", "link_loss",
 ]  # fmt: skip
 
 
@@ -47,6 +48,10 @@ class SLO(_Model):
     goodput_min: float | None = Field(None, gt=0, le=1)
     bit_exact: bool = True
     previous_checkpoint_loads: bool = False  # corrupt_checkpoint: the one before the newest loads
+    restarts_max: int | None = Field(
+        None, ge=0, description="restarts (in-process or relaunch) at most; slow_disk: 0, it is no crash"
+    )
+    checkpoints_load: bool = Field(True, description="every checkpoint left committed loads on every rank")
     recover_after_restore_s: float | None = Field(
         None, gt=0, description="link faults: link back → first step completed after, at most"
     )
@@ -57,8 +62,8 @@ class FaultClass(_Model):
     step: int = Field(..., ge=1, description="the step the fault fires at (first attempt)")
     rank: int = Field(1, ge=0)
     jitter: int = Field(0, ge=0, description="trials draw the step from step ± jitter")
-    arg: float | None = None  # stall: seconds; kernel_oom: the cgroup's memory limit in MiB; link_loss: %
-    duration: float = Field(10.0, gt=0, description="link faults: seconds the link stays down / lossy")
+    arg: float | None = None  # stall: s; kernel_oom: cgroup memory limit, MiB; link_loss: %; slow_disk: KiB/s
+    duration: float = Field(10.0, gt=0, description="link faults, slow_disk: seconds the fault lasts")
     trials: int | None = Field(None, ge=1)
     slo: SLO = Field(default_factory=SLO)
 

@@ -18,7 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chaos.certify import DETECTION, Job, _finals, _jsonl, _record_injection, events, reference
+from chaos.certify import (
+    DETECTION,
+    Job,
+    _finals,
+    _jsonl,
+    _record_injection,
+    events,
+    reference,
+    unloadable_checkpoints,
+)
 from chaos.compare import assert_bit_exact
 from chaos.schedule import EXTERNAL, Certification
 
@@ -91,7 +100,7 @@ def run(cert: Certification, out: Path) -> dict[str, Any]:
     distinct = len({e["step"] for e in steps_ev})
     end = max((e["ts"] for e in evs if e["event"] in ("run_finished", "step_completed")), default=0.0)
     wall = end - steps_ev[0]["ts"] + ref_step_s if steps_ev else 0.0
-    lost = _unloadable_checkpoints(cwd / long.job.checkpoint_dir, long.job.nproc)
+    lost = unloadable_checkpoints(cwd / long.job.checkpoint_dir, long.job.nproc)
     finals = _finals(cwd, long.job.nproc)
     exact = False
     if finals is not None and rc == 0:
@@ -121,19 +130,3 @@ def run(cert: Certification, out: Path) -> dict[str, Any]:
         failed.append("recovered")
     report["failed"] = failed
     return report
-
-
-def _unloadable_checkpoints(root: Path, nproc: int) -> int:
-    """Committed checkpoints (still listed) that do not load on every rank."""
-    from resilient.checkpoint.manifest import committed_steps
-    from resilient.checkpoint.reader import load_step
-    from resilient.errors import CheckpointError
-
-    bad = 0
-    for step in committed_steps(root):
-        try:
-            for r in range(nproc):
-                load_step(root, step, r, nproc)
-        except CheckpointError:
-            bad += 1
-    return bad

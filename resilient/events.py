@@ -35,6 +35,7 @@ class Event(str, enum.Enum):
     CHECKPOINT_FAILED = "checkpoint_failed"
     CHECKPOINT_LOADED = "checkpoint_loaded"
     CHECKPOINT_REJECTED = "checkpoint_rejected"  # a committed checkpoint did not verify at load
+    CHECKPOINT_SLOW = "checkpoint_slow"  # a save came due while the previous one was still being written
     RUN_PREEMPTED = "run_preempted"
     WORKER_DIED = "worker_died"  # the launcher's agent: a worker exited or was killed (with the cause)
     HEARTBEAT_MISSED = "heartbeat_missed"

@@ -124,6 +124,7 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="resilient-ckpt")
         self._inflight: Future[Manifest | None] | None = None
         self._inflight_step = -1
+        self._inflight_t0 = 0.0
         self._last: tuple[int, Future[Manifest | None]] | None = None
         self._any_busy = any_busy or _any_rank_busy
         self._staged = threading.Event()
@@ -192,7 +193,7 @@ class Checkpointer:
             slots = self._arena.stage(leaves)
             fut = self._pool.submit(self._save_job, step, slots, None, skeleton, extra, dcp_files)
         self.last_block_s = time.perf_counter() - t0
-        self._inflight, self._inflight_step = fut, step
+        self._inflight, self._inflight_step, self._inflight_t0 = fut, step, time.perf_counter()
         self._last = (step, fut)
         self.saved += 1
         fut.add_done_callback(functools.partial(self._log_failure, step))
@@ -310,6 +311,13 @@ class Checkpointer:
         except Exception as e:
             self._last = None
             raise CheckpointError(f"checkpoint {step_name(step)} failed: {type(e).__name__}: {e}") from e
+
+    def in_flight(self) -> tuple[int, float] | None:
+        """The save still being written: (its step, seconds since it started), else None."""
+        fut = self._inflight
+        if fut is None or fut.done():
+            return None
+        return self._inflight_step, time.perf_counter() - self._inflight_t0
 
     def _wait_inflight(self) -> None:
         self._settle(wait=True)

@@ -137,6 +137,16 @@ class Persistence:
         self, step: int, state: dict[str, Any], generation: int, faults_seen: int, pipeline: Any = ()
     ) -> None:
         """Save ``state`` as checkpoint ``step`` (the step waits for the copy only)."""
+        behind = self.ckpt.in_flight()
+        if behind is not None:  # the storage does not keep up with the interval: say so, with figures
+            self.events.emit(
+                Event.CHECKPOINT_SLOW,
+                generation=generation,
+                step=step,
+                writing_step=behind[0],
+                writing_s=behind[1],
+                action=self.cfg.on_busy,  # wait: this step blocks until it is written; skip: no save
+            )
         try:
             fut = self.ckpt.save(step, state, pipeline=pipeline if self.cfg.pipelined else ())
         except CheckpointError as e:
