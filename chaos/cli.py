@@ -1,6 +1,8 @@
 """``chaos`` command line: the recovery certificate, the injectors, fault plans.
 
 chaos certify configs/chaos/cpu.yaml --out chaos_out [--classes sigkill,hang] [--trials N]
+chaos run configs/chaos/schedule.yaml --out chaos_run [-- train.py --my-args]
+chaos stream configs/chaos/soak.yaml --out chaos_soak [--faults N]
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     cert.add_argument(
         "command", nargs="*", help="after --: the training script and its arguments (default: the config's)"
     )
+    run = sub.add_parser("run", help="the config's `schedule:` of faults in one job, vs a fault-free run")
+    run.add_argument("config", type=Path)
+    run.add_argument("--out", type=Path, default=Path("chaos_run"))
+    run.add_argument(
+        "command", nargs="*", help="after --: the training script and its arguments (default: the config's)"
+    )
     stream = sub.add_parser("stream", help="one long run with the config's stream of faults (goodput, soak)")
     stream.add_argument("config", type=Path)
     stream.add_argument("--out", type=Path, default=Path("chaos_stream"))
@@ -35,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         return _certify(args)
     if args.cmd == "stream":
         return _stream(args)
+    if args.cmd == "run":
+        return _run(args)
     if args.cmd == "kinds":
         print("\n".join(KINDS))
     else:
@@ -70,11 +80,37 @@ def _certify(args: Any) -> int:
     return 0 if all(not r["failed"] for r in rows) else 1
 
 
-def _stream(args: Any) -> int:
-    import json
-
+def _print_report(report: dict[str, Any], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    console = Console(width=max(120, Console().width))
+    if report["faults"] and len(report["faults"]) <= 40:  # one row per fault (`chaos run`)
+        tb = Table(title="faults")
+        for col in ("kind", "rank", "step", "detected by", "detect s", "recover s"):
+            tb.add_column(col)
+        for f in report["faults"]:
+            fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+            tb.add_row(f["kind"], str(f["rank"]), str(f["step"]), f["detected_by"] or "[red]not detected[/]",
+                       fmt(f["detect_s"]), fmt(f["recover_s"]))  # fmt: skip
+        console.print(tb)
+    kinds = Table(title="per kind")
+    for col in ("kind", "injected", "detected", "recovered"):
+        kinds.add_column(col)
+    for k, v in sorted(report["by_kind"].items()):
+        kinds.add_row(k, str(v["injected"]), str(v["detected"]), str(v["recovered"]))
+    console.print(kinds)
+    tb = Table(title=title)
+    tb.add_column("figure")
+    tb.add_column("value")
+    for k, v in report.items():
+        if k not in ("faults", "by_kind"):
+            tb.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    console.print(tb)
+
+
+def _stream(args: Any) -> int:
+    import json
 
     from chaos import schedule, stream
 
@@ -88,12 +124,24 @@ def _stream(args: Any) -> int:
     st = cert.stream
     assert st is not None
     how = " on average" if st.random else ""
-    tb = Table(title=f"fault stream: one fault every {st.mtbf_s:g} s{how}")
-    tb.add_column("figure")
-    tb.add_column("value")
-    for k, v in report.items():
-        tb.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
-    Console(width=120).print(tb)
+    _print_report(report, f"fault stream: one fault every {st.mtbf_s:g} s{how}")
+    return 0 if not report["failed"] else 1
+
+
+def _run(args: Any) -> int:
+    import json
+
+    from chaos import schedule, stream
+
+    cert = schedule.load(args.config)
+    if not cert.schedule:
+        raise SystemExit(f"{args.config}: no `schedule:` list of faults")
+    if args.command:
+        cert = cert.model_copy(update={"job": cert.job.model_copy(update={"command": list(args.command)})})
+    report = stream.run_schedule(cert, args.out, list(cert.schedule))
+    report["failed"] = stream.verdict(report, None, True)  # the final state must equal the reference
+    (args.out / "run.json").write_text(json.dumps(report, indent=1))
+    _print_report(report, f"chaos run: {len(cert.schedule)} faults")
     return 0 if not report["failed"] else 1
 
 

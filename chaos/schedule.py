@@ -92,20 +92,48 @@ class Job(_Model):
 
 
 _STREAM_KINDS: tuple[FaultKind, ...] = ("exception", "hang", "oom", "sigkill")
-# a stream fires in-process faults through the runtime and SIGKILL/SIGSTOP from the harness; a
-# kernel OOM needs the rank in a cgroup and a link fault a namespace, which one long job lacks
-STREAM_KINDS = ("exception", "hang", "oom", "gil_hang", "stall", "desync", "cuda_oom", "sigkill", "sigstop")
+# every kind a long job can take (cuda_oom: on a GPU); link faults hit the rank behind the veth
+STREAM_KINDS = (*IN_PROCESS, "sigkill", "sigstop", "corrupt_checkpoint", "slow_disk", "link_drop")
+_DEFAULT_ARGS = {"stall": 30.0, "kernel_oom": 700.0, "slow_disk": 16.0, "link_loss": 30.0}
+
+
+class Planned(_Model):
+    """One fault of an explicit schedule (``schedule:``, run by ``chaos run``)."""
+
+    fault: FaultKind
+    rank: int = Field(1, ge=0, description="link faults: the rank behind the veth link (one per run)")
+    step: int | None = Field(None, ge=1, description="fire when the rank starts this step...")
+    at_s: float | None = Field(None, ge=0, description="...or after this much fault-free training time")
+    arg: float | None = None  # as FaultClass.arg
+    duration: float = Field(3.0, gt=0, description="link faults, slow_disk: seconds the fault lasts")
+    repeat: int = Field(1, ge=1, description="in-process faults: fire again each time the step re-runs")
+
+    @model_validator(mode="after")
+    def _when(self) -> Planned:
+        if (self.step is None) == (self.at_s is None):
+            raise ValueError("give exactly one of step / at_s")
+        if self.repeat > 1 and self.fault not in IN_PROCESS:
+            raise ValueError(f"repeat: only in-process faults re-fire, not {self.fault}")
+        return self
+
+    def spec(self, step: int) -> str:
+        """The in-process plan entry (chaos/inject.py) for this fault at ``step``."""
+        arg = self.arg if self.arg is not None else _DEFAULT_ARGS.get(self.fault)
+        return f"{self.fault}@{step}:{self.rank}" + (f"={arg:g}" if arg is not None else "") + (
+            f"x{self.repeat}" if self.repeat > 1 else "")  # fmt: skip
 
 
 class Stream(_Model):
     """Many faults in one long job: a fault every ``mtbf_s`` seconds (``random``: exponential
     inter-arrival times with that mean), kind and rank drawn with the seed. ``nox -s certify``
-    runs it for goodput; ``nox -s soak`` with at least 200 faults."""
+    runs it for goodput; ``nox -s soak`` with at least 200 faults of every kind."""
 
     mtbf_s: float = Field(60.0, gt=0)
     faults: int = Field(4, ge=1, description="how many faults the run gets (its length follows)")
     random: bool = False
     kinds: list[FaultKind] = Field(default_factory=lambda: list(_STREAM_KINDS))
+    args: dict[str, float] = Field(default_factory=dict, description="per kind, as FaultClass.arg")
+    duration_s: float = Field(3.0, gt=0, description="link_drop and slow_disk last this long")
     checkpoint_every: int = Field(100, ge=1)
     slo: SLO = Field(default_factory=lambda: SLO(goodput_min=0.9))
 
@@ -121,8 +149,9 @@ class Certification(_Model):
     seed: int = 0
     trials: int = Field(1, ge=1)
     job: Job = Field(default_factory=Job)
-    classes: dict[str, FaultClass]
+    classes: dict[str, FaultClass] = Field(default_factory=dict)
     stream: Stream | None = None
+    schedule: list[Planned] = Field(default_factory=list, description="`chaos run`: these faults, in one job")
 
     @model_validator(mode="after")
     def _ranks_exist(self) -> Certification:
@@ -136,6 +165,17 @@ class Certification(_Model):
                     f"classes.{name}.step: {c.step} (+ jitter {c.jitter}) leaves no step after it "
                     f"(job.steps is {self.job.steps})"
                 )
+        for i, f in enumerate(self.schedule):
+            if f.rank >= self.job.nproc:
+                raise ValueError(f"schedule.{i}.rank: {f.rank} but job.nproc is {self.job.nproc}")
+            if f.step is not None and f.step >= self.job.steps - 1:
+                raise ValueError(f"schedule.{i}.step: {f.step} leaves no step after it (job.steps is "
+                                 f"{self.job.steps})")  # fmt: skip
+        links = {f.rank for f in self.schedule if f.fault in LINK}
+        if len(links) > 1:
+            raise ValueError(
+                f"schedule: link faults on ranks {sorted(links)}; one rank per run sits behind the veth"
+            )
         return self
 
     def trial_step(self, name: str, trial: int) -> int:

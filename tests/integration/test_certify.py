@@ -69,3 +69,27 @@ def test_plugin_certifies_a_users_script_unchanged(chaos_certify, tmp_path: Path
     result = chaos_certify(cfg, command=[str(Path(__file__).with_name("_user_train.py"))])
     result.assert_passed()
     assert result.row("sigkill")["bit_exact"] and result.row("exception")["recover_p50"] < 1.0
+
+
+def test_chaos_run_executes_a_declared_schedule_in_one_job(tmp_path: Path) -> None:
+    # three faults in one job, one of them a whole-job restart from a corrupted newest checkpoint
+    cfg = tmp_path / "sched.yaml"
+    cfg.write_text(
+        "job: {nproc: 2, steps: 120, step_ms: 20, hang_timeout: 2, heartbeat_timeout: 3,\n"
+        "      checkpoint_every: 10}\n"
+        "schedule:\n"
+        "  - {fault: exception, rank: 0, step: 20}\n"
+        "  - {fault: sigkill, rank: 1, at_s: 1.0}\n"
+        "  - {fault: corrupt_checkpoint, step: 90}\n"
+    )
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "chaos.cli", "run", str(cfg), "--out", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    rep = json.loads((out / "run.json").read_text())
+    assert r.returncode == 0 and not rep["failed"], r.stdout + r.stderr
+    assert rep["finished"] and rep["bit_exact"] and rep["lost_committed_checkpoints"] == 0
+    assert {k: v["injected"] for k, v in rep["by_kind"].items()} == {
+        "exception": 1, "sigkill": 1, "corrupt_checkpoint": 1}  # fmt: skip
+    by = {f["kind"]: f for f in rep["faults"]}
+    assert by["corrupt_checkpoint"]["detected_by"].startswith("checkpoint_rejected")
+    assert by["sigkill"]["detected_by"].startswith("worker_died")

@@ -80,12 +80,13 @@ def test_stream_plan_spaces_faults_and_sizes_the_run() -> None:
     st = {"mtbf_s": 60, "faults": 4, "kinds": ["hang", "sigkill"]}
     cert = schedule.Certification.model_validate({"job": {"nproc": 2}, "classes": {}, "stream": st})
     faults, steps = stream.plan(cert, step_s=0.05)
-    assert [t for t, _, _ in faults] == [60, 120, 180, 240]
-    assert {k for _, k, _ in faults} <= {"hang", "sigkill"} and {r for _, _, r in faults} <= {0, 1}
+    assert [f.at_s for f in faults] == [60, 120, 180, 240]
+    assert {f.fault for f in faults} <= {"hang", "sigkill"} and {f.rank for f in faults} <= {0, 1}
+    assert [s for s, _ in stream.at_step(faults, 0.05)] == [1200, 2400, 3600, 4800]
     assert steps == int((240 + 30) / 0.05) + 1  # half an interval of clean running after the last
     assert cert.stream is not None
     soak = cert.model_copy(update={"stream": cert.stream.model_copy(update={"random": True, "faults": 200})})
-    times = [t for t, _, _ in stream.plan(soak, 0.05)[0]]
+    times = [f.at_s for f in stream.plan(soak, 0.05)[0]]
     assert times == sorted(times) and len(set(times)) == 200
     assert 0.5 * 60 < times[-1] / 200 < 1.5 * 60  # exponential gaps with the configured mean
     assert stream.plan(soak, 0.05) == stream.plan(soak, 0.05)  # the seed decides
@@ -94,8 +95,19 @@ def test_stream_plan_spaces_faults_and_sizes_the_run() -> None:
 def test_link_fault_configs_are_checked() -> None:
     with pytest.raises(ValueError, match=r"classes\.lossy\.arg: link_loss needs the %"):
         schedule.Certification.model_validate({"classes": {"lossy": {"fault": "link_loss", "step": 5}}})
-    with pytest.raises(ValueError, match=r"kinds: \['link_drop'\] cannot run in a stream"):
-        schedule.Certification.model_validate({"classes": {}, "stream": {"kinds": ["sigkill", "link_drop"]}})
+    with pytest.raises(ValueError, match=r"kinds: \['link_loss'\] cannot run in a stream"):
+        schedule.Certification.model_validate({"classes": {}, "stream": {"kinds": ["sigkill", "link_loss"]}})
+    with pytest.raises(ValueError, match=r"schedule: link faults on ranks \[0, 1\]"):
+        schedule.Certification.model_validate(
+            {
+                "schedule": [
+                    {"fault": "link_drop", "rank": 0, "step": 3},
+                    {"fault": "link_drop", "rank": 1, "step": 9},
+                ]
+            }
+        )
+    with pytest.raises(ValueError, match=r"exactly one of step / at_s"):
+        schedule.Planned(fault="hang", step=3, at_s=1.0)
 
 
 def test_link_recovery_is_judged_from_the_link_s_return() -> None:
