@@ -118,3 +118,30 @@ def test_link_recovery_is_judged_from_the_link_s_return() -> None:
     assert certify._check(t, cert) == []
     t = certify.Trial("k", 0, 5, ok=True, recover_s=27.0, recover_after_restore_s=17.0, bit_exact=True)
     assert certify._check(t, cert) == ["recover_after_restore_s"]
+
+
+def test_event_tail_reads_only_new_complete_lines(tmp_path: Path) -> None:
+    from chaos.stream import Tail
+
+    log = tmp_path / "resilient_runs" / "r1" / "events.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text('{"event": "run_started", "rank": 1, "pid": 7, "step": null}\n'
+                   '{"event": "step_completed", "rank": 1, "pid": 7, "step": 4}\n'
+                   '{"event": "step_comp')  # fmt: skip
+    tail = Tail(tmp_path)
+    tail.poll()
+    assert tail.reached == {1: (4, 7)}
+    with open(log, "a") as f:  # the half-written line completes; a relaunched process starts over
+        f.write('leted", "rank": 1, "pid": 7, "step": 5}\n{"event": "run_started", "rank": 1, "pid": 9}\n')
+    tail.poll()
+    assert tail.reached == {1: (-1, 9)}
+
+
+def test_schedule_entries_become_in_process_plans() -> None:
+    from chaos import stream
+
+    faults = [schedule.Planned(fault="oom", rank=1, step=40, repeat=2),
+              schedule.Planned(fault="stall", rank=0, at_s=1.0)]  # fmt: skip
+    placed = stream.at_step(faults, 0.05)
+    assert [(s, f.fault) for s, f in placed] == [(20, "stall"), (40, "oom")]
+    assert [f.spec(s) for s, f in placed] == ["stall@20:0=30", "oom@40:1x2"]
