@@ -63,7 +63,8 @@ def main() -> None:
     print(f"step (wall, median of {args.runs}): check off {med['off']:.2f} ms, on {med['on']:.2f} ms "
           f"({result['wall_overhead_pct']:+.2f}%)")  # fmt: skip
     print(f"runtime main-thread time per step: off {hmed['off']:.3f} ms, on {hmed['on']:.3f} ms")
-    print(f"the check costs {result['check_ms_per_step']:.3f} ms/step = {result['check_pct_of_step']:.2f}% of a step")
+    cost, pct = result["check_ms_per_step"], result["check_pct_of_step"]
+    print(f"the check costs {cost:.3f} ms/step = {pct:.2f}% of a step")
 
 
 if __name__ == "__main__":
