@@ -141,7 +141,7 @@ def main() -> None:
                 t_loop = time.perf_counter()
             t0 = time.perf_counter()
             x, y = (t.to(device) for t in data.next())
-            injector.maybe_fire(rank, step)
+            injector.maybe_fire(rank, step, objects=[model])  # (desync: its gradient sync)
             logits = model(x)  # dropout draws from the (tracked) torch RNG
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             injector.maybe_fire(rank, step, "before_collective")
