@@ -22,13 +22,8 @@ completed a step in its new generation or process), steps lost (steps done again
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
@@ -38,14 +33,13 @@ from typing import Any
 import torch
 
 from chaos import netns
-from chaos.cgroup import blkio_cgroup, memory_cgroup, release_blkio, remove_cgroup
+from chaos.cgroup import memory_cgroup, remove_cgroup
 from chaos.compare import assert_bit_exact
-from chaos.netns import ENV as NETNS_ENV
+from chaos.job import Job, events, jsonl
 from chaos.netns import VethLink
-from chaos.schedule import EXTERNAL, LINK, Certification
+from chaos.runner import HARNESS, Runner
+from chaos.schedule import IN_PROCESS, LINK, Certification, Planned
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "train_tiny.py"
 DETECTION = ("fault_detected", "worker_died", "heartbeat_missed", "checkpoint_rejected")
 SLOW_STORAGE = ("checkpoint_slow",)  # how a slow disk shows (it is no crash: nothing restarts)
 
@@ -70,117 +64,6 @@ class Trial:
     skipped: str = ""  # a capability this machine lacks (never replaced by a pretend fault)
     failed_slos: list[str] = field(default_factory=list)
     timeline: dict[str, Any] = field(default_factory=dict)
-
-
-# ---- one job ---------------------------------------------------------------------------------------
-class Job:
-    """``resilient launch`` of the example in ``cwd``; killed by process group when done."""
-
-    def __init__(
-        self,
-        cert: Certification,
-        cwd: Path,
-        plan: str = "",
-        attempt: str | None = "0",
-        link: VethLink | None = None,
-    ) -> None:
-        j = cert.job
-        cwd.mkdir(parents=True, exist_ok=True)
-        self.cwd = cwd
-        command = j.command or [
-            str(EXAMPLE), "--steps", str(j.steps), "--step-ms", str(j.step_ms),
-            "--hang-timeout", str(j.hang_timeout), "--ckpt-dir", j.checkpoint_dir,
-            "--ckpt-every", str(j.checkpoint_every), "--backend", j.backend,
-        ]  # fmt: skip
-        if j.runtime and not j.command:
-            import yaml
-
-            (cwd / "runtime.yaml").write_text(yaml.safe_dump(j.runtime))
-            command += ["--config", str(cwd / "runtime.yaml")]
-        if command[0] in ("python", "python3", sys.executable):  # `resilient launch` runs python itself
-            command = command[1:]
-        argv = [
-            sys.executable, "-m", "resilient.cli", "launch", "--standalone",
-            "--nproc-per-node", str(j.nproc), "--max-restarts", str(j.max_restarts),
-            "--monitor-interval", "0.1", "--heartbeat-timeout", str(j.heartbeat_timeout),
-            "--startup-timeout", "60", "--backoff-initial", "0",
-            *(["-m", "chaos.netns"] if link else []), *command,
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        # the runtime fires the fault itself (any wrapped script, unchanged), writes a step_completed
-        # event per step and the final tracked state, which the certificate compares bit for bit
-        env["CHAOS_INJECTIONS"] = str(cwd / "injections.jsonl")
-        env["RESILIENT_STEP_EVENTS"] = "1"
-        env["RESILIENT_FINAL_STATE"] = str(cwd / "state")
-        if plan:  # attempt None: every launch fires the plan's faults it reaches
-            env["RESILIENT_CHAOS"] = plan
-            if attempt is not None:
-                env["RESILIENT_CHAOS_ATTEMPT"] = attempt
-        env.pop("RESILIENT_RUN_ID", None)
-        if link is not None:  # every rank starts through chaos.netns; the target one enters the netns
-            env[NETNS_ENV] = link.env()
-        self.log = open(cwd / "launch.log", "a")  # noqa: SIM115 - closed in stop()
-        self.p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
-
-    def stop(self, timeout: float) -> int | None:
-        try:
-            return self.p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-        finally:
-            self.kill()
-            self.log.close()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.p.pid, signal.SIGKILL)
-        self.p.wait()
-        for e in events(self.cwd):  # workers run in sessions of their own
-            if e["event"] == "run_started" and e["rank"] >= 0:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(int(e["pid"]), signal.SIGKILL)
-        for leftover in Path("/dev/shm").glob(f"resilient-*-{self.p.pid}"):
-            import shutil
-
-            shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):  # a line being written right now
-            out.append(json.loads(line))
-    return out
-
-
-def events(cwd: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for f in (cwd / "resilient_runs").glob("*/events.jsonl"):
-        out += _jsonl(f)
-    return sorted(out, key=lambda e: e["ts"])
-
-
-def _record_injection(cwd: Path, kind: str, rank: int, step: int, **extra: Any) -> float:
-    ts = time.time()
-    with open(cwd / "injections.jsonl", "a") as f:
-        rec = {"ts": ts, "kind": kind, "rank": rank, "step": step, "by": "harness", **extra}
-        f.write(json.dumps(rec) + "\n")
-    return ts
-
-
-def _wait_for(cwd: Path, job: Job, pred: Any, deadline: float) -> dict[str, Any] | None:
-    while time.monotonic() < deadline:  # another process appends the log: poll it, bounded
-        for e in events(cwd):
-            if pred(e):
-                return e
-        if job.p.poll() is not None:
-            return None
-        time.sleep(0.02)
-    return None
 
 
 # ---- the figures -------------------------------------------------------------------------------------
@@ -244,9 +127,9 @@ def _run_trial(
     c, j = cert.classes[name], cert.job
     step = cert.trial_step(name, trial)
     t = Trial(name, trial, step)
-    deadline = time.monotonic() + j.timeout_s
-    plan = "" if c.fault in EXTERNAL else f"{c.fault}@{step}:{c.rank}" + (f"={c.arg}" if c.arg else "")
-    cgroup: Path | None = None
+    fault = Planned(fault=c.fault, rank=c.rank, step=step, arg=c.arg, duration=c.duration)
+    plan = fault.spec(step) if c.fault in IN_PROCESS else ""
+    memcg: Path | None = None
     link: VethLink | None = None
     if c.fault in LINK:  # the target rank runs behind a veth link of its own
         why = netns.capability(loss=c.fault == "link_loss")
@@ -254,49 +137,25 @@ def _run_trial(
             t.skipped = why
             return t
         link = VethLink.create(c.rank)
-    if c.fault == "kernel_oom":
-        plan = f"kernel_oom@{step}:{c.rank}"
-        cgroup, why = memory_cgroup(int(c.arg or 700))
-        if cgroup is None:
+    if c.fault == "kernel_oom":  # the target rank is moved into a real memory limit before the step
+        memcg, why = memory_cgroup(int(c.arg or 700))
+        if memcg is None:
             t.skipped = why
             return t
-    job = Job(cert, cwd, plan, link=link)
+    runner = Runner(cert, cwd, plan, time.monotonic() + j.timeout_s, link=link, attempt="0", memcg=memcg)
     rc: int | None = None
     restored: float | None = None
     try:
-        if cgroup is not None:  # the target rank (first attempt) runs under a real memory limit
-            hit = _wait_for(cwd, job, lambda e: e["event"] == "run_started" and e["rank"] == c.rank, deadline)
-            if hit is None:
-                t.error = "the target rank never started"
+        if c.fault in HARNESS:
+            restored = runner.fire(step, fault)
+            if runner.skipped:
+                t.skipped = "; ".join(runner.skipped)
                 return t
-            (cgroup / "cgroup.procs").write_text(str(hit["pid"]))
-        if c.fault in ("sigkill", "sigstop"):
-            hit = _wait_for(cwd, job, lambda e: e["event"] == "step_completed" and e["rank"] == c.rank
-                            and e["step"] >= step - 1, deadline)  # fmt: skip
-            if hit is None:
-                t.error = "the target rank never reached the fault step"
-                return t
-            os.kill(int(hit["pid"]), getattr(signal, c.fault.upper()))
-            _record_injection(cwd, c.fault, c.rank, hit["step"] + 1, pid=hit["pid"])
-        elif c.fault == "corrupt_checkpoint":
-            job = _corrupt_and_restart(cert, cwd, job, step, deadline, t)
-            if t.error:
-                return t
-        elif link is not None:
-            restored = _link_fault(cwd, job, link, c.fault, step, c.arg, c.duration, deadline, t)
-            if t.error:
-                return t
-        elif c.fault == "slow_disk":
-            restored = _slow_disk(
-                cwd / j.checkpoint_dir, cwd, job, c.rank, step, c.arg, c.duration, deadline, t
-            )
-            if t.error or t.skipped:
-                return t
-        rc = job.stop(max(1.0, deadline - time.monotonic()))
+        rc = runner.job.stop(max(1.0, runner.deadline - time.monotonic()))
     finally:
-        job.kill()
-        if cgroup is not None:
-            remove_cgroup(cgroup)
+        runner.job.kill()
+        if memcg is not None:
+            remove_cgroup(memcg)
         if link is not None:
             link.remove()
     t.ok = rc == 0
@@ -304,11 +163,11 @@ def _run_trial(
         t.error = f"did not finish within {j.timeout_s:g} s"
     elif rc != 0:
         t.error = f"launcher exited {rc}"
-    injections = _jsonl(cwd / "injections.jsonl")
+    injections = jsonl(cwd / "injections.jsonl")
     t.fired = len(injections)
     evs = events(cwd)
     if not injections:
-        t.error = t.error or "the fault never fired"
+        t.error = t.error or f"the fault never fired (the rank never reached step {step}?)"
         return t
     inj = injections[0]
     m = measure(evs, inj["ts"], j.nproc, ref_step_s, SLOW_STORAGE if c.fault == "slow_disk" else DETECTION)
@@ -345,114 +204,6 @@ def run_trial(
     if t.error and not t.skipped and not t.failed_slos:  # no figures at all: that is a failure too
         t.failed_slos = ["ran"]
     return t
-
-
-def _corrupt_and_restart(
-    cert: Certification, cwd: Path, job: Job, step: int, deadline: float, t: Trial
-) -> Job:
-    """Flip bytes in the newest committed checkpoint, kill the whole job, start it again."""
-    from resilient.checkpoint.manifest import committed_steps
-
-    ck = cwd / cert.job.checkpoint_dir
-    while time.monotonic() < deadline:
-        done = committed_steps(ck) if ck.exists() else []
-        if len(done) >= 2 and done[0] >= step:
-            break
-        if job.p.poll() is not None:
-            t.error = "the job ended before two checkpoints were committed"
-            return job
-        time.sleep(0.05)
-    else:
-        t.error = "no two committed checkpoints in time"
-        return job
-    job.kill()  # the whole job, agent and workers, with its shared memory: the disk must serve
-    newest = committed_steps(ck)[0]
-    victim = sorted((ck / f"step-{newest:08d}").glob("rank*.bin"))[0]
-    with open(victim, "r+b") as f:  # real corruption: bytes in the middle of a shard change
-        f.seek(os.path.getsize(victim) // 2)
-        chunk = f.read(64)
-        f.seek(-len(chunk), os.SEEK_CUR)
-        f.write(bytes(b ^ 0xFF for b in chunk))
-    _record_injection(cwd, "corrupt_checkpoint", -1, newest, file=victim.name)
-    return Job(cert, cwd)
-
-
-def _link_fault(
-    cwd: Path,
-    job: Job,
-    link: VethLink,
-    kind: str,
-    step: int,
-    pct: float | None,
-    duration: float,
-    deadline: float,
-    t: Trial,
-) -> float | None:
-    """When the rank reaches ``step``: its link down (or lossy) for ``duration`` s, then back.
-    Returns when the link came back."""
-    hit = _wait_for(cwd, job, lambda e: e["event"] == "step_completed" and e["rank"] == link.rank
-                    and e["step"] >= step - 1, deadline)  # fmt: skip
-    if hit is None:
-        t.error = "the target rank never reached the fault step"
-        return None
-    extra = {"duration_s": duration, **({"loss_pct": pct} if kind == "link_loss" else {})}
-    _record_injection(cwd, kind, link.rank, hit["step"] + 1, pid=hit["pid"], **extra)
-    if kind == "link_drop":
-        link.down()
-    else:
-        link.loss(pct or 100.0)
-    try:
-        # the fault lasts this long by definition; the job may end (fail) meanwhile
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            job.p.wait(duration)
-    finally:
-        if kind == "link_drop":
-            link.up()
-        else:
-            link.loss(0)
-    return time.time()
-
-
-def _slow_disk(
-    ck: Path,
-    cwd: Path,
-    job: Job,
-    rank: int,
-    step: int,
-    kib_s: float | None,
-    duration: float,
-    deadline: float,
-    t: Trial,
-) -> float | None:
-    """When the rank reaches ``step``: its writes to the checkpoint disk throttled to ``kib_s``
-    KiB/s for ``duration`` s (the process and its children, writer threads included)."""
-    import psutil
-
-    hit = _wait_for(cwd, job, lambda e: e["event"] == "step_completed" and e["rank"] == rank
-                    and e["step"] >= step - 1, deadline)  # fmt: skip
-    if hit is None:
-        t.error = "the target rank never reached the fault step"
-        return None
-    ck.mkdir(parents=True, exist_ok=True)
-    bps = int((kib_s or 64) * 1024)
-    cg, why = blkio_cgroup(ck, bps)
-    if cg is None:
-        t.skipped = why
-        return None
-    try:
-        proc = psutil.Process(int(hit["pid"]))
-        pids = [proc.pid, *(c.pid for c in proc.children(recursive=True))]
-        for pid in pids:
-            (cg / "cgroup.procs").write_text(str(pid))
-        _record_injection(cwd, "slow_disk", rank, hit["step"] + 1, pid=hit["pid"], duration_s=duration,
-                          write_bps=bps)  # fmt: skip
-        with contextlib.suppress(subprocess.TimeoutExpired):  # the fault lasts this long by definition
-            job.p.wait(duration)
-    except (psutil.NoSuchProcess, ProcessLookupError, OSError) as e:
-        t.error = f"could not throttle rank {rank}: {e}"
-    finally:
-        release_blkio(cg)
-    return time.time()
 
 
 def unloadable_checkpoints(root: Path, nproc: int, skip: Collection[int] = ()) -> int:

@@ -8,6 +8,8 @@ chaos stream configs/chaos/soak.yaml --out chaos_soak [--faults N]
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     stream.add_argument("--out", type=Path, default=Path("chaos_stream"))
     stream.add_argument("--faults", type=int, default=None, help="override the stream's fault count")
     args = p.parse_args(argv)
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C: every finally block runs, so the jobs,
+    # network namespaces and cgroups a run made are removed
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if args.cmd == "certify":
         return _certify(args)
     if args.cmd == "stream":

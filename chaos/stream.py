@@ -19,35 +19,18 @@ kill a run that never ended (must not).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import random
-import signal
-import subprocess
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.certify import (
-    DETECTION,
-    SLOW_STORAGE,
-    Job,
-    _finals,
-    _jsonl,
-    _record_injection,
-    events,
-    measure,
-    reference,
-    unloadable_checkpoints,
-)
-from chaos.cgroup import blkio_cgroup, memory_cgroup, release_blkio, remove_cgroup
+from chaos.certify import DETECTION, SLOW_STORAGE, _finals, measure, reference, unloadable_checkpoints
+from chaos.cgroup import memory_cgroup, remove_cgroup
 from chaos.compare import assert_bit_exact
+from chaos.job import events, jsonl
 from chaos.netns import VethLink, capability
+from chaos.runner import HARNESS, Runner
 from chaos.schedule import IN_PROCESS, LINK, Certification, Planned
-
-HARNESS = ("sigkill", "sigstop", "corrupt_checkpoint", "slow_disk", "kernel_oom", *LINK)
 
 
 def plan(cert: Certification, step_s: float) -> tuple[list[Planned], int]:
@@ -70,137 +53,6 @@ def at_step(faults: list[Planned], step_s: float) -> list[tuple[int, Planned]]:
     """(step, fault), in step order: ``at_s`` turned into the step the fault-free run is at then."""
     placed = [(f.step if f.step is not None else max(1, int((f.at_s or 0) / step_s)), f) for f in faults]
     return sorted(placed, key=lambda p: p[0])
-
-
-class Tail:
-    """The job's event logs, read incrementally (a soak's log grows to ~10^5 lines: reading all of
-    it on every poll would make the harness late for the faults it places)."""
-
-    def __init__(self, cwd: Path) -> None:
-        self.cwd = cwd
-        self._pos: dict[Path, int] = {}
-        self.reached: dict[int, tuple[int, int]] = {}  # rank → (newest step completed, its pid)
-
-    def poll(self) -> None:
-        for f in (self.cwd / "resilient_runs").glob("*/events.jsonl"):
-            pos = self._pos.get(f, 0)
-            with open(f, "rb") as fh:
-                fh.seek(pos)
-                chunk = fh.read()
-            end = chunk.rfind(b"\n") + 1  # a line being written now: next time
-            self._pos[f] = pos + end
-            for line in chunk[:end].splitlines():
-                with contextlib.suppress(ValueError):
-                    e = json.loads(line)
-                    if e["event"] == "step_completed":
-                        self.reached[e["rank"]] = (e["step"], e["pid"])
-                    elif e["event"] == "run_started" and e["rank"] >= 0:  # a new process: from its start
-                        self.reached[e["rank"]] = (-1, e["pid"])
-
-
-@dataclass
-class Runner:
-    """Executes a placed schedule on one job; the harness's own faults happen here."""
-
-    cert: Certification
-    cwd: Path
-    plan: str
-    link: VethLink | None
-    deadline: float
-    job: Job = field(init=False)
-    tail: Tail = field(init=False)
-    memcg: Path | None = None
-    skipped: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.job = Job(self.cert, self.cwd, self.plan, attempt=None, link=self.link)
-        self.tail = Tail(self.cwd)
-
-    def wait_rank(self, rank: int, step: int) -> tuple[int, int] | None:
-        """(step, pid) once ``rank`` completed ``step`` or later; None if the job ended first."""
-        while time.monotonic() < self.deadline and self.job.p.poll() is None:
-            self.tail.poll()
-            got = self.tail.reached.get(rank)
-            if got is not None and got[0] >= step:
-                return got
-            time.sleep(0.02)
-        return None
-
-    def fire(self, step: int, f: Planned) -> None:
-        lead = 3 if f.fault == "kernel_oom" else 1  # into the cgroup a few steps before it allocates
-        hit = self.wait_rank(f.rank, step - lead)
-        if hit is None:
-            return
-        done, pid = hit
-        try:
-            if f.fault in ("sigkill", "sigstop"):
-                os.kill(pid, getattr(signal, f.fault.upper()))
-                _record_injection(self.cwd, f.fault, f.rank, done + 1, pid=pid)
-            elif f.fault == "kernel_oom":
-                if self.memcg is None:
-                    self.skipped.append("kernel_oom: no memory cgroup")
-                    return
-                (self.memcg / "cgroup.procs").write_text(str(pid))  # the runtime fires the allocation
-            elif f.fault == "slow_disk":
-                self._slow_disk(f, done, pid)
-            elif f.fault in LINK:
-                assert self.link is not None
-                _record_injection(self.cwd, f.fault, f.rank, done + 1, pid=pid, duration_s=f.duration)
-                self.link.down()
-                try:
-                    with contextlib.suppress(subprocess.TimeoutExpired):  # it lasts this long, by definition
-                        self.job.p.wait(f.duration)
-                finally:
-                    self.link.up()
-            elif f.fault == "corrupt_checkpoint":
-                self._corrupt(f)
-        except (ProcessLookupError, OSError):
-            pass  # gone already (another fault's relaunch): not injected, not counted
-
-    def _slow_disk(self, f: Planned, done: int, pid: int) -> None:
-        import psutil
-
-        ck = self.cwd / self.cert.job.checkpoint_dir
-        ck.mkdir(parents=True, exist_ok=True)
-        bps = int((f.arg or 16) * 1024)
-        cg, why = blkio_cgroup(ck, bps)
-        if cg is None:
-            self.skipped.append(f"slow_disk: {why}")
-            return
-        try:
-            proc = psutil.Process(pid)
-            for p in [proc.pid, *(c.pid for c in proc.children(recursive=True))]:
-                (cg / "cgroup.procs").write_text(str(p))
-            _record_injection(self.cwd, "slow_disk", f.rank, done + 1, pid=pid, duration_s=f.duration)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.job.p.wait(f.duration)
-        except psutil.NoSuchProcess:
-            pass
-        finally:
-            release_blkio(cg)
-
-    def _corrupt(self, f: Planned) -> None:
-        """Flip bytes in the newest committed checkpoint (two must exist), kill the whole job, start
-        it again: the restart must reject that checkpoint and load the one before."""
-        from resilient.checkpoint.manifest import committed_steps
-
-        ck = self.cwd / self.cert.job.checkpoint_dir
-        while time.monotonic() < self.deadline and self.job.p.poll() is None:
-            if ck.exists() and len(committed_steps(ck)) >= 2:
-                break
-            time.sleep(0.05)
-        else:
-            return
-        self.job.kill()
-        newest = committed_steps(ck)[0]
-        victim = sorted((ck / f"step-{newest:08d}").glob("rank*.bin"))[0]
-        with open(victim, "r+b") as fh:
-            fh.seek(os.path.getsize(victim) // 2)
-            chunk = fh.read(64)
-            fh.seek(-len(chunk), os.SEEK_CUR)
-            fh.write(bytes(b ^ 0xFF for b in chunk))
-        _record_injection(self.cwd, "corrupt_checkpoint", -1, newest, file=victim.name)
-        self.job = Job(self.cert, self.cwd, self.plan, attempt=None, link=self.link)
 
 
 def run_schedule(
@@ -242,7 +94,7 @@ def run_schedule(
             skipped.append(f"kernel_oom: {why}")
             placed = [(s, f) for s, f in placed if f.fault != "kernel_oom"]
             in_process = ",".join(f.spec(s) for s, f in placed if f.fault in IN_PROCESS)
-    runner = Runner(long, cwd, in_process, link, time.monotonic() + timeout, memcg=memcg)
+    runner = Runner(long, cwd, in_process, time.monotonic() + timeout, link=link, memcg=memcg)
     hung = False
     rc: int | None = None
     try:
@@ -272,7 +124,7 @@ def _report(
 ) -> dict[str, Any]:
     j = cert.job
     evs = events(cwd)
-    injected = _jsonl(cwd / "injections.jsonl")
+    injected = jsonl(cwd / "injections.jsonl")
     steps_ev = [e for e in evs if e["event"] == "step_completed"]
     per_fault = []
     by_kind: dict[str, dict[str, int]] = {}

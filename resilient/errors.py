@@ -98,6 +98,18 @@ class CheckpointError(ResilienceError):
     """A checkpoint could not be written or read."""
 
 
+class NoValidCheckpoint(CheckpointError):
+    """Checkpoints exist but none verifies on every rank. A relaunch reads the same bytes, so it is
+    fatal for the launcher; the message names every checkpoint tried and why it failed."""
+
+    exit_code = ExitCode.FATAL
+
+    def __init__(self, message: str, tried: list[str] | None = None, steps: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.tried = tried or []  # "step-N: why", newest first
+        self.steps = steps or []  # the steps that failed
+
+
 class Preempted(ResilienceError):
     """A preemption signal arrived; the final checkpoint is committed. Exit so the job is requeued."""
 

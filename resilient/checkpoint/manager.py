@@ -366,6 +366,12 @@ class Checkpointer:
             loaded = None
         if loaded is None and self.tier is not None:
             loaded = self._load_from_tier(sharded)
+        elif loaded is not None and self.rank == 0:  # every rank voted these bad: out of the way
+            from resilient.checkpoint.manifest import quarantine
+
+            for bad in loaded.rejected_steps:
+                if (moved := quarantine(self.root, bad)) is not None:
+                    logger.warning(f"checkpoint step {bad} does not verify: moved to {moved}")
         return loaded
 
     def _load_from_tier(self, sharded: dict[str, Any] | None) -> Loaded | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,21 @@ def committed_steps(root: Path) -> list[int]:
         return []
     steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return sorted(steps, reverse=True)
+
+
+def quarantine(root: Path, step: int) -> Path | None:
+    """Move a committed checkpoint that failed verification out of the committed set: renamed to
+    ``step-N.rejected-<unix time>`` (kept for inspection). Retention no longer counts it as one of
+    the ``keep`` newest, and a later save of the same step (the run replays it) commits afresh
+    instead of keeping the bad copy. Returns the new path, or None if it is gone already."""
+    src = root / step_name(step)
+    dst = root / f"{step_name(step)}.rejected-{int(time.time())}"
+    try:
+        os.rename(src, dst)
+    except FileNotFoundError:
+        return None
+    fsync_dir(root)
+    return dst
 
 
 def tmp_dirs(root: Path) -> list[tuple[int, str, Path]]:

@@ -28,7 +28,7 @@ from resilient.checkpoint.manifest import (
     step_name,
 )
 from resilient.checkpoint.writer import file_digest
-from resilient.errors import CheckpointError
+from resilient.errors import CheckpointError, NoValidCheckpoint
 
 
 @dataclass
@@ -38,6 +38,7 @@ class Loaded:
     manifest: Manifest
     path: Path
     rejected: list[str] = field(default_factory=list)  # newer checkpoints that did not verify, why
+    rejected_steps: list[int] = field(default_factory=list)  # ... and their steps
 
 
 def _read_into(path: Path, offset: int, out: memoryview) -> None:
@@ -164,6 +165,7 @@ def load_latest(
     no checkpoint at all.
     """
     tried: list[str] = []
+    bad: list[int] = []
     for step in committed_steps(root):
         loaded: Loaded | None = None
         try:
@@ -174,8 +176,11 @@ def load_latest(
             logger.warning(f"checkpoint {step_name(step)} does not verify: {e}; trying the previous one")
             tried.append(f"{step_name(step)}: {e}")
         ok = loaded is not None
+        if not ok:
+            bad.append(step)
         if agree is not None and not agree(ok):
             if ok:
+                bad.append(step)
                 tried.append(f"{step_name(step)}: another rank could not verify its part")
                 logger.warning(f"checkpoint {step_name(step)} does not verify on another rank; falling back")
             continue
@@ -185,7 +190,13 @@ def load_latest(
 
                 load_sharded(sharded, loaded.path / "dcp")
             loaded.rejected = list(tried)
+            loaded.rejected_steps = list(bad)
             return loaded
     if tried:
-        raise CheckpointError(f"no valid checkpoint in {root}; tried:\n  " + "\n  ".join(tried))
+        raise NoValidCheckpoint(
+            f"no valid checkpoint in {root}; tried:\n  " + "\n  ".join(tried) + "\nA relaunch would read the "
+            "same bytes: restore a good copy (another tier, a backup), or move these aside to start over",
+            tried,
+            bad,
+        )
     return None

@@ -136,7 +136,7 @@ class ResilientAgent(LocalElasticAgent):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.max_repeats = max_repeats
-        self._deaths: list[tuple[int, int]] = []  # (global rank, the step it was in)
+        self._deaths: list[tuple[int, str]] = []  # (global rank, where: "step N" or "start-up ...")
         self.restart_window_s = restart_window_s
         self.window_max_restarts = self._worker_group.spec.max_restarts
         if restart_window_s is not None:
@@ -303,11 +303,17 @@ class ResilientAgent(LocalElasticAgent):
             w = by_global.get(global_rank)
             beat = read_beat(beat_path(self.heartbeat_dir, w.local_rank)) if w is not None else None
             if beat is not None and beat[1] >= 0:
-                self._deaths.append((global_rank, beat[1]))
+                self._deaths.append((global_rank, f"step {beat[1]}"))
+            else:  # before its first step: the same exit code each time is the same failure (an
+                # import error, a bad argument); 75 (a peer or the store unreachable) and signals
+                # come from outside and may pass
+                code = result.failures[global_rank].exitcode
+                if code > 0 and code != int(ExitCode.HARD_FAULT):
+                    self._deaths.append((global_rank, f"start-up (exit code {code})"))
         last = self._deaths[-self.max_repeats :]
         if self.verdict is None and len(last) == self.max_repeats and len(set(last)) == 1:
-            rank, step = last[0]
-            cause = f"rank {rank} died at step {step} {self.max_repeats} times in a row: the fault repeats"
+            rank, where = last[0]
+            cause = f"rank {rank} died at {where} {self.max_repeats} times in a row: the fault repeats"
             self.failures.append({"global_rank": rank, "cause": cause, "ts": time.time()})
             logger.error(f"{cause}; not restarting")
             self.verdict = int(ExitCode.FATAL)

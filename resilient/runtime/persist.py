@@ -30,7 +30,7 @@ from loguru import logger
 from resilient.checkpoint.manager import Checkpointer
 from resilient.checkpoint.reader import Loaded
 from resilient.config import CheckpointConfig
-from resilient.errors import CheckpointError
+from resilient.errors import CheckpointError, NoValidCheckpoint
 from resilient.events import Event, EventLog
 
 
@@ -111,10 +111,25 @@ class Persistence:
         from resilient.checkpoint.reader import load_latest
 
         t0 = time.time()
-        loaded = load_latest(self.ckpt.root, self.rank, self.ckpt.world_size, agree=agree)
+        local_error: NoValidCheckpoint | None = None
+        try:
+            loaded = load_latest(self.ckpt.root, self.rank, self.ckpt.world_size, agree=agree)
+        except NoValidCheckpoint as e:
+            loaded, local_error = None, e
+        if loaded is None and (local_error is not None or self.ckpt.tier is not None):
+            loaded = self._from_tier(local_error)
         if loaded is not None:
-            for why in loaded.rejected:  # a corrupt newest checkpoint is a fault too: say so
+            tried = loaded.rejected + (local_error.tried if local_error else [])
+            bad = loaded.rejected_steps + (local_error.steps if local_error else [])
+            for why in tried:  # a corrupt newest checkpoint is a fault too: say so
                 self.events.emit(Event.CHECKPOINT_REJECTED, generation=0, step=None, reason=why)
+            if self.rank == 0:  # every rank voted it bad: out of the committed set, kept for a look
+                from resilient.checkpoint.manifest import quarantine
+
+                for step in bad:
+                    moved = quarantine(self.ckpt.root, step)
+                    if moved is not None:
+                        logger.warning(f"checkpoint step {step} does not verify: moved to {moved}")
             self.events.emit(
                 Event.CHECKPOINT_LOADED,
                 generation=0,
@@ -123,6 +138,27 @@ class Persistence:
                 duration_s=time.time() - t0,
             )
         return loaded
+
+    def _from_tier(self, local_error: NoValidCheckpoint | None) -> Loaded | None:
+        """Nothing valid here: the newest persistent-tier checkpoint every rank can load, agreed
+        through the store (each rank fetches its own part). Re-raises the local error otherwise."""
+        if self.ckpt.tier is None:
+            if local_error is not None:
+                raise local_error
+            return None
+        loaded = self.ckpt._load_from_tier(None)
+        steps = self._exchange("ckpt_tier_step", str(loaded.step if loaded is not None else -1))
+        if len(set(steps)) == 1 and steps[0] != "-1":
+            return loaded
+        if local_error is not None:
+            raise NoValidCheckpoint(
+                f"{local_error}\nnor one from {self.ckpt.tier.url} (steps per rank: {steps})"
+            )
+        if any(s != "-1" for s in steps):
+            raise NoValidCheckpoint(
+                f"no checkpoint of {self.ckpt.tier.url} loads on every rank (steps per rank: {steps})"
+            )
+        return None
 
     # ---- saving --------------------------------------------------------------------------------
     def due(self, nxt: int) -> bool:

@@ -314,3 +314,16 @@ def test_hard_fault_at_the_same_step_every_launch_stops_fatal(tmp_path: Path) ->
     assert rc == ExitCode.FATAL, run.output()
     assert [e["event"] for e in events].count("relaunched") == 2, run.output()
     assert "rank 1 died at step 10 3 times in a row" in run.output()
+
+
+def test_same_start_up_failure_every_launch_stops_fatal(tmp_path: Path) -> None:
+    # a worker that fails before its first step with the same exit code every launch (an import
+    # error, a bad argument) is not relaunched until --max-restarts runs out
+    run = Launch(
+        tmp_path, "--standalone", "--nproc-per-node", "1", "--max-restarts", "20", "--backoff-initial", "0",
+        "--monitor-interval", "0.1", EXIT_WITH, "1",
+    )  # fmt: skip
+    rc = run.finish()
+    assert rc == ExitCode.FATAL, run.output()
+    assert [e["event"] for e in run.events()].count("relaunched") == 2, run.output()
+    assert "rank 0 died at start-up (exit code 1) 3 times in a row" in run.output()

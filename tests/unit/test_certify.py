@@ -121,7 +121,7 @@ def test_link_recovery_is_judged_from_the_link_s_return() -> None:
 
 
 def test_event_tail_reads_only_new_complete_lines(tmp_path: Path) -> None:
-    from chaos.stream import Tail
+    from chaos.runner import Tail
 
     log = tmp_path / "resilient_runs" / "r1" / "events.jsonl"
     log.parent.mkdir(parents=True)

@@ -17,7 +17,7 @@ from resilient.checkpoint.codec import decode, encode
 from resilient.checkpoint.manager import Checkpointer
 from resilient.checkpoint.manifest import MANIFEST, committed_steps, step_name
 from resilient.checkpoint.reader import load_latest, load_step
-from resilient.errors import CheckpointError
+from resilient.errors import CheckpointError, ExitCode
 from resilient.state.registry import Registry
 
 
@@ -162,9 +162,34 @@ def test_no_valid_checkpoint_lists_what_was_tried(tmp_path: Path) -> None:
     with Checkpointer(tmp_path, token="t") as ck:
         ck.save(1, {"x": torch.ones(8)})
     (tmp_path / step_name(1) / "rank00000.bin").write_bytes(b"junk")
-    with pytest.raises(CheckpointError, match=r"tried:\n.*step-00000001.*rank00000.bin"):
+    with pytest.raises(CheckpointError, match=r"tried:\n.*step-00000001.*rank00000.bin") as e:
         load_latest(tmp_path)
+    assert e.value.exit_code == ExitCode.FATAL  # type: ignore[attr-defined]  # a relaunch reads the same bytes
     assert load_latest(tmp_path / "empty") is None
+
+
+def test_a_rejected_checkpoint_leaves_the_committed_set_and_its_step_commits_again(tmp_path: Path) -> None:
+    # found by the soak: a corrupt checkpoint that stayed "committed" was kept by retention in place
+    # of good ones, and a replayed save of its step kept the bad copy; three corruptions in a row
+    # left nothing loadable
+    with Checkpointer(tmp_path, token="t", keep=2, incremental=False) as ck:
+        for step in (1, 2):
+            ck.save(step, {"x": torch.full((512,), float(step))})
+            ck.wait()
+    shard = tmp_path / step_name(2) / "rank00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with Checkpointer(tmp_path, token="u", keep=2, incremental=False) as ck:
+        loaded = ck.load_latest()
+        assert loaded is not None and loaded.step == 1
+        assert committed_steps(tmp_path) == [1]  # step 2 moved aside, kept for inspection
+        assert len(list(tmp_path.glob(f"{step_name(2)}.rejected-*"))) == 1
+        for step in (2, 3):  # the run replays step 2: it commits afresh, and retention counts it
+            ck.save(step, {"x": torch.full((512,), float(step))})
+            ck.wait()
+    assert committed_steps(tmp_path) == [3, 2]
+    assert torch.equal(load_step(tmp_path, 2, 0).state["x"], torch.full((512,), 2.0))
 
 
 def test_manifest_path_escaping_the_directory_is_rejected(tmp_path: Path) -> None:

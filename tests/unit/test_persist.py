@@ -66,3 +66,43 @@ def test_preempt_signal_may_not_be_the_interrupt_signal() -> None:
 def test_bad_checkpoint_interval_is_named() -> None:
     with pytest.raises(ConfigError, match=r"checkpoint\.interval"):
         load_config(None, checkpoint={"interval": 0})
+
+
+def _flip(shard: Path) -> None:
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_resume_quarantines_what_fails_and_falls_back_to_the_persistent_tier(tmp_path: Path) -> None:
+    import torch
+
+    remote = tmp_path / "remote"
+    p = _persist(tmp_path, interval=1, keep=2, persistent_url=f"file://{remote}")
+    for step in (1, 2):
+        p.save(step, {"x": torch.full((256,), float(step))}, 0, 0)
+        p.ckpt.wait()
+    p.ckpt.close()
+    for step in (1, 2):  # every local copy is corrupt; the uploaded ones are intact
+        _flip(tmp_path / "ck" / f"step-{step:08d}" / "rank00000.bin")
+    q = _persist(tmp_path, interval=1, keep=2, persistent_url=f"file://{remote}")
+    loaded = q.resume()
+    assert loaded is not None and loaded.step == 2 and torch.equal(loaded.state["x"], torch.full((256,), 2.0))
+    q.ckpt.close()
+    events = (tmp_path / "events.jsonl").read_text()
+    assert events.count('"checkpoint_rejected"') == 2 and '"checkpoint_loaded"' in events
+
+
+def test_resume_with_nothing_valid_anywhere_is_fatal_and_names_each_checkpoint(tmp_path: Path) -> None:
+    import torch
+
+    from resilient.errors import ExitCode, NoValidCheckpoint
+
+    p = _persist(tmp_path, interval=1)
+    p.save(1, {"x": torch.ones(256)}, 0, 0)
+    p.ckpt.close()
+    _flip(tmp_path / "ck" / "step-00000001" / "rank00000.bin")
+    with pytest.raises(NoValidCheckpoint, match=r"step-00000001: .*rank00000.bin") as e:
+        _persist(tmp_path, interval=1).resume()
+    assert e.value.exit_code == ExitCode.FATAL
+    assert (tmp_path / "ck" / "step-00000001").is_dir()  # left in place for the person who fixes it

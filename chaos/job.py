@@ -1,0 +1,122 @@
+"""One chaos job: ``resilient launch`` of the bundled example (or the user's script) in a directory,
+with the environment that makes the runtime fire planned faults, log every step and write its final
+state; and what it leaves behind (event logs, the injections record).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from chaos.netns import ENV as NETNS_ENV
+from chaos.netns import VethLink
+from chaos.schedule import Certification
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_tiny.py"
+
+
+class Job:
+    """``resilient launch`` of the example in ``cwd``; killed by process group when done."""
+
+    def __init__(
+        self,
+        cert: Certification,
+        cwd: Path,
+        plan: str = "",
+        attempt: str | None = "0",
+        link: VethLink | None = None,
+    ) -> None:
+        j = cert.job
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.cwd = cwd
+        command = j.command or [
+            str(EXAMPLE), "--steps", str(j.steps), "--step-ms", str(j.step_ms),
+            "--hang-timeout", str(j.hang_timeout), "--ckpt-dir", j.checkpoint_dir,
+            "--ckpt-every", str(j.checkpoint_every), "--backend", j.backend,
+        ]  # fmt: skip
+        if j.runtime and not j.command:
+            import yaml
+
+            (cwd / "runtime.yaml").write_text(yaml.safe_dump(j.runtime))
+            command += ["--config", str(cwd / "runtime.yaml")]
+        if command[0] in ("python", "python3", sys.executable):  # `resilient launch` runs python itself
+            command = command[1:]
+        argv = [
+            sys.executable, "-m", "resilient.cli", "launch", "--standalone",
+            "--nproc-per-node", str(j.nproc), "--max-restarts", str(j.max_restarts),
+            "--monitor-interval", "0.1", "--heartbeat-timeout", str(j.heartbeat_timeout),
+            "--startup-timeout", "60", "--backoff-initial", "0",
+            *(["-m", "chaos.netns"] if link else []), *command,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        # the runtime fires the fault itself (any wrapped script, unchanged), writes a step_completed
+        # event per step and the final tracked state, which the certificate compares bit for bit
+        env["CHAOS_INJECTIONS"] = str(cwd / "injections.jsonl")
+        env["RESILIENT_STEP_EVENTS"] = "1"
+        env["RESILIENT_FINAL_STATE"] = str(cwd / "state")
+        if plan:  # attempt None: every launch fires the plan's faults it reaches
+            env["RESILIENT_CHAOS"] = plan
+            if attempt is not None:
+                env["RESILIENT_CHAOS_ATTEMPT"] = attempt
+        env.pop("RESILIENT_RUN_ID", None)
+        if link is not None:  # every rank starts through chaos.netns; the target one enters the netns
+            env[NETNS_ENV] = link.env()
+        self.log = open(cwd / "launch.log", "a")  # noqa: SIM115 - closed in stop()
+        self.p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+
+    def stop(self, timeout: float) -> int | None:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            self.kill()
+            self.log.close()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait()
+        for e in events(self.cwd):  # workers run in sessions of their own
+            if e["event"] == "run_started" and e["rank"] >= 0:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(int(e["pid"]), signal.SIGKILL)
+        for leftover in Path("/dev/shm").glob(f"resilient-*-{self.p.pid}"):
+            import shutil
+
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a line being written right now
+            out.append(json.loads(line))
+    return out
+
+
+def events(cwd: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for f in (cwd / "resilient_runs").glob("*/events.jsonl"):
+        out += jsonl(f)
+    return sorted(out, key=lambda e: e["ts"])
+
+
+def record_injection(cwd: Path, kind: str, rank: int, step: int, **extra: Any) -> float:
+    ts = time.time()
+    with open(cwd / "injections.jsonl", "a") as f:
+        rec = {"ts": ts, "kind": kind, "rank": rank, "step": step, "by": "harness", **extra}
+        f.write(json.dumps(rec) + "\n")
+    return ts
