@@ -191,6 +191,7 @@ def _run_trial(
             t.bit_exact = False
     t.timeline = {
         "injected": inj["ts"], "detected": m.get("detect_ts"), "restored": restored,
+        "lasting": "disk throttled" if c.fault == "slow_disk" else "link down",
         "steps": [(e["ts"], e["rank"], e["step"]) for e in evs if e["event"] == "step_completed"],
     }  # fmt: skip
     t.failed_slos = _check(t, cert)
@@ -359,12 +360,13 @@ def timeline_png(trials: list[Trial], path: Path) -> None:
             ax.axvline(t.timeline["detected"] - t0, color="orange", lw=1, label="detected")
         if t.timeline.get("restored"):
             ax.axvspan(t.timeline["injected"] - t0, t.timeline["restored"] - t0, color="red", alpha=0.1,
-                       label="link down")  # fmt: skip
+                       label=t.timeline.get("lasting", "fault lasts"))  # fmt: skip
         if t.recover_s is not None:
             ax.axvline(t.timeline["injected"] - t0 + t.recover_s, color="green", lw=1, label="recovered")
         exact = "bit-exact" if t.bit_exact else "NOT bit-exact"
-        ax.set_title(f"{t.cls}: detect {t.detect_s or float('nan'):.2f} s, recover "
-                     f"{t.recover_s or float('nan'):.2f} s, {exact}", fontsize=9)  # fmt: skip
+        recover = "no restart" if t.restarts == 0 else f"recover {t.recover_s or float('nan'):.2f} s"
+        ax.set_title(f"{t.cls}: detect {t.detect_s or float('nan'):.2f} s, {recover}, {exact}",
+                     fontsize=9)  # fmt: skip
         ax.set_ylabel("step")
         ax.legend(fontsize=6, loc="lower right")
     axes[-1, 0].set_xlabel("seconds since the first step")
