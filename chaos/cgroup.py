@@ -9,6 +9,24 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
+
+
+def sweep_stale(base: Path) -> list[Path]:
+    """Remove the ``chaos-[slow-]<pid>-...`` cgroups of chaos runs whose process is gone (SIGKILLed
+    before its ``finally``), killing (memory) or releasing (blkio) what is left in them."""
+    gone = []
+    for cg in base.glob("chaos-*"):
+        pid = cg.name.removeprefix("chaos-").removeprefix("slow-").split("-")[0]
+        if not pid.isdigit() or psutil.pid_exists(int(pid)):
+            continue
+        if base.name == "blkio":
+            release_blkio(cg)
+        else:
+            remove_cgroup(cg)
+        gone.append(cg)
+    return gone
+
 
 def memory_cgroup(limit_mib: int) -> tuple[Path | None, str]:
     """A fresh cgroup v1 memory cgroup limited to ``limit_mib`` (root only), or (None, why not)."""
@@ -17,6 +35,7 @@ def memory_cgroup(limit_mib: int) -> tuple[Path | None, str]:
         return None, "no cgroup v1 memory controller at /sys/fs/cgroup/memory"
     if os.geteuid() != 0:
         return None, "creating a memory cgroup needs root"
+    sweep_stale(base)
     cg = base / f"chaos-{os.getpid()}-{time.monotonic_ns()}"
     try:
         cg.mkdir()
@@ -56,6 +75,7 @@ def blkio_cgroup(path: Path, write_bps: int) -> tuple[Path | None, str]:
         return None, "the blkio controller has no throttling (blkio.throttle.write_bps_device)"
     if os.geteuid() != 0:
         return None, "creating a blkio cgroup needs root"
+    sweep_stale(base)
     st = os.stat(path)
     dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
     if not Path(f"/sys/dev/block/{dev}").exists():

@@ -28,6 +28,8 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
+import psutil
+
 ENV = "CHAOS_NETNS"
 _NET = ipaddress.ip_network("10.231.0.0/16")
 
@@ -81,10 +83,12 @@ class VethLink:
 
     @classmethod
     def create(cls, rank: int) -> VethLink:
-        tag = f"{os.getpid() % 100000}{random.randrange(100):02d}"
+        sweep_stale()
+        tag = f"{os.getpid() % 100000}{random.randrange(100):02d}"  # veth names: at most 15 chars
         net = _free_subnet()
         host_ip, ns_ip = (str(a) for a in net.hosts())
-        link = cls(f"rchaos-{tag}", rank, f"rch{tag}h", f"rch{tag}n", host_ip, ns_ip)
+        ns = f"rchaos-{os.getpid()}-{tag}"  # the creator's pid: a SIGKILLed run's is swept later
+        link = cls(ns, rank, f"rch{tag}h", f"rch{tag}n", host_ip, ns_ip)
         try:
             _ip("netns", "add", link.ns)
             _ip("link", "add", link.host_if, "type", "veth", "peer", "name", link.ns_if, "netns", link.ns)
@@ -121,6 +125,20 @@ class VethLink:
 
     def exists(self) -> bool:
         return self.ns in _ip("netns", "list", check=False).stdout
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces of chaos runs whose process is gone (SIGKILLed before its ``finally``);
+    their veth pairs go with them. Returns what was deleted."""
+    gone = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        parts = name.split("-")
+        stale = len(parts) == 3 and parts[0] == "rchaos" and parts[1].isdigit()
+        if stale and not psutil.pid_exists(int(parts[1])):
+            _ip("netns", "del", name, check=False)
+            gone.append(name)
+    return gone
 
 
 def main(argv: list[str]) -> None:

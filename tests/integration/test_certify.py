@@ -13,13 +13,38 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _chaos(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``chaos ARGS``; if the test is stopped (pytest-timeout, Ctrl-C) the run gets SIGTERM first, so
+    its own cleanup removes the namespaces and cgroups it made (a SIGKILL would leave them)."""
+    p = subprocess.Popen([sys.executable, "-m", "chaos.cli", *args], cwd=cwd, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        out, err = p.communicate()
+    finally:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _namespaces() -> set[str]:
+    try:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    except FileNotFoundError:  # no iproute2: link faults are skipped anyway
+        return set()
+    return {line.split()[0] for line in out.splitlines() if line.startswith("rchaos-")}
+
+
+@pytest.mark.timeout(600)  # every class once: 13 jobs, a 10 s link drop among them (~3 min here)
 def test_cpu_certificate_passes_every_slo(tmp_path: Path) -> None:
     out = tmp_path / "cert"
-    r = subprocess.run(
-        [sys.executable, "-m", "chaos.cli", "certify", str(ROOT / "configs" / "chaos" / "cpu.yaml"),
-         "--out", str(out), "--trials", "1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    before = _namespaces()
+    r = _chaos(tmp_path, "certify", str(ROOT / "configs" / "chaos" / "cpu.yaml"), "--out", str(out),
+               "--trials", "1")  # fmt: skip
     cert = json.loads((out / "certificate.json").read_text())
     assert r.returncode == 0 and cert["passed"], r.stdout + r.stderr
     classes = {c["class"]: c for c in cert["classes"]}
@@ -33,8 +58,8 @@ def test_cpu_certificate_passes_every_slo(tmp_path: Path) -> None:
     if "link_drop" in ran:  # back within the SLO after the link returned, and no netns left behind
         t = next(t for t in cert["trials"] if t["cls"] == "link_drop")
         assert t["recover_after_restore_s"] is not None and t["recover_after_restore_s"] <= 15, t
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert "rchaos-" not in left, left
+        left = _namespaces() - before  # (another run on this machine may hold its own)
+        assert not left, left
     for c in ran.values():  # every class ran, finished, and ended equal to the fault-free run
         assert c["finished"] == c["trials"] == 1 and c["bit_exact"], c
     for t in (t for t in cert["trials"] if not t["skipped"]):
@@ -71,6 +96,7 @@ def test_plugin_certifies_a_users_script_unchanged(chaos_certify, tmp_path: Path
     assert result.row("sigkill")["bit_exact"] and result.row("exception")["recover_p50"] < 1.0
 
 
+@pytest.mark.timeout(300)
 def test_chaos_run_executes_a_declared_schedule_in_one_job(tmp_path: Path) -> None:
     # three faults in one job, one of them a whole-job restart from a corrupted newest checkpoint
     cfg = tmp_path / "sched.yaml"
@@ -83,8 +109,7 @@ def test_chaos_run_executes_a_declared_schedule_in_one_job(tmp_path: Path) -> No
         "  - {fault: corrupt_checkpoint, step: 90}\n"
     )
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "chaos.cli", "run", str(cfg), "--out", str(out)],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = _chaos(tmp_path, "run", str(cfg), "--out", str(out))
     rep = json.loads((out / "run.json").read_text())
     assert r.returncode == 0 and not rep["failed"], r.stdout + r.stderr
     assert rep["finished"] and rep["bit_exact"] and rep["lost_committed_checkpoints"] == 0
@@ -92,4 +117,5 @@ def test_chaos_run_executes_a_declared_schedule_in_one_job(tmp_path: Path) -> No
         "exception": 1, "sigkill": 1, "corrupt_checkpoint": 1}  # fmt: skip
     by = {f["kind"]: f for f in rep["faults"]}
     assert by["corrupt_checkpoint"]["detected_by"].startswith("checkpoint_rejected")
-    assert by["sigkill"]["detected_by"].startswith("worker_died")
+    # the agent's worker_died or the peer's fault_detected (its collective fails), whichever is first
+    assert by["sigkill"]["detected_by"].split()[0] in ("worker_died", "fault_detected")

@@ -44,3 +44,17 @@ def test_link_carries_traffic_until_it_goes_down_and_after_it_returns() -> None:
 def test_wrapper_needs_a_script() -> None:
     r = subprocess.run([sys.executable, "-m", "chaos.netns"], capture_output=True, text=True)
     assert r.returncode != 0 and "usage" in r.stderr
+
+
+def test_a_killed_runs_namespace_is_swept_by_the_next_run() -> None:
+    import subprocess as sp
+
+    dead = sp.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs: its namespace was left by a SIGKILLed harness
+    name = f"rchaos-{dead.pid}-0"
+    sp.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in netns.sweep_stale()
+        assert name not in sp.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        sp.run(["ip", "netns", "del", name], capture_output=True)
