@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _reshard_worker import full  # the script's own folder is on sys.path
+from _reshard_worker import full, leave  # the script's own folder is on sys.path
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -81,8 +81,7 @@ def main() -> None:
             (out / "load.json").write_text(
                 json.dumps({"step": loaded.step, "state": loaded.state is not None})
             )
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(store, rank, world, timeout)
 
 
 if __name__ == "__main__":

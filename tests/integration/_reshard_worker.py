@@ -83,19 +83,28 @@ def main() -> None:
     gathered = full(state)
     if rank == 0:
         torch.save(gathered, directory.parent / f"{phase}.pt")
+    leave(store, rank, world, timeout)
+
+
+def leave(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta) -> None:
+    """End a worker: the group torn down, rank 0 (the store's host) last, no interpreter finalization.
+
+    A gloo worker thread frees a finished collective's tensors a moment after the main thread saw it
+    complete, and a barrier keeps every collective issued before it until the barrier is freed. If
+    the interpreter is finalizing by then, that free takes the GIL and the process aborts with
+    "terminate called without an active exception" (CI, once; here 2 runs in 30 on a loaded
+    machine; the core: ~AsyncBarrierWork -> ~AsyncAllgatherCoalescedWork -> decref_pyobject ->
+    take_gil -> pthread_exit). Everything the test reads is written and closed by now.
+    """
     dist.barrier()
     dist.destroy_process_group()
-    # Rank 0 hosts the store: it leaves last, so no peer's teardown finds the store gone.
     store.set(f"left/{rank}", "1")
     if rank == 0:
         store.wait([f"left/{r}" for r in range(1, world)], timeout)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # Rarely (2 runs in ~200 on a loaded 2-core box) a non-store rank aborted after its work was
-    # done, with "terminate called without an active exception" (a C++ thread meeting teardown).
-    # Everything is written and closed by now: skip interpreter finalization.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
