@@ -86,6 +86,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--plain", action="store_true", help="run the same loop without resilient (baseline)")
     p.add_argument(
+        "--engine", default=None, choices=["resilient", "nvrx"], help="nvrx: NVRx's in-process Wrapper"
+    )
+    p.add_argument(
+        "--progress",
+        type=Path,
+        default=None,
+        help="append a JSON line per completed step (time, step, rank, pid, launch attempt) here",
+    )
+    p.add_argument(
         "--backend", default="gloo", choices=["gloo", "nccl", "auto"], help="nccl: one GPU per rank"
     )
     p.add_argument(
@@ -113,6 +122,8 @@ def main() -> None:
     if args.collective_timeout is not None:
         overrides["collective_timeout"] = args.collective_timeout
     overrides["backend"] = args.backend
+    if args.engine is not None:
+        overrides["engine"] = args.engine
     if args.max_repeats is not None:
         overrides["restart"] = {"max_repeats": args.max_repeats}
     if args.ckpt_dir is not None:
@@ -153,6 +164,10 @@ def main() -> None:
                 print(f"step {step:4d} loss {loss.item():.4f} gen {ctx.generation}", flush=True)
             if args.step_ms:
                 time.sleep(max(0.0, args.step_ms / 1e3 - (time.perf_counter() - t0)))
+            if args.progress is not None:
+                _progress(args.progress, step, rank, attempt)
+            if isinstance(ctx, _Plain):  # the plain baseline checkpoints by itself
+                ctx.completed(step)
         if args.report and rank == 0 and t_loop is not None:
             n = args.steps - min(5, args.steps - 1)
             print(json.dumps({"loop_s": time.perf_counter() - t_loop, "steps": n}), flush=True)
@@ -167,25 +182,71 @@ def main() -> None:
                 args.out / f"rank{rank}.pt",
             )
 
-    if args.plain:  # the same loop with no runtime: the baseline for overhead figures
+    if args.plain:  # the same loop with no runtime: the baseline, and torchrun's usual path
         dist.init_process_group("gloo")
-        train(_Plain())  # type: ignore[arg-type]
+        plain = _Plain(args.ckpt_dir, int(args.ckpt_every) if args.ckpt_dir else 0)
+        train(plain)  # type: ignore[arg-type]
         dist.destroy_process_group()
     else:
         resilient.wrap(config=args.config, **overrides)(train)()  # (1) decorate
 
 
 class _Plain:
-    """Stand-in context for --plain: no tracking, no snapshots, no watchdog."""
+    """Stand-in context for --plain: no runtime. With --ckpt-dir it is the usual torchrun script:
+    every rank torch.saves (and fsyncs) what it tracks every N steps, and a (re)started worker
+    loads the newest step that every rank wrote."""
 
     generation = 0
     device = torch.device("cpu")
 
+    def __init__(self, ckpt_dir: Path | None = None, every: int = 0) -> None:
+        self.dir, self.every = ckpt_dir, every
+        self.objects: dict[str, object] = {}
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
     def track(self, **objects: object) -> None:
-        pass
+        self.objects.update(objects)
+
+    def _path(self, step: int, rank: int) -> Path:
+        assert self.dir is not None
+        return self.dir / f"plain-step{step:08d}-rank{rank}.pt"
 
     def steps(self, total: int) -> range:
-        return range(total)
+        start = 0
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            done = sorted({int(p.name[10:18]) for p in self.dir.glob("plain-step*-rank*.pt")}, reverse=True)
+            for step in done:
+                if all(self._path(step, r).exists() for r in range(self.world)):
+                    state = torch.load(self._path(step, self.rank), weights_only=False)
+                    for name, obj in self.objects.items():
+                        obj.load_state_dict(state[name])  # type: ignore[attr-defined]
+                    torch.set_rng_state(state["torch_rng"])
+                    start = step
+                    break
+        return range(start, total)
+
+    def completed(self, step: int) -> None:
+        nxt = step + 1
+        if self.dir is None or not self.every or nxt % self.every:
+            return
+        state = {name: obj.state_dict() for name, obj in self.objects.items()}  # type: ignore[attr-defined]
+        state["torch_rng"] = torch.get_rng_state()
+        tmp = self._path(nxt, self.rank).with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.rename(self._path(nxt, self.rank))
+
+
+def _progress(path: Path, step: int, rank: int, attempt: int) -> None:
+    line = json.dumps({"t": time.time(), "step": step, "rank": rank, "pid": os.getpid(), "attempt": attempt})
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())  # one write: lines of different ranks never interleave
+    finally:
+        os.close(fd)
 
 
 if __name__ == "__main__":

@@ -141,6 +141,11 @@ class Config(_Model):
     """Runtime configuration. Defaults live here; ``configs/default.yaml`` mirrors them."""
 
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    engine: Literal["resilient", "nvrx"] = Field(
+        "resilient",
+        description="who detects faults and restarts: this runtime, or NVRx's in-process Wrapper "
+        "(its monitor process, timeouts and restart barriers; our state restore and events)",
+    )
     hang_timeout: float = Field(60.0, gt=0, description="seconds without step progress → hang")
     collective_timeout: float | None = Field(
         None, gt=0, description="per-collective timeout; default 2 × hang_timeout (the watchdog fires first)"

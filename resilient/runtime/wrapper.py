@@ -66,11 +66,17 @@ def wrap(
         def run(*args: Any, **kwargs: Any) -> Any:
             global _current
             excepthook_exit_codes()
-            rt = Runtime(cfg, checks)
+            rt: Any
+            if cfg.engine == "nvrx":
+                from resilient.runtime.nvrx import NvrxRuntime
+
+                rt = NvrxRuntime(cfg, checks)
+            else:
+                rt = Runtime(cfg, checks)
 
             def entry() -> Any:
                 global _current
-                ctx = Context(rt)
+                ctx = Context(rt)  # (either engine: the same surface)
                 _current = ctx
                 return f(*args, ctx=ctx, **kwargs) if wants_ctx else f(*args, **kwargs)
 

@@ -1,0 +1,62 @@
+"""``engine: nvrx``: the same decorated example under NVRx's in-process Wrapper, real faults.
+
+NVRx detects and restarts; our snapshot ring restores the state. The final state must equal the
+fault-free run's (made by the native engine: the engines must not change what is computed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient.errors import ExitCode
+from tests.integration.conftest import assert_bit_exact, load_states, run_example
+
+pytest.importorskip("nvidia_resiliency_ext.inprocess")
+pytestmark = pytest.mark.integration
+
+
+def _check_same_processes_bit_exact(res, reference, tmp_path) -> None:
+    assert res.ok, res.describe()
+    states = load_states(tmp_path, 2)
+    for rank in range(2):
+        n = assert_bit_exact(reference[2][rank]["model"], states[rank]["model"], f"rank{rank}/model")
+        n += assert_bit_exact(reference[2][rank]["optimizer"], states[rank]["optimizer"], f"rank{rank}/opt")
+        assert n > 50
+        assert len({e["pid"] for e in res.events if e["rank"] == rank}) == 1  # recovered in-process
+    assert {e["engine"] for e in res.of("run_started")} == {"nvrx"}
+    assert len(res.of("step_resumed")) == 2
+
+
+def test_exception_recovers_bit_exact_under_nvrx(tmp_path, reference):
+    res = run_example(tmp_path, 2, "--engine", "nvrx", "--fault", "exception@9:1", "--hang-timeout", "3")
+    _check_same_processes_bit_exact(res, reference, tmp_path)
+    (primary,) = {(e["origin_rank"], e["kind"], e["origin_step"]) for e in res.of("fault_detected")}
+    assert primary == (1, "exception", 9)
+
+
+def test_sleep_hang_is_interrupted_in_process_under_nvrx(tmp_path, reference):
+    """NVRx's asynchronous exception alone never reaches a main thread in time.sleep(3600); the
+    engine's abort signals it so the exception is delivered."""
+    res = run_example(tmp_path, 2, "--engine", "nvrx", "--fault", "hang@7:0", "--hang-timeout", "2")
+    _check_same_processes_bit_exact(res, reference, tmp_path)
+    assert {e["kind"] for e in res.of("fault_detected")} == {"hang"}
+    assert all(e["since_fault_s"] < 10 for e in res.of("step_resumed"))
+
+
+def test_repeating_fault_stops_with_diagnosis_under_nvrx(tmp_path):
+    res = run_example(
+        tmp_path,
+        2,
+        "--engine",
+        "nvrx",
+        "--fault",
+        "exception@6:1x10",
+        "--max-repeats",
+        "3",
+        "--hang-timeout",
+        "3",
+    )
+    assert not res.timed_out, res.describe()
+    for r in res.ranks:
+        assert r.returncode == ExitCode.FATAL, res.describe()
+        assert "fault repeats at step 6: exception: InjectedFault" in r.stderr
+    assert len(res.of("run_failed")) == 2
