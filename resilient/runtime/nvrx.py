@@ -153,7 +153,7 @@ class NvrxRuntime:
     def _wrapper(self, inprocess: Any) -> Any:
         rt = self
 
-        class Unblock(inprocess.abort.Abort):  # type: ignore[misc,name-defined]
+        class Unblock(inprocess.abort.Abort):
             """Wake a main thread blocked in a gloo collective (destroying the group does not) or
             in a sleep (NVRx's asynchronous exception is only delivered when the main thread runs
             Python code: the interrupt signal's no-op handler is such code)."""
@@ -166,7 +166,7 @@ class NvrxRuntime:
                 rt._nudge()
                 return state
 
-        class Admit(inprocess.initialize.Initialize):  # type: ignore[misc,name-defined]
+        class Admit(inprocess.initialize.Initialize):
             """Our restart policy at the start of every restart iteration: a fault that repeats at
             the same step ends the run, diagnosed, instead of looping."""
 
@@ -180,7 +180,7 @@ class NvrxRuntime:
                         raise inprocess.exception.RestartAbort(str(e)) from e
                 return state
 
-        class Checks(inprocess.health_check.HealthCheck):  # type: ignore[misc,name-defined]
+        class Checks(inprocess.health_check.HealthCheck):
             def __call__(self, state: Any) -> Any:
                 if state.iteration > 0:
                     rt._check_health(state.iteration - 1)
@@ -216,7 +216,7 @@ class NvrxRuntime:
         self._install_interrupt()
         wrapped = self._wrapper(inprocess)
 
-        def attempt(call_wrapper=None):  # type: ignore[no-untyped-def]
+        def attempt(call_wrapper=None):
             return self._attempt(fn, call_wrapper)
 
         # NVRx passes its CallWrapper to the parameter annotated Optional[CallWrapper]; postponed
