@@ -52,9 +52,13 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PY)
 def bench(session: nox.Session) -> None:
-    """Recovery and overhead figures vs NVRx's in-process Wrapper (prints a table, writes JSON)."""
+    """Peers side by side in one run (benchmarks/suite.py): recovery per fault class under
+    resilient, NVRx (in-process Wrapper; ft_launcher) and torchrun + torch.save; goodput under one
+    seeded schedule; overhead; checkpoint blocking 64 MB-4 GB vs torch.save, DCP and NVRx async;
+    scaling to 8 ranks; the planner at 1k-16k GPUs. Table of ratios, suite.json, suite.png.
+    On a quiet machine: about 40 min."""
     _install(session)
-    session.run("python", "benchmarks/recovery.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    session.run("python", "benchmarks/suite.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session(python=PY)

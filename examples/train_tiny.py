@@ -10,6 +10,7 @@ Inject faults (kind@step[:rank], see chaos/inject.py):
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -183,7 +184,9 @@ def main() -> None:
             )
 
     if args.plain:  # the same loop with no runtime: the baseline, and torchrun's usual path
-        dist.init_process_group("gloo")
+        # the same collective timeout the runtime would use (2 × hang timeout), else torch's 30 min
+        ct = args.collective_timeout or (2 * args.hang_timeout if args.hang_timeout else 1800.0)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=ct))
         plain = _Plain(args.ckpt_dir, int(args.ckpt_every) if args.ckpt_dir else 0)
         train(plain)  # type: ignore[arg-type]
         dist.destroy_process_group()

@@ -155,6 +155,13 @@ class Runtime:
         ns = f"resilient/{self.run_id}/a{attempt}"
         self.coord = coord_mod.Coordinator(self.store, ns, self.rank, self.world_size, self.t.barrier)
         self.schedule = SnapshotSchedule(self.cfg.snapshot, self.rank, self.store, f"{ns}/snapshot_interval")
+        # under `resilient launch` the snapshot is also mirrored where it outlives the process; that
+        # copy costs more (shared memory, the store replica) and only a hard fault needs it, so it
+        # has its own cadence: the in-memory ring, which every soft fault restores from, is not
+        # thinned out by the mirror's cost
+        self.mirror_schedule = SnapshotSchedule(
+            self.cfg.snapshot, self.rank, self.store, f"{ns}/mirror_interval"
+        )
         self.monitor_store = coord_mod.client(self.store_host, self.store_port, self.t.barrier)
         self.listener_store = coord_mod.client(self.store_host, self.store_port, coord_mod.FOREVER)
         self.run_dir = self.cfg.events.dir / self.run_id
@@ -268,6 +275,7 @@ class Runtime:
                         steps_completed=self.cost.steps,
                         snapshots=self.cost.snapshots,
                         snapshot_interval=self.schedule.interval,
+                        mirror_interval=self.mirror_schedule.interval if self.shm is not None else None,
                         runtime_ms_per_step=1e3 * self.cost.hook_s / max(1, self.cost.steps),
                         monitor_wakeups=self.monitor.wakeups,
                         checkpoint_failures=self.persist.failures if self.persist else 0,
@@ -572,6 +580,7 @@ class Runtime:
             interval = self.cfg.checkpoint.interval
             self.persist.next_save = step + (interval if isinstance(interval, int) else 1)
         self.schedule.rebase(step)
+        self.mirror_schedule.rebase(step)
         self._ev.emit(
             Event.STATE_RESTORED, generation=0, step=step, objects=held, source=source,
             duration_s=time.time() - t0, world=self.world_size, **detail,
@@ -589,13 +598,21 @@ class Runtime:
             ev = Event.STEP_COMPLETED
             self._ev.emit(ev, generation=self.generation, step=step, step_s=step_s, log=False)
         nxt = step + 1
-        capture_s = None
-        if self.schedule.due(nxt, total):
+        capture_s = mirror_s = None
+        ring_due = self.schedule.due(nxt, total)
+        mirror_due = self.shm is not None and self.mirror_schedule.due(nxt, total)
+        if ring_due or mirror_due:
             state = self.registry.capture()
-            self.snapshots.capture(nxt, state)
-            self._mirror(nxt, state)
-            capture_s = time.monotonic() - now
+            if ring_due:
+                self.snapshots.capture(nxt, state)
+                capture_s = time.monotonic() - now
+            if mirror_due:
+                t_mirror = time.monotonic()
+                self._mirror(nxt, state)
+                mirror_s = time.monotonic() - t_mirror
         self.schedule.observe(nxt, step_s, capture_s)
+        if self.shm is not None:
+            self.mirror_schedule.observe(nxt, step_s, mirror_s)
         p = self.persist
         if p is not None:
             if p.due(nxt) or nxt == total:

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import datetime
 import gc
+import os
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -130,7 +132,12 @@ class NvrxRuntime:
         self.store = coord_mod.connect(self.ep, self.t.barrier)
         self.store_port = self.store.port
         self.run_id = coord_mod.agree_run_id(self.store)
-        self.ns = f"resilient/{self.run_id}/nvrx"
+        # the launch attempt: after a relaunch the agent's store still holds the dead attempt's keys
+        attempt = os.environ.get("RESILIENT_LAUNCH_ROUND") or os.environ.get(
+            "TORCHELASTIC_RESTART_COUNT", "0"
+        )
+        self.ns = f"resilient/{self.run_id}/nvrx/a{attempt}"
+        self.nvrx_port = self._nvrx_store_port()
         self.schedule = SnapshotSchedule(
             self.cfg.snapshot, self.rank, self.store, f"{self.ns}/snapshot_interval"
         )
@@ -149,6 +156,19 @@ class NvrxRuntime:
             collective_timeout=self.t.collective,
             engine="nvrx",
         )
+
+    def _nvrx_store_port(self) -> int:
+        """NVRx keeps its barriers and records in a store of its own, with no namespace for the
+        launch attempt: a relaunched job meeting the previous attempt's keys fails NVRx's initial
+        barrier. Each attempt gets a fresh NVRx store, hosted by rank 0 on a free port it posts."""
+        key = f"{self.ns}/nvrx_store_port"
+        if self.rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            self.store.set(key, str(port))
+            return port
+        return int(self.store.get(key))
 
     def _wrapper(self, inprocess: Any) -> Any:
         rt = self
@@ -195,7 +215,7 @@ class NvrxRuntime:
             store_factory=inprocess.store.TCPStore,
             store_kwargs={
                 "host_name": self.ep.host,
-                "port": self.store_port,
+                "port": self.nvrx_port,
                 "timeout": S(seconds=self.t.barrier),
             },
             initialize=initialize,
