@@ -200,9 +200,11 @@ def job(
         "faults": faults,
     }
     out["finished"] = rc == 0 and not timed_out and _done(out["progress"], nproc, steps)
-    if not out["finished"]:
+    if not out["finished"]:  # kept for inspection (launch.log, progress.jsonl, the checkpoints)
         out["log_tail"] = (d / "launch.log").read_text()[-3000:]
-    shutil.rmtree(d, ignore_errors=True)
+        out["dir"] = str(d)
+    else:
+        shutil.rmtree(d, ignore_errors=True)
     return out
 
 
@@ -211,23 +213,34 @@ def _done(progress: list[dict[str, Any]], nproc: int, steps: int) -> bool:
 
 
 def recoveries(run: dict[str, Any]) -> list[dict[str, float]]:
-    """Per fault: seconds until every rank completed a step again, and the steps run again."""
+    """Per fault: seconds until every rank completed a step again (``recover_s``), until every rank
+    was back at the step the fault interrupted (``catchup_s``: re-run steps included), and the
+    steps completed before the fault that had to be run again (``lost``)."""
     out = []
-    prog, n = run["progress"], run["nproc"]
+    prog, n, nan = run["progress"], run["nproc"], float("nan")
     for f in run["faults"]:
         t = f["ts"]
+        later = [x for x in prog if x["t"] > t]
         after = [
-            min((x for x in prog if x["rank"] == r and x["t"] > t), key=lambda x: x["t"], default=None)
-            for r in range(n)
+            min((x for x in later if x["rank"] == r), key=lambda x: x["t"], default=None) for r in range(n)
         ]
         if None in after:
-            out.append({"recover_s": float("nan"), "lost": float("nan"), "kind": f["kind"]})
+            out.append({"recover_s": nan, "catchup_s": nan, "lost": nan, "kind": f["kind"]})
             continue
         before = max((x["step"] for x in prog if x["t"] <= t), default=-1)
         resumed = min(a["step"] for a in after)  # type: ignore[index]
+        back = [
+            min((x["t"] for x in later if x["rank"] == r and x["step"] >= before), default=nan)
+            for r in range(n)
+        ]
         out.append(
-            {"recover_s": max(a["t"] for a in after) - t, "lost": before - resumed + 1, "kind": f["kind"]}
-        )  # type: ignore[index]
+            {
+                "recover_s": max(a["t"] for a in after) - t,  # type: ignore[index]
+                "catchup_s": max(back) - t,
+                "lost": before - resumed + 1,
+                "kind": f["kind"],
+            }
+        )
     return out
 
 
@@ -253,7 +266,7 @@ def phase_recovery(
     for kind in kinds:
         plan, kills = PLANS[kind]
         for engine in ENGINES:
-            rec, lost, failed = [], [], 0
+            rec, catchup, lost, failed = [], [], [], 0
             for _ in range(trials):
                 r = job(engine, nproc, 60, plan=plan, kills=kills)
                 got = recoveries(r)
@@ -264,11 +277,13 @@ def phase_recovery(
                     )
                     continue
                 rec.append(got[0]["recover_s"])
+                catchup.append(got[0]["catchup_s"])
                 lost.append(got[0]["lost"])
             res[f"{kind}/{engine}"] = {
                 "median_s": _median(rec),
                 "p99_s": _p99(rec),
                 "samples": rec,
+                "catchup_median_s": _median(catchup),
                 "steps_lost": _median(lost),
                 "failed": failed,
                 "trials": trials,
@@ -483,6 +498,10 @@ def table(results: dict[str, Any]) -> list[dict[str, Any]]:
                 )
             )
         for peer in ("nvrx", "torchrun"):
+            o = (rec.get(f"{kind}/resilient") or {}).get("catchup_median_s")
+            t = (rec.get(f"{kind}/{peer}") or {}).get("catchup_median_s")
+            rows.append(_row(f"{kind} → back at the step it hit (median s)", peer, o, t, lower_better=True))
+        for peer in ("nvrx", "torchrun"):
             o = (rec.get(f"{kind}/resilient") or {}).get("steps_lost")
             t = (rec.get(f"{kind}/{peer}") or {}).get("steps_lost")
             rows.append(_row(f"{kind}: steps run again (median)", peer, o, t, lower_better=True))
@@ -536,12 +555,14 @@ def table(results: dict[str, Any]) -> list[dict[str, Any]]:
                 _row(f"checkpoint {gb} GB: training blocked (s)", peer, ours, row.get(key), lower_better=True)
             )
         nv = row.get("nvrx_async", {})
+        # NVRx's async save on CPU moves the caller's tensors to shared memory and writes from the
+        # live tensors: not a snapshot. The caller must clone first for a consistent checkpoint.
         rows.append(
             _row(
                 f"checkpoint {gb} GB: training blocked (s)",
-                "nvrx async",
+                "nvrx async + clone",
                 ours,
-                nv.get("block_s"),
+                nv.get("cloned_block_s"),
                 lower_better=True,
                 note=nv.get("error"),
             )
@@ -647,9 +668,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         }
         for label, key in series.items():
             ax[0, 1].loglog(xs, [ckp[g].get(key) for g in gbs], "o-", label=label)
-        nv = [ckp[g].get("nvrx_async", {}).get("block_s") for g in gbs]
+        nv = [ckp[g].get("nvrx_async", {}).get("cloned_block_s") for g in gbs]
         if any(v is not None for v in nv):
-            ax[0, 1].loglog(xs, nv, "o-", label="NVRx async (blocked)")
+            ax[0, 1].loglog(xs, nv, "o-", label="NVRx async + clone (blocked)")
         ax[0, 1].set_xlabel("state (GB)")
         ax[0, 1].set_ylabel("s per save")
         ax[0, 1].set_title("checkpoint: time the training loop waits")

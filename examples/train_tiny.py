@@ -186,7 +186,17 @@ def main() -> None:
     if args.plain:  # the same loop with no runtime: the baseline, and torchrun's usual path
         # the same collective timeout the runtime would use (2 × hang timeout), else torch's 30 min
         ct = args.collective_timeout or (2 * args.hang_timeout if args.hang_timeout else 1800.0)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=ct))
+        timeout = datetime.timedelta(seconds=ct)
+        # torchrun --standalone keeps one store across restarts: plain init_process_group() of a
+        # relaunched job can read the dead attempt's gloo addresses (connectFullMesh to a closed
+        # port, measured). The keys of each launch attempt get their own prefix.
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        host = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, host, timeout=timeout
+        )
+        prefixed = dist.PrefixStore(f"plain/attempt{attempt}", store)
+        dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world, timeout=timeout)
         plain = _Plain(args.ckpt_dir, int(args.ckpt_every) if args.ckpt_dir else 0)
         train(plain)  # type: ignore[arg-type]
         dist.destroy_process_group()
