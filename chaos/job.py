@@ -49,6 +49,8 @@ class Job:
             command += ["--config", str(cwd / "runtime.yaml")]
         if command[0] in ("python", "python3", sys.executable):  # `resilient launch` runs python itself
             command = command[1:]
+        if j.command and not os.path.isabs(command[0]) and Path(command[0]).exists():
+            command = [str(Path(command[0]).resolve()), *command[1:]]  # the job runs in its own directory
         argv = [
             sys.executable, "-m", "resilient.cli", "launch", "--standalone",
             "--nproc-per-node", str(j.nproc), "--max-restarts", str(j.max_restarts),

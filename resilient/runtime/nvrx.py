@@ -22,8 +22,11 @@ gloo: NVRx's ``AbortTorchDistributed`` destroys the group, which does not wake a
 a gloo collective (torch 2.13). The abort here first shuts down the group's peer sockets (as the
 native engine does), so a blocked all-reduce fails at once instead of waiting out its timeout.
 
-Not wired under this engine: durable checkpoints (``checkpoint.dir``) and the per-step collective
-count check; configuring the first is an error that says so, the second is skipped.
+Not wired under this engine: durable checkpoints (``checkpoint.dir``; configuring it is an error
+that says so) and the shared-memory snapshot of ``resilient launch``: a hard fault restarts the
+job from step 0. The per-step collective count check runs as under the native engine; a rank left
+waiting in a collective its peer skipped is interrupted by NVRx's soft timeout and the fault is
+diagnosed as a desync from the counts.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -46,8 +50,10 @@ from loguru import logger
 from resilient.config import Config
 from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted, StateRestoreError
 from resilient.events import Event, EventLog
+from resilient.launcher.heartbeat import Heartbeat, die_with_launcher
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.fingerprint import CollectiveCount
 from resilient.runtime.health import Check, HealthInput, run_checks
 from resilient.runtime.pg import Group, build_group, resolve_backend
 from resilient.runtime.policy import RestartPolicy
@@ -113,6 +119,8 @@ class NvrxRuntime:
         self._resume_pending = False
         self._cw: Any = None
         self._chaos: Any = None
+        self.heartbeat: Heartbeat | None = None
+        self.fp: CollectiveCount | None = None  # this iteration's per-step collective counts
         self._t_step: float | None = None
         self._fault_step: int | None = None
         self._fault_ts = 0.0
@@ -144,6 +152,15 @@ class NvrxRuntime:
         self.run_dir = self.cfg.events.dir / self.run_id
         self.events = EventLog(self.run_dir / "events.jsonl", self.rank)
         self._chaos = _chaos_from_env()
+        if os.environ.get("RESILIENT_STEP_EVENTS") == "1":  # a certificate's timeline
+            events_cfg = self.cfg.events.model_copy(update={"steps": True})
+            self.cfg = self.cfg.model_copy(update={"events": events_cfg})
+        # under `resilient launch`: its agent watches this heartbeat (a stopped or GIL-bound
+        # process stops it; NVRx handles the Python-level hangs in-process meanwhile)
+        die_with_launcher()
+        self.heartbeat = Heartbeat.from_env()
+        if self.heartbeat is not None:
+            self.heartbeat.start(lambda: self.step)
         if self.backend == "nccl":
             torch.cuda.set_device(self.local_rank)
         self._ev.emit(
@@ -252,6 +269,7 @@ class NvrxRuntime:
             raise
         finally:
             self._close()
+        self._save_final_state()
         self._ev.emit(
             Event.RUN_FINISHED,
             generation=self.generation,
@@ -283,7 +301,17 @@ class NvrxRuntime:
 
         threading.Thread(target=repeat, name="resilient-nvrx-nudge", daemon=True).start()
 
+    def _save_final_state(self) -> None:
+        """``RESILIENT_FINAL_STATE=DIR``: as under the native engine (the certificate's bit-exact check)."""
+        out = os.environ.get("RESILIENT_FINAL_STATE")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            state = {k: v for k, v in self.registry.capture().items() if k != RNG}
+            torch.save(state, Path(out) / f"rank{self.rank}.pt")
+
     def _close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         if self._signal is not None:
             signal.signal(self._signal, signal.SIG_DFL)
         if self.group is not None:
@@ -313,6 +341,8 @@ class NvrxRuntime:
         )
         if it > 0:
             self._prepare_restore(it, t0)
+        if self.cfg.collective_check:
+            self.fp = CollectiveCount(self.store, f"{self.ns}/g{it}/fp", self.rank, self.world_size)
         self.registry.clear()
         self._restored = set()
         self._t_step = None
@@ -340,6 +370,12 @@ class NvrxRuntime:
         raw = self.store.get(key) if self.store.check([key]) else b""
         if raw:
             rec = FaultRecord.from_json(raw)
+        elif (why := self._diagnose()) is not None:  # waited in a collective a peer never issued
+            aborted = self._aborted[1] if self._aborted[0] == gen else time.time()
+            rec = FaultRecord(
+                rank=self.rank, generation=gen, step=self.step, kind=FaultKind.DESYNC.value,
+                severity=Severity.SOFT.value, signature="desync: collective count", message=why, ts=aborted,
+            )  # fmt: skip
         else:  # NVRx interrupted every rank before any raised: its progress timeout (a hang)
             aborted = self._aborted[1] if self._aborted[0] == gen else time.time()
             rec = FaultRecord(
@@ -349,6 +385,14 @@ class NvrxRuntime:
             )  # fmt: skip
         self._fault = rec
         return rec
+
+    def _diagnose(self) -> str | None:
+        if self.fp is None:
+            return None
+        try:
+            return self.fp.diagnose(self.store)
+        except Exception:  # no diagnosis: the fault stays a hang
+            return None
 
     def _check_health(self, gen: int) -> None:
         results = run_checks(HealthInput(self.rank, gen, self.store, self.cfg.health), self.extra_checks)
@@ -406,6 +450,8 @@ class NvrxRuntime:
         start = self._begin(total)
         for step in range(start, total):
             self.step = step
+            if self.fp is not None:
+                self.fp.begin(step)
             if self._chaos is not None:
                 for where in ("step", "before_collective"):
                     self._chaos.maybe_fire(self.rank, step, where, objects=self.registry.objects())
@@ -435,6 +481,8 @@ class NvrxRuntime:
         return step
 
     def _complete(self, step: int, total: int) -> None:
+        if self.fp is not None:  # every rank issued the same collectives, or nothing is captured
+            self.fp.check(step)
         if self._cw is not None:
             self._cw.ping()  # NVRx's progress timeout starts with the first ping of an iteration
         now = time.monotonic()

@@ -60,3 +60,13 @@ def test_repeating_fault_stops_with_diagnosis_under_nvrx(tmp_path):
         assert r.returncode == ExitCode.FATAL, res.describe()
         assert "fault repeats at step 6: exception: InjectedFault" in r.stderr
     assert len(res.of("run_failed")) == 2
+
+
+def test_skipped_gradient_sync_is_a_desync_never_a_silent_wrong_state_under_nvrx(tmp_path, reference):
+    """Rank 1 does not all-reduce step 9's gradients (a real skip). Its peer's all-reduce then
+    waits for one rank 1 never issues; NVRx's soft timeout interrupts both, the collective counts
+    name the fault, and the state restored is from before the skip: bit-exact."""
+    res = run_example(tmp_path, 2, "--engine", "nvrx", "--fault", "desync@9:1", "--hang-timeout", "2")
+    _check_same_processes_bit_exact(res, reference, tmp_path)
+    kinds = {e["kind"] for e in res.of("fault_detected")}
+    assert kinds == {"desync"}, res.of("fault_detected")
