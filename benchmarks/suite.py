@@ -99,7 +99,7 @@ def command(engine: str, nproc: int, work: list[str], ckpt: Path) -> list[str]:
         "--nproc-per-node",
         str(nproc),
         "--max-restarts",
-        "3",
+        "10",  # torchrun relaunches for every fault of a schedule (5 in the goodput run)
         "--monitor-interval",
         "0.1",
     ]
