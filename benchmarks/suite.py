@@ -604,6 +604,8 @@ def _row(
         theirs / ours if isinstance(ours, int | float) and isinstance(theirs, int | float) and ours else None
     )
     ahead = None if ratio is None else ratio >= 1 if lower_better else ratio <= 1
+    if ours == 0 and isinstance(theirs, int | float):  # e.g. no step run again: no ratio, still a verdict
+        ahead = theirs >= 0 if lower_better else theirs <= 0
     return {
         "figure": figure,
         "peer": peer,

@@ -45,3 +45,8 @@ def test_ratio_rows_say_who_is_ahead() -> None:
     assert suite._row("t", "p", 1.0, 3.0, lower_better=True)["ahead"] is True
     assert suite._row("g", "p", 0.9, 0.95, lower_better=False)["ahead"] is False
     assert suite._row("t", "p", None, 3.0, lower_better=True)["ahead"] is None
+
+
+def test_zero_is_ahead_of_any_count_without_a_ratio() -> None:
+    row = suite._row("steps run again", "p", 0, 5, lower_better=True)
+    assert row["ratio"] is None and row["ahead"] is True
