@@ -140,6 +140,8 @@ class NvrxRuntime:
         self.store = coord_mod.connect(self.ep, self.t.barrier)
         self.store_port = self.store.port
         self.run_id = coord_mod.agree_run_id(self.store)
+        # NVRx's monitor thread runs the abort: it gets a store connection of its own
+        self.monitor_store = coord_mod.client(self.ep.host, self.store_port, self.t.barrier)
         # the launch attempt: after a relaunch the agent's store still holds the dead attempt's keys
         attempt = os.environ.get("RESILIENT_LAUNCH_ROUND") or os.environ.get(
             "TORCHELASTIC_RESTART_COUNT", "0"
@@ -197,6 +199,7 @@ class NvrxRuntime:
 
             def __call__(self, state: Any) -> Any:
                 rt._aborted = (rt.generation, time.time())
+                rt._post_diagnosis()  # before the group is gone: it reads the group's sequence number
                 group = rt.group
                 if group is not None:
                     group.abort()
@@ -319,7 +322,7 @@ class NvrxRuntime:
             self.group = None
         if self.events is not None:
             self.events.close()
-        self.store = None  # type: ignore[assignment]
+        self.store = self.monitor_store = None  # type: ignore[assignment]
 
     def _attempt(self, fn: Callable[[], Any], cw: Any) -> Any:
         it = cw.iteration
@@ -370,12 +373,6 @@ class NvrxRuntime:
         raw = self.store.get(key) if self.store.check([key]) else b""
         if raw:
             rec = FaultRecord.from_json(raw)
-        elif (why := self._diagnose()) is not None:  # waited in a collective a peer never issued
-            aborted = self._aborted[1] if self._aborted[0] == gen else time.time()
-            rec = FaultRecord(
-                rank=self.rank, generation=gen, step=self.step, kind=FaultKind.DESYNC.value,
-                severity=Severity.SOFT.value, signature="desync: collective count", message=why, ts=aborted,
-            )  # fmt: skip
         else:  # NVRx interrupted every rank before any raised: its progress timeout (a hang)
             aborted = self._aborted[1] if self._aborted[0] == gen else time.time()
             rec = FaultRecord(
@@ -386,13 +383,23 @@ class NvrxRuntime:
         self._fault = rec
         return rec
 
-    def _diagnose(self) -> str | None:
-        if self.fp is None:
-            return None
+    def _post_diagnosis(self) -> None:
+        """From NVRx's monitor thread, at the abort: a rank waiting in a collective that its
+        neighbour finished the step without (fewer collectives counted) posts a desync record,
+        so every rank restarts knowing the cause instead of "no progress"."""
+        if self.fp is None or self._in_fn is None:
+            return
         try:
-            return self.fp.diagnose(self.store)
-        except Exception:  # no diagnosis: the fault stays a hang
-            return None
+            why = self.fp.diagnose(self.monitor_store)
+            if why is not None:
+                gen = self.generation
+                rec = FaultRecord(
+                    rank=self.rank, generation=gen, step=self.fp.step, kind=FaultKind.DESYNC.value,
+                    severity=Severity.SOFT.value, signature="desync: collective count", message=why,
+                )  # fmt: skip
+                self.monitor_store.compare_set(f"{self.ns}/g{gen}/fault", "", rec.to_json())
+        except Exception as e:  # no diagnosis: the fault stays a hang
+            logger.debug("rank {}: no desync diagnosis: {}", self.rank, e)
 
     def _check_health(self, gen: int) -> None:
         results = run_checks(HealthInput(self.rank, gen, self.store, self.cfg.health), self.extra_checks)
