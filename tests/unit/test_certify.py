@@ -145,3 +145,11 @@ def test_schedule_entries_become_in_process_plans() -> None:
     placed = stream.at_step(faults, 0.05)
     assert [(s, f.fault) for s, f in placed] == [(20, "stall"), (40, "oom")]
     assert [f.spec(s) for s, f in placed] == ["stall@20:0=30", "oom@40:1x2"]
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs" / "chaos").glob("*.yaml")))
+def test_every_shipped_chaos_config_validates(path: Path) -> None:
+    from chaos.schedule import load
+
+    cert = load(path)
+    assert cert.classes or cert.schedule or cert.stream is not None
