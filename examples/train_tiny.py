@@ -231,7 +231,7 @@ class _Plain:
             done = sorted({int(p.name[10:18]) for p in self.dir.glob("plain-step*-rank*.pt")}, reverse=True)
             for step in done:
                 if all(self._path(step, r).exists() for r in range(self.world)):
-                    state = torch.load(self._path(step, self.rank), weights_only=False)
+                    state = torch.load(self._path(step, self.rank), weights_only=True)
                     for name, obj in self.objects.items():
                         obj.load_state_dict(state[name])  # type: ignore[attr-defined]
                     torch.set_rng_state(state["torch_rng"])

@@ -53,6 +53,7 @@ from resilient.runtime.persist import Persistence
 from resilient.runtime.pg import Group, build_group, resolve_backend
 from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.schedule import SnapshotSchedule
+from resilient.runtime.tracking import Tracking
 from resilient.runtime.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
 from resilient.state import Registry, SnapshotRing
 from resilient.state.registry import RNG, restore_rng
@@ -83,7 +84,7 @@ class _Cost:
     hook_s: float = 0.0  # time in the per-step hook: progress, timer, snapshot copy
 
 
-class Runtime:
+class Runtime(Tracking):
     """Engine behind :func:`resilient.wrap`. Not thread-safe except where the monitor needs it."""
 
     def __init__(self, cfg: Config, checks: Sequence[Check] = ()) -> None:
@@ -457,18 +458,6 @@ class Runtime:
             raise HealthCheckFailed(f.name, f.value, f.detail)
 
     # -- user-facing hooks (called through Context) -----------------------------------------------
-    def track(self, objects: dict[str, Any]) -> None:
-        for name, obj in objects.items():
-            self.registry.add(name, obj)
-            if self._restore_state is not None:
-                if name not in self._restore_state:
-                    raise StateRestoreError(
-                        f"{name!r} is tracked now but was not in the snapshot of step {self.restore_step} "
-                        f"(snapshot holds {sorted(k for k in self._restore_state if k != RNG)})"
-                    )
-                self.registry.load(name, self._restore_state[name])
-                self._restored.add(name)
-
     def steps(self, total: int) -> Iterator[int]:
         start = self._begin_steps(total)
         for step in range(start, total):
@@ -515,16 +504,6 @@ class Runtime:
         self._restore_state = None
         self.step = step
         return step
-
-    def _save_final_state(self) -> None:
-        """``RESILIENT_FINAL_STATE=DIR``: every tracked object's final state → DIR/rank<R>.pt (a
-        certificate compares it with a fault-free run's, bit for bit)."""
-        out = os.environ.get("RESILIENT_FINAL_STATE")
-        if not out:
-            return
-        Path(out).mkdir(parents=True, exist_ok=True)
-        state = {k: v for k, v in self.registry.capture().items() if k != RNG}
-        torch.save(state, Path(out) / f"rank{self.rank}.pt")
 
     def _mirror(self, step: int, state: dict[str, Any]) -> None:
         """Under ``resilient launch``: the snapshot also goes where it outlives this process (this

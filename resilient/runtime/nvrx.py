@@ -40,7 +40,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -58,6 +57,7 @@ from resilient.runtime.health import Check, HealthInput, run_checks
 from resilient.runtime.pg import Group, build_group, resolve_backend
 from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.schedule import SnapshotSchedule
+from resilient.runtime.tracking import Tracking
 from resilient.state import Registry, SnapshotRing
 from resilient.state.registry import RNG, restore_rng
 
@@ -88,7 +88,7 @@ def wrapper_kwargs(cfg: Config) -> dict[str, Any]:
     }
 
 
-class NvrxRuntime:
+class NvrxRuntime(Tracking):
     """Engine behind ``resilient.wrap(engine="nvrx")``; the same surface :class:`Context` uses."""
 
     def __init__(self, cfg: Config, checks: Sequence[Check] = ()) -> None:
@@ -304,14 +304,6 @@ class NvrxRuntime:
 
         threading.Thread(target=repeat, name="resilient-nvrx-nudge", daemon=True).start()
 
-    def _save_final_state(self) -> None:
-        """``RESILIENT_FINAL_STATE=DIR``: as under the native engine (the certificate's bit-exact check)."""
-        out = os.environ.get("RESILIENT_FINAL_STATE")
-        if out:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            state = {k: v for k, v in self.registry.capture().items() if k != RNG}
-            torch.save(state, Path(out) / f"rank{self.rank}.pt")
-
     def _close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.close()
@@ -442,17 +434,6 @@ class NvrxRuntime:
         self._resume_pending = True
 
     # -- what Context calls -----------------------------------------------------------------------
-    def track(self, objects: dict[str, Any]) -> None:
-        for name, obj in objects.items():
-            self.registry.add(name, obj)
-            if self._restore_state is not None:
-                if name not in self._restore_state:
-                    raise StateRestoreError(
-                        f"{name!r} is tracked now but was not in the snapshot of step {self.restore_step}"
-                    )
-                self.registry.load(name, self._restore_state[name])
-                self._restored.add(name)
-
     def steps(self, total: int) -> Iterator[int]:
         start = self._begin(total)
         for step in range(start, total):
