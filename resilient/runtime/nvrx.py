@@ -264,6 +264,15 @@ class NvrxRuntime(Tracking):
         attempt.__annotations__ = {"call_wrapper": Optional[inprocess.CallWrapper]}  # noqa: UP045
         try:
             result = wrapped(attempt)()
+            self._save_final_state()
+            self._ev.emit(
+                Event.RUN_FINISHED,
+                generation=self.generation,
+                step=self.step,
+                snapshot_interval=self.schedule.interval,
+                engine="nvrx",
+            )
+            return result
         except BaseException as e:
             err = self._verdict or e
             self._ev.emit(Event.RUN_FAILED, generation=self.generation, step=self.step, error=str(err))
@@ -271,16 +280,7 @@ class NvrxRuntime(Tracking):
                 raise self._verdict from e
             raise
         finally:
-            self._close()
-        self._save_final_state()
-        self._ev.emit(
-            Event.RUN_FINISHED,
-            generation=self.generation,
-            step=self.step,
-            snapshot_interval=self.schedule.interval,
-            engine="nvrx",
-        )
-        return result
+            self._close()  # the event log last: run_finished / run_failed are written first
 
     def _install_interrupt(self) -> None:
         if threading.current_thread() is threading.main_thread():

@@ -23,6 +23,7 @@ def _check_same_processes_bit_exact(res, reference, tmp_path) -> None:
         assert n > 50
         assert len({e["pid"] for e in res.events if e["rank"] == rank}) == 1  # recovered in-process
     assert {e["engine"] for e in res.of("run_started")} == {"nvrx"}
+    assert len(res.of("run_finished")) == 2  # in the event log, not only in the process's log
     assert len(res.of("step_resumed")) == 2
 
 
