@@ -31,6 +31,7 @@ diagnosed as a desync from the counts.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -349,6 +350,8 @@ class NvrxRuntime(Tracking):
             # a fault of its own, not NVRx's interrupt nor what the abort did to this rank
             if type(exc).__name__ != "RankShouldRestart" and self._aborted[0] != it:
                 rec = FaultRecord.from_exception(exc, rank=self.rank, generation=it, step=self.step)
+                if rec.kind == FaultKind.COLLECTIVE.value:  # timed out waiting for a skipped one?
+                    rec = self._desync(self.store) or rec
                 self.store.compare_set(f"{self.ns}/g{it}/fault", "", rec.to_json())
             traceback.clear_frames(exc.__traceback__)
             raise
@@ -379,19 +382,29 @@ class NvrxRuntime(Tracking):
         """From NVRx's monitor thread, at the abort: a rank waiting in a collective that its
         neighbour finished the step without (fewer collectives counted) posts a desync record,
         so every rank restarts knowing the cause instead of "no progress"."""
-        if self.fp is None or self._in_fn is None:
+        if self._in_fn is None:
             return
+        rec = self._desync(self.monitor_store)
+        if rec is not None:
+            with contextlib.suppress(Exception):
+                self.monitor_store.compare_set(f"{self.ns}/g{rec.generation}/fault", "", rec.to_json())
+
+    def _desync(self, store: dist.Store) -> FaultRecord | None:
+        """A desync record if this rank waits in a collective its neighbour finished the step
+        without (fewer collectives counted), else None. Needs the group: before the abort."""
+        if self.fp is None:
+            return None
         try:
-            why = self.fp.diagnose(self.monitor_store)
-            if why is not None:
-                gen = self.generation
-                rec = FaultRecord(
-                    rank=self.rank, generation=gen, step=self.fp.step, kind=FaultKind.DESYNC.value,
-                    severity=Severity.SOFT.value, signature="desync: collective count", message=why,
-                )  # fmt: skip
-                self.monitor_store.compare_set(f"{self.ns}/g{gen}/fault", "", rec.to_json())
-        except Exception as e:  # no diagnosis: the fault stays a hang
+            why = self.fp.diagnose(store)
+        except Exception as e:  # no diagnosis: the fault stays what it looked like
             logger.debug("rank {}: no desync diagnosis: {}", self.rank, e)
+            return None
+        if why is None:
+            return None
+        return FaultRecord(
+            rank=self.rank, generation=self.generation, step=self.fp.step, kind=FaultKind.DESYNC.value,
+            severity=Severity.SOFT.value, signature="desync: collective count", message=why,
+        )  # fmt: skip
 
     def _check_health(self, gen: int) -> None:
         results = run_checks(HealthInput(self.rank, gen, self.store, self.cfg.health), self.extra_checks)

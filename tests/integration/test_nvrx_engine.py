@@ -63,11 +63,19 @@ def test_repeating_fault_stops_with_diagnosis_under_nvrx(tmp_path):
     assert len(res.of("run_failed")) == 2
 
 
-def test_skipped_gradient_sync_is_a_desync_never_a_silent_wrong_state_under_nvrx(tmp_path, reference):
+@pytest.mark.parametrize(
+    "timeouts",
+    [("--hang-timeout", "2"), ("--hang-timeout", "3", "--collective-timeout", "1")],
+    ids=["nvrx-soft-timeout-first", "gloo-timeout-first"],
+)
+def test_skipped_gradient_sync_is_a_desync_never_a_silent_wrong_state_under_nvrx(
+    tmp_path, reference, timeouts
+):
     """Rank 1 does not all-reduce step 9's gradients (a real skip). Its peer's all-reduce then
-    waits for one rank 1 never issues; NVRx's soft timeout interrupts both, the collective counts
-    name the fault, and the state restored is from before the skip: bit-exact."""
-    res = run_example(tmp_path, 2, "--engine", "nvrx", "--fault", "desync@9:1", "--hang-timeout", "2")
+    waits for one rank 1 never issues, until NVRx's soft timeout interrupts both or the gloo
+    timeout ends it (whichever comes first); either way the collective counts name the fault, and
+    the state restored is from before the skip: bit-exact."""
+    res = run_example(tmp_path, 2, "--engine", "nvrx", "--fault", "desync@9:1", *timeouts)
     _check_same_processes_bit_exact(res, reference, tmp_path)
     kinds = {e["kind"] for e in res.of("fault_detected")}
     assert kinds == {"desync"}, res.of("fault_detected")
