@@ -486,24 +486,7 @@ class Runtime(Tracking):
             self.snapshots.capture(start, state)
             self._mirror(start, state)
             return start
-        missing = [n for n in self._restore_state if n != RNG and n not in self._restored]
-        if missing:
-            raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
-        restore_rng(self._restore_state[RNG])
-        step = self.restore_step
-        assert step is not None
-        self._ev.emit(
-            Event.STATE_RESTORED,
-            generation=self.generation,
-            step=step,
-            objects=sorted(self._restored),
-            steps_rerun=(self._fault_step or step) - step,
-            snapshot_interval=self.schedule.interval,
-            since_fault_s=time.time() - (self._fault_ts or time.time()),
-        )
-        self._restore_state = None
-        self.step = step
-        return step
+        return self._resume_restored(snapshot_interval=self.schedule.interval)
 
     def _mirror(self, step: int, state: dict[str, Any]) -> None:
         """Under ``resilient launch``: the snapshot also goes where it outlives this process (this

@@ -60,7 +60,6 @@ from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.schedule import SnapshotSchedule
 from resilient.runtime.tracking import Tracking
 from resilient.state import Registry, SnapshotRing
-from resilient.state.registry import RNG, restore_rng
 
 S = datetime.timedelta
 
@@ -274,7 +273,7 @@ class NvrxRuntime(Tracking):
                 engine="nvrx",
             )
             return result
-        except BaseException as e:
+        except BaseException as e:  # NVRx's RestartAbort is one; recorded, then raised on
             err = self._verdict or e
             self._ev.emit(Event.RUN_FAILED, generation=self.generation, step=self.step, error=str(err))
             if self._verdict is not None:
@@ -345,7 +344,7 @@ class NvrxRuntime(Tracking):
         self._in_fn = it
         try:
             return fn()
-        except BaseException as exc:
+        except BaseException as exc:  # NVRx's interrupt (RankShouldRestart) is one; always re-raised
             self._in_fn = None
             # a fault of its own, not NVRx's interrupt nor what the abort did to this rank
             if type(exc).__name__ != "RankShouldRestart" and self._aborted[0] != it:
@@ -463,23 +462,7 @@ class NvrxRuntime(Tracking):
         if self._restore_state is None:
             self.snapshots.capture(0, self.registry.capture())
             return 0
-        missing = [n for n in self._restore_state if n != RNG and n not in self._restored]
-        if missing:
-            raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
-        restore_rng(self._restore_state[RNG])
-        step = self.restore_step
-        assert step is not None
-        self._ev.emit(
-            Event.STATE_RESTORED,
-            generation=self.generation,
-            step=step,
-            objects=sorted(self._restored),
-            steps_rerun=(self._fault_step if self._fault_step is not None else step) - step,
-            since_fault_s=time.time() - self._fault_ts,
-        )
-        self._restore_state = None
-        self.step = step
-        return step
+        return self._resume_restored()
 
     def _complete(self, step: int, total: int) -> None:
         if self.fp is not None:  # every rank issued the same collectives, or nothing is captured
@@ -505,7 +488,7 @@ class NvrxRuntime(Tracking):
                 Event.STEP_RESUMED,
                 generation=self.generation,
                 step=step,
-                since_fault_s=time.time() - self._fault_ts,
+                since_fault_s=time.time() - (self._fault_ts or time.time()),
             )
             logger.info(
                 "rank {}: resumed under NVRx at step {} (iteration {})", self.rank, step, self.generation
