@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     stream.add_argument("--out", type=Path, default=Path("chaos_stream"))
     stream.add_argument("--faults", type=int, default=None, help="override the stream's fault count")
     args = p.parse_args(argv)
+    if hasattr(args, "out"):
+        # every job runs with its own directory as cwd: a relative --out would be resolved twice
+        args.out = args.out.resolve()
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C: every finally block runs, so the jobs,
     # network namespaces and cgroups a run made are removed
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from chaos.hooks import Var
 from chaos.netns import ENV as NETNS_ENV
 from chaos.netns import VethLink
 from chaos.schedule import Certification
@@ -35,6 +36,7 @@ class Job:
         link: VethLink | None = None,
     ) -> None:
         j = cert.job
+        cwd = cwd.resolve()  # the job runs inside it: paths handed to it must not be relative to it
         cwd.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
         command = j.command or [
@@ -60,15 +62,15 @@ class Job:
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        # the runtime fires the fault itself (any wrapped script, unchanged), writes a step_completed
-        # event per step and the final tracked state, which the certificate compares bit for bit
-        env["CHAOS_INJECTIONS"] = str(cwd / "injections.jsonl")
-        env["RESILIENT_STEP_EVENTS"] = "1"
-        env["RESILIENT_FINAL_STATE"] = str(cwd / "state")
+        # the harness's step hook (chaos/hooks.py) fires the fault inside the step (any wrapped
+        # script, unchanged), logs every step and dumps the final state the certificate compares
+        env[Var.INJECTIONS] = str(cwd / "injections.jsonl")
+        env[Var.STEP_EVENTS] = "1"
+        env[Var.FINAL_STATE] = str(cwd / "state")
         if plan:  # attempt None: every launch fires the plan's faults it reaches
-            env["RESILIENT_CHAOS"] = plan
+            env[Var.PLAN] = plan
             if attempt is not None:
-                env["RESILIENT_CHAOS_ATTEMPT"] = attempt
+                env[Var.PLAN_ATTEMPT] = attempt
         env.pop("RESILIENT_RUN_ID", None)
         if link is not None:  # every rank starts through chaos.netns; the target one enters the netns
             env[NETNS_ENV] = link.env()
