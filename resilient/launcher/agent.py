@@ -44,8 +44,10 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from resilient.backoff import Backoff
 from resilient.errors import ExitCode
 from resilient.events import Event, EventLog
+from resilient.launch_env import Var
 from resilient.launcher.heartbeat import beat_path, read_beat, unhealthy_path
 
 _STOP_CODES = {int(ExitCode.FATAL): "fatal", int(ExitCode.REQUEUE): "requeue"}
@@ -94,7 +96,6 @@ def describe_exit(exitcode: int, pid: int, oom_before: int | None, oom_after: in
     return f"killed by {name}"
 
 
-ENV_ROUND = "RESILIENT_LAUNCH_ROUND"
 
 
 def _rdzv_state(handler: Any) -> Any:
@@ -224,7 +225,7 @@ class ResilientAgent(LocalElasticAgent):
         # checkpoint directories are named after it, so all ranks of a launch agree.
         round_no = _rendezvous_round(worker_group)
         if round_no is not None:
-            os.environ[ENV_ROUND] = str(round_no)  # inherited by the workers started now
+            os.environ[Var.LAUNCH_ROUND] = str(round_no)  # inherited by the workers started now
         pids = super()._start_workers(worker_group)
         self._started = time.monotonic()
         if self.forward_signals is not None:  # starting workers installed torch's own SIGTERM handler
@@ -236,11 +237,7 @@ class ResilientAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._restarts += 1
-        delay = (
-            0.0
-            if self._restarts == 1
-            else min(self.backoff_max_s, self.backoff_initial_s * 2 ** (self._restarts - 2))
-        )
+        delay = Backoff(self.backoff_initial_s, self.backoff_max_s).delay(self._restarts)
         if delay > 0:
             time.sleep(delay)  # exponential backoff between quick relaunches (bounded)
         super()._restart_workers(worker_group)

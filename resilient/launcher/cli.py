@@ -31,8 +31,8 @@ from torch.distributed.run import config_from_args, get_args_parser, parse_min_m
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import ExitCode
 from resilient.events import EventLog
+from resilient.launch_env import Var
 from resilient.launcher.agent import ResilientAgent, leave_rendezvous
-from resilient.launcher.heartbeat import ENV_DIR, ENV_INTERVAL, ENV_LAUNCHER_PID
 
 
 def parser() -> Any:
@@ -111,13 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     if not config.run_id or config.run_id == "none":
         config.run_id = uuid.uuid4().hex[:12]
     hb_dir = Path("/dev/shm") / f"resilient-hb-{config.run_id}-{os.getpid()}"
-    os.environ[ENV_DIR] = str(hb_dir)  # inherited by the workers
-    os.environ[ENV_LAUNCHER_PID] = str(os.getpid())  # workers die with the launcher (PDEATHSIG)
-    os.environ[ENV_INTERVAL] = str(max(0.05, min(1.0, args.heartbeat_timeout / 5)))
-    os.environ["RESILIENT_RUN_ID"] = config.run_id
-    os.environ["RESILIENT_PREEMPT_SIGNALS"] = "SIGUSR1"  # SIGTERM from the agent means "stop now"
+    os.environ[Var.HEARTBEAT_DIR] = str(hb_dir)  # inherited by the workers
+    os.environ[Var.LAUNCHER_PID] = str(os.getpid())  # workers die with the launcher (PDEATHSIG)
+    os.environ[Var.HEARTBEAT_INTERVAL] = str(max(0.05, min(1.0, args.heartbeat_timeout / 5)))
+    os.environ[Var.RUN_ID] = config.run_id
+    os.environ[Var.PREEMPT_SIGNALS] = "SIGUSR1"  # SIGTERM from the agent means "stop now"
     shm_name = f"{config.run_id}-{os.getpid()}"
-    os.environ["RESILIENT_SHM_NAME"] = shm_name  # workers snapshot there; kept across relaunches
+    os.environ[Var.SHM_NAME] = shm_name  # workers snapshot there; kept across relaunches
     events = EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1)
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend,

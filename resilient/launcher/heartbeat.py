@@ -17,21 +17,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ENV_DIR = "RESILIENT_HEARTBEAT_DIR"
-ENV_INTERVAL = "RESILIENT_HEARTBEAT_INTERVAL"
+from resilient.launch_env import LaunchEnv
+
 _FMT = struct.Struct("<qq")  # monotonic ns of the last beat, step
 
 
-ENV_LAUNCHER_PID = "RESILIENT_LAUNCHER_PID"
-
-
-def die_with_launcher() -> None:
+def die_with_launcher(launcher: int | None) -> None:
     """Under ``resilient launch``: have the kernel SIGKILL this worker when the launcher dies.
 
     torch's agent starts workers in sessions of their own, so a launcher killed with SIGKILL (no
     chance to stop them) would leave them running, holding the node's GPUs and ports."""
-    launcher = os.environ.get(ENV_LAUNCHER_PID)
-    if not launcher or not sys.platform.startswith("linux"):
+    if launcher is None or not sys.platform.startswith("linux"):
         return
     import ctypes
     import signal
@@ -39,7 +35,7 @@ def die_with_launcher() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     pr_set_pdeathsig = 1
     libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != int(launcher):  # the launcher died before the request took effect
+    if os.getppid() != launcher:  # the launcher died before the request took effect
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -55,7 +51,8 @@ def unhealthy_path(directory: Path, local_rank: int) -> Path:
 class Heartbeat:
     """Worker side: ``beat(step)`` after every completed step (and once at start)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, interval: float = 1.0) -> None:
+        self.interval = interval
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -65,12 +62,11 @@ class Heartbeat:
             os.close(fd)
 
     @classmethod
-    def from_env(cls) -> Heartbeat | None:
-        """The heartbeat the launcher asked for (``RESILIENT_HEARTBEAT_DIR`` + ``LOCAL_RANK``), if any."""
-        directory = os.environ.get(ENV_DIR)
-        if not directory:
+    def for_worker(cls, launch: LaunchEnv) -> Heartbeat | None:
+        """The heartbeat the launcher asked for (its directory, this local rank's file), if any."""
+        if launch.heartbeat_dir is None:
             return None
-        return cls(beat_path(Path(directory), int(os.environ.get("LOCAL_RANK", "0"))))
+        return cls(beat_path(launch.heartbeat_dir, launch.endpoint.local_rank), launch.heartbeat_interval)
 
     def beat(self, step: int) -> None:
         _FMT.pack_into(self._mm, 0, time.monotonic_ns(), step)
@@ -79,7 +75,7 @@ class Heartbeat:
         """Beat from a daemon thread every ``interval`` s. A thread, not the step loop: a Python-level
         hang in the main thread is the runtime's soft fault to recover in-process, and the beats must
         go on meanwhile; a process that is stopped or holds the GIL stops them, which is the point."""
-        every = interval or float(os.environ.get(ENV_INTERVAL, "1.0"))
+        every = interval or self.interval
         self._halt = threading.Event()
 
         def run() -> None:

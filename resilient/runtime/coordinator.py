@@ -16,14 +16,14 @@ A ``release`` value other than ``ok`` aborts the barrier with the reason it carr
 from __future__ import annotations
 
 import json
-import os
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from resilient.errors import CoordinationError, PeerAborted
+from resilient.launch_env import Endpoint, LaunchEnv
 from resilient.runtime.faults import FaultRecord
 
 OK = "ok"
@@ -31,34 +31,9 @@ CLOSED = "__closed__"  # written to a generation's fault key once every rank fin
 FOREVER = 365 * 24 * 3600.0  # store-client timeout for a thread that blocks until a fault arrives
 
 
-@dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
-    rank: int
-    world_size: int
-    local_rank: int
-    hosts_store: bool
-
-
-def endpoint_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> Endpoint:
+def endpoint_from_env(environ: Mapping[str, str] | None = None) -> Endpoint:
     """Where the store is and who we are, from torchrun's env:// variables (or a single process)."""
-    rank = int(environ.get("RANK", "0"))
-    world = int(environ.get("WORLD_SIZE", "1"))
-    local_rank = int(environ.get("LOCAL_RANK", str(rank)))
-    if not 0 <= rank < world:
-        raise CoordinationError(f"RANK={rank} is outside WORLD_SIZE={world}")
-    host = environ.get("MASTER_ADDR") or None
-    port = environ.get("MASTER_PORT") or None
-    if host is None or port is None:
-        if world > 1:
-            raise CoordinationError(
-                f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun "
-                "or `resilient launch`"
-            )
-        return Endpoint("127.0.0.1", 0, 0, 1, 0, True)
-    agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return Endpoint(host, int(port), rank, world, local_rank, hosts_store=(rank == 0 and not agent_store))
+    return LaunchEnv.from_environ(environ).endpoint
 
 
 def connect(ep: Endpoint, timeout: float) -> dist.TCPStore:
@@ -82,12 +57,11 @@ def client(host: str, port: int, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def agree_run_id(store: dist.Store, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+def agree_run_id(store: dist.Store, environ: Mapping[str, str] | None = None) -> str:
     """The run id: RESILIENT_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID, else one rank 0's choice."""
-    for var in ("RESILIENT_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        v = environ.get(var)
-        if v and v != "none":
-            return v
+    named = LaunchEnv.from_environ(environ).run_id
+    if named is not None:
+        return named
     proposal = uuid.uuid4().hex[:12]
     return store.compare_set("resilient/run_id", "", proposal).decode()
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -44,9 +43,12 @@ class Persistence:
         token: str,
         events: EventLog,
         exchange: Callable[[str, str], list[str]],
+        signals: tuple[str, ...] | None = None,
     ) -> None:
         assert cfg.dir is not None
         self.cfg = cfg
+        # `resilient launch` stops workers with SIGTERM and forwards preemption as SIGUSR1
+        self.signals = signals
         self.rank = rank
         self.events = events
         self._exchange = exchange  # (name, payload) -> every rank's payload, through the store
@@ -79,13 +81,7 @@ class Persistence:
 
     # ---- preemption signals ------------------------------------------------------------------
     def install(self) -> None:
-        # `resilient launch` stops workers with SIGTERM and forwards preemption as SIGUSR1
-        names = (
-            os.environ.get("RESILIENT_PREEMPT_SIGNALS", "").split(",")
-            if os.environ.get("RESILIENT_PREEMPT_SIGNALS")
-            else self.cfg.preempt_signals
-        )
-        for name in names:
+        for name in self.signals or self.cfg.preempt_signals:
             signum = getattr(signal, name)
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
 

@@ -14,8 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 
-import tenacity
-
+from resilient.backoff import Backoff
 from resilient.config import RestartConfig
 from resilient.errors import FaultRepeats, RestartBudgetExhausted
 from resilient.runtime.faults import FaultRecord
@@ -35,9 +34,7 @@ class RestartPolicy:
         self._rng = rng or random.Random()
         self._restarts: deque[float] = deque()
         self.history: list[FaultRecord] = []
-        # tenacity's jitter draws from the global ``random`` module, which belongs to the user's
-        # (tracked, restored) RNG state; the exponential part comes from tenacity, the jitter from ours.
-        self._wait = tenacity.wait_exponential(multiplier=cfg.backoff_initial_s, max=cfg.backoff_max_s)
+        self._backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
 
     def _repeat_count(self, fault: FaultRecord) -> int:
         n = 0
@@ -69,11 +66,5 @@ class RestartPolicy:
                 f"(max_restarts={self.cfg.max_restarts}); last fault at step {fault.step}: {fault.signature}",
                 hist,
             )
-        quick = len(self._restarts)  # restarts still inside the window
         self._restarts.append(now)
-        if quick == 0:
-            return 0.0
-        state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
-        state.attempt_number = quick
-        delay = float(self._wait(state)) + self._rng.uniform(0, self.cfg.backoff_initial_s)
-        return min(delay, self.cfg.backoff_max_s)
+        return self._backoff.delay(len(self._restarts), self._rng)  # n-th restart inside the window

@@ -1,0 +1,124 @@
+"""The launch contract: every environment variable a launcher hands a worker, named once, read once.
+
+``torchrun`` sets the ``env://`` variables (rank, world, store address, restart count);
+``resilient launch`` adds its own (heartbeat files, the shared-memory snapshot, the launch round,
+the preemption signals). The runtime reads them through :meth:`LaunchEnv.from_environ` at start-up
+and nowhere else; the launcher writes them through :class:`Var`, so a name cannot drift between
+the two sides.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from resilient.errors import CoordinationError
+
+
+class Var(str, enum.Enum):
+    """Names of the contract's variables (``str`` values: usable as ``os.environ[Var.X]``)."""
+
+    # torchrun's env:// rendezvous
+    RANK = "RANK"
+    WORLD_SIZE = "WORLD_SIZE"
+    LOCAL_RANK = "LOCAL_RANK"
+    MASTER_ADDR = "MASTER_ADDR"
+    MASTER_PORT = "MASTER_PORT"
+    USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+    RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+    ELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+    # resilient launch
+    RUN_ID = "RESILIENT_RUN_ID"
+    LAUNCH_ROUND = "RESILIENT_LAUNCH_ROUND"
+    SHM_NAME = "RESILIENT_SHM_NAME"
+    HEARTBEAT_DIR = "RESILIENT_HEARTBEAT_DIR"
+    HEARTBEAT_INTERVAL = "RESILIENT_HEARTBEAT_INTERVAL"
+    LAUNCHER_PID = "RESILIENT_LAUNCHER_PID"
+    PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the job's store is, and who this process is in the job."""
+
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    local_rank: int
+    hosts_store: bool
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this worker. A plain ``python train.py`` is a world of one."""
+
+    endpoint: Endpoint
+    run_id: str | None  # agreed over the store when neither launcher names one
+    attempt: str  # the launch attempt: every rank of one attempt has the same value
+    restart_count: int  # torchrun's relaunch counter on this node
+    shm_name: str | None  # `resilient launch`: the snapshot mirror it keeps across relaunches
+    heartbeat_dir: Path | None  # `resilient launch`: where the agent reads this worker's beats
+    heartbeat_interval: float
+    launcher_pid: int | None  # `resilient launch`: this worker dies with it
+    preempt_signals: tuple[str, ...] | None  # None: the checkpoint config's own list
+
+    @property
+    def under_launcher(self) -> bool:
+        """Started by ``resilient launch`` (which keeps a snapshot mirror and watches heartbeats)."""
+        return self.shm_name is not None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
+        env = os.environ if environ is None else environ
+
+        def get(var: Var) -> str | None:
+            v = env.get(var.value)
+            return v if v not in (None, "") else None
+
+        try:
+            rank = int(get(Var.RANK) or 0)
+            world = int(get(Var.WORLD_SIZE) or 1)
+            local_rank = int(get(Var.LOCAL_RANK) or rank)
+            restart_count = int(get(Var.RESTART_COUNT) or 0)
+            interval = float(get(Var.HEARTBEAT_INTERVAL) or 1.0)
+            launcher = get(Var.LAUNCHER_PID)
+            launcher_pid = int(launcher) if launcher else None
+        except ValueError as e:
+            raise CoordinationError(f"malformed launch environment: {e}") from e
+        if not 0 <= rank < world:
+            raise CoordinationError(f"{Var.RANK}={rank} is outside {Var.WORLD_SIZE}={world}")
+        host, port = get(Var.MASTER_ADDR), get(Var.MASTER_PORT)
+        if host is None or port is None:
+            if world > 1:
+                raise CoordinationError(
+                    f"{Var.WORLD_SIZE}={world} but {Var.MASTER_ADDR}/{Var.MASTER_PORT} are not set; "
+                    "launch with torchrun or `resilient launch`"
+                )
+            ep = Endpoint("127.0.0.1", 0, 0, 1, 0, True)
+        else:
+            agent_store = (get(Var.USE_AGENT_STORE) or "").lower() == "true"
+            hosts = rank == 0 and not agent_store
+            ep = Endpoint(host, int(port), rank, world, local_rank, hosts_store=hosts)
+        run_id = get(Var.RUN_ID) or get(Var.ELASTIC_RUN_ID)
+        signals = get(Var.PREEMPT_SIGNALS)
+        hb_dir = get(Var.HEARTBEAT_DIR)
+        return cls(
+            endpoint=ep,
+            run_id=run_id if run_id != "none" else None,
+            # `resilient launch` passes its rendezvous round, the same on every node; torchrun's
+            # restart count can differ between nodes after a peer-triggered restart
+            attempt=get(Var.LAUNCH_ROUND) or str(restart_count),
+            restart_count=restart_count,
+            shm_name=get(Var.SHM_NAME),
+            heartbeat_dir=Path(hb_dir) if hb_dir else None,
+            heartbeat_interval=interval,
+            launcher_pid=launcher_pid,
+            preempt_signals=tuple(s for s in signals.split(",") if s) if signals else None,
+        )
