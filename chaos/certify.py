@@ -4,9 +4,9 @@ the event log, held against its SLOs.
 Each trial is one job under ``resilient launch`` (so soft faults are recovered in-process and hard
 ones by the launcher, as in production) with one fault:
 
-- in-process faults (exception, hang, oom, gil_hang, stall, kernel_oom) are fired by the runtime
-  itself at the start of the step (``RESILIENT_CHAOS``), so any wrapped script can be certified
-  unchanged; the injector appends what it did, and when, to ``injections.jsonl``;
+- in-process faults (exception, hang, oom, gil_hang, stall, kernel_oom) are fired at the start of
+  the step by the harness's step hook (``CHAOS_PLAN``, chaos/hooks.py), so any wrapped script can
+  be certified unchanged; the injector appends what it did, and when, to ``injections.jsonl``;
 - external ones are done by this harness to the rank's process when the rank's ``step_completed``
   event shows it reached the step: SIGKILL, SIGSTOP; ``corrupt_checkpoint`` flips bytes in the
   newest committed checkpoint, kills the whole job and starts it again (fresh shared memory), so

@@ -111,7 +111,7 @@ class Injector:
 def _fired_in_job(f: Fault) -> int:
     """How often earlier processes of this job fired ``f`` (``$CHAOS_INJECTIONS``): a relaunched
     worker must not fire a planned fault again (a fault per plan entry, not per process)."""
-    path = os.environ.get("CHAOS_INJECTIONS")
+    path = os.environ.get("CHAOS_INJECTIONS")  # chaos.hooks.Var.INJECTIONS
     if not path or not os.path.exists(path):
         return 0
     n = 0

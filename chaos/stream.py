@@ -5,7 +5,7 @@ hundreds of faults of every kind).
 Every fault is placed by step (a time on the fault-free clock becomes the step the fault-free
 run is at then): a wall-clock schedule denser than a relaunch starves the job (measured: a
 SIGKILL every ~4 s kept relaunching it at step ~380 for 6 minutes). In-process faults are fired
-by the runtime itself (``RESILIENT_CHAOS``); the harness does the rest to the rank's current
+by the runtime itself (``CHAOS_PLAN``, chaos/hooks.py); the harness does the rest to the rank's current
 process when the event log shows the rank reached the step: SIGKILL/SIGSTOP, a kernel OOM-kill
 (the process moved into a memory cgroup just before its in-process allocation), a slow disk (its
 writes throttled), a dropped link (the rank runs behind a veth link of its own), a corrupt newest

@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from resilient.runtime.engine import Runtime
+
+class Engine(Protocol):
+    """What a :class:`Context` needs of an engine (both :class:`~resilient.runtime.engine.Runtime`
+    and :class:`~resilient.runtime.nvrx.NvrxRuntime` provide it, through their shared core)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    generation: int
+    restore_step: int | None
+    step: int | None
+    run_dir: Path | None
+
+    def track(self, objects: dict[str, Any]) -> None: ...
+
+    def steps(self, total: int) -> Iterator[int]: ...
 
 
 class Context:
     """Handle to the runtime for one entry of the training function (one generation)."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Engine) -> None:
         self._rt = runtime
 
     @property

@@ -13,16 +13,13 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
-import json
 import os
 import sys
 import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +31,6 @@ from resilient.errors import (
     CheckpointError,
     CoordinationError,
     HardFault,
-    HealthCheckFailed,
     Preempted,
     ResilienceError,
     RestartBudgetExhausted,
@@ -42,20 +38,18 @@ from resilient.errors import (
     StateRestoreError,
     StepInterrupted,
 )
-from resilient.events import Event, EventLog
-from resilient.launcher.heartbeat import ENV_DIR, Heartbeat, die_with_launcher, unhealthy_path
+from resilient.events import Event
+from resilient.launch_env import LaunchEnv
+from resilient.launcher.heartbeat import die_with_launcher
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime import resume
+from resilient.runtime.core import EngineCore, Wiring, common_restore_step
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
-from resilient.runtime.fingerprint import CollectiveCount
-from resilient.runtime.health import Check, HealthInput, run_checks
+from resilient.runtime.health import Check
+from resilient.runtime.hooks import StepHook
 from resilient.runtime.persist import Persistence
-from resilient.runtime.pg import Group, build_group, resolve_backend
-from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.schedule import SnapshotSchedule
-from resilient.runtime.tracking import Tracking
 from resilient.runtime.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
-from resilient.state import Registry, SnapshotRing
 from resilient.state.registry import RNG, restore_rng
 
 # Files whose frames, innermost on the main thread, mean "blocked waiting for peers".
@@ -75,44 +69,25 @@ class Phase(str, enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass
-class _Cost:
-    """What the runtime costs the main thread in steady state (reported in ``run_finished``)."""
+class Runtime(EngineCore):
+    """The native engine behind :func:`resilient.wrap`. Not thread-safe except where the monitor
+    needs it. Collaborators come from ``wiring`` (default: :func:`~resilient.runtime.core.wire`)."""
 
-    steps: int = 0
-    snapshots: int = 0
-    hook_s: float = 0.0  # time in the per-step hook: progress, timer, snapshot copy
+    engine = "resilient"
 
-
-class Runtime(Tracking):
-    """Engine behind :func:`resilient.wrap`. Not thread-safe except where the monitor needs it."""
-
-    def __init__(self, cfg: Config, checks: Sequence[Check] = ()) -> None:
-        self.cfg = cfg
-        self.t = cfg.timeouts
-        self.extra_checks = tuple(checks)
-        self.ep = coord_mod.endpoint_from_env()
-        self.rank, self.world_size, self.local_rank = self.ep.rank, self.ep.world_size, self.ep.local_rank
-        self.backend = resolve_backend(cfg.backend)
-        self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+    def __init__(
+        self,
+        cfg: Config,
+        checks: Sequence[Check] = (),
+        *,
+        launch: LaunchEnv | None = None,
+        hooks: Sequence[StepHook] = (),
+        wiring: Callable[[EngineCore], Wiring] | None = None,
+    ) -> None:
+        super().__init__(cfg, checks, launch=launch, hooks=hooks, wiring=wiring)
         self.phase = Phase.STARTING
-        self.generation = 0
-        self.step: int | None = None
-        self.registry = Registry()
-        self.snapshots = SnapshotRing()
-        self.policy = RestartPolicy(cfg.restart)
-        self.group: Group | None = None
-        self.restore_step: int | None = None
-        self._restore_state: dict[str, Any] | None = None
-        self._restored: set[str] = set()
-        self._fault_ts: float | None = None
-        self._fault_step: int | None = None
-        self._resume_pending = False
-        self._progress = time.monotonic()
-        self._stepped = False
         self._in_save = False
         self._last_nudge = 0.0
-        self.cost = _Cost()
         # constructed here without side effects; start() installs and starts them
         self.interrupter = MainThreadInterrupter(cfg.interrupt_signal, self._interruptible)
         self.hard_timer = HardHangTimer()
@@ -121,19 +96,11 @@ class Runtime(Tracking):
         self._remote: dict[int, FaultRecord] = {}
         self._remote_handled: set[int] = set()
         self._remote_lock = threading.Lock()
-        self.events: EventLog | None = None  # needs the run id, agreed in start()
         self.persist: Persistence | None = None  # durable checkpoints, when checkpoint.dir is set
         self.shm: ShmSnapshot | None = None  # snapshots in /dev/shm, under `resilient launch`
         self.replica: resume.StoreReplica | None = None  # small per-rank state, in the job's store
         self._adoptable: int | None = None  # restored from this rank's own shm snapshot of this step
-        self._chaos: Any = None  # chaos.inject.Injector, when RESILIENT_CHAOS names faults to fire
-        self.fp: CollectiveCount | None = None  # this generation's per-step collective counts
-        self.run_dir: Path | None = None
-
-    @property
-    def _ev(self) -> EventLog:
-        assert self.events is not None, "events are available once start() ran"
-        return self.events
+        self._cleanup = contextlib.ExitStack()  # what start() set up, undone in reverse by close()
 
     # -- setup / teardown -------------------------------------------------------------------------
     def start(self) -> None:
@@ -145,116 +112,78 @@ class Runtime(Tracking):
             # among them are kept.
             gc.collect()
             gc.freeze()
-        self.store = coord_mod.connect(self.ep, self.t.barrier)
-        self.store_host, self.store_port = self.ep.host, self.store.port
-        self.run_id = coord_mod.agree_run_id(self.store)
-        # the launch: `resilient launch` passes the rendezvous round, the same on every node;
-        # torchrun's restart count can differ between nodes after a peer-triggered restart
-        attempt = os.environ.get("RESILIENT_LAUNCH_ROUND") or os.environ.get(
-            "TORCHELASTIC_RESTART_COUNT", "0"
-        )
-        ns = f"resilient/{self.run_id}/a{attempt}"
-        self.coord = coord_mod.Coordinator(self.store, ns, self.rank, self.world_size, self.t.barrier)
-        self.schedule = SnapshotSchedule(self.cfg.snapshot, self.rank, self.store, f"{ns}/snapshot_interval")
+        stack = self._cleanup
+        stack.callback(self._close_core)  # last: the event log closes after everything else
+        w = self._open("")
+        self.coord = coord_mod.Coordinator(self.store, self.ns, self.rank, self.world_size, self.t.barrier)
         # under `resilient launch` the snapshot is also mirrored where it outlives the process; that
         # copy costs more (shared memory, the store replica) and only a hard fault needs it, so it
         # has its own cadence: the in-memory ring, which every soft fault restores from, is not
         # thinned out by the mirror's cost
         self.mirror_schedule = SnapshotSchedule(
-            self.cfg.snapshot, self.rank, self.store, f"{ns}/mirror_interval"
+            self.cfg.snapshot, self.rank, self.store, f"{self.ns}/mirror_interval"
         )
-        self.monitor_store = coord_mod.client(self.store_host, self.store_port, self.t.barrier)
-        self.listener_store = coord_mod.client(self.store_host, self.store_port, coord_mod.FOREVER)
-        self.run_dir = self.cfg.events.dir / self.run_id
-        self.events = events = EventLog(self.run_dir / "events.jsonl", self.rank)
+        self.monitor_store = w.side_store(self.t.barrier)
+        self.listener_store = w.side_store(coord_mod.FOREVER)
         if self.cfg.checkpoint.dir is not None:
-            self.persist = Persistence(
+            self.persist = persist = Persistence(
                 self.cfg.checkpoint,
                 rank=self.rank,
                 world_size=self.world_size,
-                token=f"{self.run_id}-a{attempt}",
-                events=events,
+                token=f"{self.run_id}-a{self.launch.attempt}",
+                events=self._ev,
                 exchange=lambda name, payload: self.coord.exchange(self.generation, name, payload),
+                signals=self.launch.preempt_signals,
             )
-            self.persist.install()
+            persist.install()
+            stack.callback(self._close_persist, persist)
         self.interrupter.install()
+        stack.callback(self.interrupter.uninstall)
         self.hard_timer.install()
-        die_with_launcher()
-        self._chaos = _chaos_from_env()
-        if os.environ.get("RESILIENT_STEP_EVENTS") == "1":  # a certificate's timeline
-            events_cfg = self.cfg.events.model_copy(update={"steps": True})
-            self.cfg = self.cfg.model_copy(update={"events": events_cfg})
-        self.heartbeat = Heartbeat.from_env()  # under `resilient launch`: the agent watches it
-        shm_name = os.environ.get("RESILIENT_SHM_NAME")  # set by `resilient launch`, which keeps it
-        # keyed by the local rank: a relaunched worker finds its predecessor's snapshot even when
-        # the rendezvous renumbered the nodes (each snapshot records the global rank that wrote it)
-        self.shm = ShmSnapshot(shm_name, self.local_rank) if shm_name else None
-        self.replica = (
-            resume.StoreReplica(
+        stack.callback(self.hard_timer.uninstall)
+        die_with_launcher(self.launch.launcher_pid)
+        if self.launch.shm_name is not None:  # `resilient launch` keeps it across relaunches
+            # keyed by the local rank: a relaunched worker finds its predecessor's snapshot even when
+            # the rendezvous renumbered the nodes (each snapshot records the global rank that wrote it)
+            self.shm = ShmSnapshot(self.launch.shm_name, self.local_rank)
+            self.replica = resume.StoreReplica(
                 self.store, f"resilient/{self.run_id}/replica", self.rank, self.cfg.snapshot.replica_max_bytes
             )
-            if shm_name
-            else None
-        )
-        if self.heartbeat is not None:
-            self.heartbeat.start(lambda: self.step)
         self.monitor.start()
+        stack.callback(self.monitor.stop)
         self.listener.start()
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.local_rank)
-        events.emit(
-            Event.RUN_STARTED,
-            generation=0,
-            step=None,
-            world_size=self.world_size,
-            backend=self.backend,
-            hang_timeout=self.t.hang,
-            collective_timeout=self.t.collective,
-        )
-
-    def close(self) -> None:
-        if self.phase is Phase.CLOSED:
-            return
-        self.phase = Phase.CLOSED
+        stack.callback(self.listener.stop)
         # Our threads must be finished before the interpreter finalizes: a daemon thread that
         # returns from a store call during finalization is unwound through C++ frames and the
         # process aborts ("terminate called without an active exception"). A listener still
         # blocked on this generation's fault key is released with the closing sentinel (a no-op
         # if a fault was posted; peers of a finished generation have closed it already).
-        if self.listener.is_alive() and hasattr(self, "coord"):
+        stack.callback(self._release_listener)
+
+    def _release_listener(self) -> None:
+        if self.listener.is_alive():
             with contextlib.suppress(Exception):
                 self.coord.close_generation(self.generation)
-        if self.persist is not None:
-            self.persist.uninstall()
-            try:
-                self.persist.ckpt.close()
-            except CheckpointError as e:
-                logger.error("rank {}: at exit: {}", self.rank, e)
-        heartbeat = getattr(self, "heartbeat", None)
-        if heartbeat is not None:
-            heartbeat.close()
-        for stop in (
-            self.listener.stop,
-            self.monitor.stop,
-            self.hard_timer.uninstall,
-            self.interrupter.uninstall,
-        ):
-            try:
-                stop()
-            except Exception as e:  # start() may have failed half-way
-                logger.debug("close: {}", e)
-        if self.group is not None:
-            self.group.destroy(abort=False)
-            self.group = None
-        if self.events is not None:
-            self.events.close()
-        self.store = self.monitor_store = None  # type: ignore[assignment]  # release the connections
+
+    def _close_persist(self, persist: Persistence) -> None:
+        persist.uninstall()
+        try:
+            persist.ckpt.close()
+        except CheckpointError as e:
+            logger.error("rank {}: at exit: {}", self.rank, e)
+
+    def close(self) -> None:
+        if self.phase is Phase.CLOSED:
+            return
+        self.phase = Phase.CLOSED
+        self._cleanup.close()
+        self.monitor_store = self.listener_store = None  # type: ignore[assignment]
 
     # -- the restart loop -------------------------------------------------------------------------
     def run(self, fn: Callable[[], Any]) -> Any:
         try:
             self.start()
-            if self.shm is not None:
+            if self.launch.under_launcher:
                 # under `resilient launch` a (re)started worker checks its node before it joins:
                 # a node that fails here again and again is excluded by its agent
                 self._check_health(0, None)
@@ -268,16 +197,8 @@ class Runtime(Tracking):
                 if done:
                     if self.persist is not None:
                         self.persist.close(self.generation, self.step)
-                    self._save_final_state()
-                    self._ev.emit(
-                        Event.RUN_FINISHED,
-                        generation=self.generation,
-                        step=self.step,
-                        steps_completed=self.cost.steps,
-                        snapshots=self.cost.snapshots,
-                        snapshot_interval=self.schedule.interval,
+                    self._finished(
                         mirror_interval=self.mirror_schedule.interval if self.shm is not None else None,
-                        runtime_ms_per_step=1e3 * self.cost.hook_s / max(1, self.cost.steps),
                         monitor_wakeups=self.monitor.wakeups,
                         checkpoint_failures=self.persist.failures if self.persist else 0,
                     )
@@ -320,17 +241,7 @@ class Runtime(Tracking):
             gc.collect()  # free the previous generation's group and DDP here, in order, not at exit
             gc_s = time.time() - t0
         try:
-            self.group = build_group(
-                backend=self.backend,
-                store=self.store,
-                store_port=self.store_port,
-                rank=self.rank,
-                world_size=self.world_size,
-                generation=self.generation,
-                timeout=self.t.collective,
-                device_id=self.device if self.backend == "nccl" else None,
-                namespace=self.coord.ns,
-            )
+            self._new_group(self.generation)
         except Exception as e:
             raise CoordinationError(
                 f"rank {self.rank}: building the process group of generation {self.generation} failed: {e}"
@@ -343,18 +254,12 @@ class Runtime(Tracking):
                 duration_s=time.time() - t0,
                 gc_s=gc_s,
             )
-        self.registry.clear()
-        self._restored = set()
-        if self.cfg.collective_check:
-            fp_prefix = f"{self.coord.ns}/g{self.generation}/fp"
-            self.fp = CollectiveCount(self.store, fp_prefix, self.rank, self.world_size)
-        self._progress, self._stepped = time.monotonic(), False
         self.phase = Phase.RUNNING
         self.listener.watch(self.generation)
 
     def _recover(self, exc: BaseException | None) -> None:
         gen, step = self.generation, self.step
-        self._fault_ts, self._fault_step = time.time(), step
+        fault_ts = time.time()
         rec: FaultRecord | None = None
         if exc is not None:
             rec = FaultRecord.from_exception(exc, rank=self.rank, generation=gen, step=step)
@@ -368,18 +273,7 @@ class Runtime(Tracking):
             if found is None:
                 raise HardFault(f"generation {gen} released without a fault record")
             primary = found
-        self._ev.emit(
-            Event.FAULT_DETECTED,
-            generation=gen,
-            step=step,
-            kind=primary.kind,
-            signature=primary.signature,
-            origin_rank=primary.rank,
-            origin_step=primary.step,
-            origin_ts=primary.ts,
-            origin_latency_s=primary.latency_s,
-            local=rec.message if rec else "finished; a peer faulted",
-        )
+        self._fault_detected(gen, step, primary, rec.message if rec else "finished; a peer faulted")
         t0 = time.time()
         assert self.group is not None
         n = self.group.abort()
@@ -406,18 +300,17 @@ class Runtime(Tracking):
         self._check_health(gen, step)
         if delay > 0:
             time.sleep(delay)
-        self.restore_step = self._agree_restore_step(gen)
-        self.snapshots.drop_after(self.restore_step)
-        self._restore_state = self.snapshots.materialize(self.restore_step)
-        self._resume_pending = True
+        self._prepare_restore(self._agree_restore_step(gen), step, fault_ts)
         self.generation = gen + 1
 
     def _agree_restore_step(self, gen: int) -> int:
-        steps_by_rank = self.coord.recovery_barrier(gen, self.snapshots.steps())
-        common = set(steps_by_rank[0]).intersection(*map(set, steps_by_rank[1:]))
-        if not common:
-            raise StateRestoreError(f"no snapshot step held by every rank: {steps_by_rank}")
-        return max(common)
+        return common_restore_step(self.coord.recovery_barrier(gen, self.snapshots.steps()))
+
+    def _tell_peers(self, gen: int, reason: str) -> None:
+        try:
+            self.coord.abort_generation(gen, reason)
+        except Exception as e:  # the store's host (rank 0) may have exited first, failing its own
+            logger.warning(f"rank {self.rank}: could not tell the peers (store unreachable: {e})")
 
     def _preempt(self, gen: int, primary: FaultRecord) -> None:
         """Every rank left its step: save the newest state all ranks hold, then exit for requeue."""
@@ -428,65 +321,20 @@ class Runtime(Tracking):
         self.persist.final(step, self.snapshots.materialize(step), gen)
         raise Preempted(f"preempted ({primary.message}); final checkpoint at step {step} committed", step)
 
-    def _check_health(self, gen: int, step: int | None) -> None:
-        t0 = time.time()
-        results = run_checks(HealthInput(self.rank, gen, self.store, self.cfg.health), self.extra_checks)
-        failed = [r for r in results if not r.ok]
-        self._ev.emit(
-            Event.HEALTH_CHECKED,
-            generation=gen,
-            step=step,
-            ok=not failed,
-            duration_s=time.time() - t0,
-            checks={r.name: {"ok": r.ok, "value": r.value} for r in results},
-        )
-        if failed:
-            f = failed[0]
-            logger.error(
-                "rank {}: health check {!r} failed: value={} ({})", self.rank, f.name, f.value, f.detail
-            )
-            hb_dir = os.environ.get(ENV_DIR)
-            if hb_dir:  # tell the launcher's agent: a node that keeps failing them is excluded
-                with contextlib.suppress(OSError):
-                    unhealthy_path(Path(hb_dir), self.local_rank).write_text(
-                        json.dumps({"check": f.name, "value": str(f.value), "detail": f.detail})
-                    )
-            try:
-                self.coord.abort_generation(gen, f"health check {f.name!r} failed: {f.value}")
-            except Exception as e:  # the store's host (rank 0) may have exited first, failing its own
-                logger.warning(f"rank {self.rank}: could not tell the peers (store unreachable: {e})")
-            raise HealthCheckFailed(f.name, f.value, f.detail)
-
-    # -- user-facing hooks (called through Context) -----------------------------------------------
-    def steps(self, total: int) -> Iterator[int]:
-        start = self._begin_steps(total)
-        for step in range(start, total):
-            self.step = step
-            if self.heartbeat is not None:  # the step a hard fault hits, exactly, for the agent
-                self.heartbeat.beat(step)
-            if self.fp is not None:
-                self.fp.begin(step)
-            if self._chaos is not None:  # a certificate's fault, in this rank at this step
-                for where in ("step", "before_collective"):  # (both at the step's start here)
-                    self._chaos.maybe_fire(self.rank, step, where, objects=self.registry.objects())
-            yield step
-            self._complete(step, total)
-
-    def _begin_steps(self, total: int) -> int:
-        if self._restore_state is None:
-            start = self._resume_at_start() if self.generation == 0 and self.step is None else 0
-            shm = self.shm
-            if shm is not None and self._adoptable == start:
-                # just restored from this very snapshot: the ring points at it instead of copying
-                self.snapshots.adopt(start, lambda: shm.load(start)[1])  # type: ignore[index]
-                if self.replica is not None:
-                    self._mirror(start, self.registry.capture())  # (held: only the replica posts)
-                return start
-            state = self.registry.capture()
-            self.snapshots.capture(start, state)
-            self._mirror(start, state)
+    # -- the first entry: resume what a previous process left ---------------------------------------
+    def _fresh_start(self, total: int) -> int:
+        start = self._resume_at_start() if self.generation == 0 and self.step is None else 0
+        shm = self.shm
+        if shm is not None and self._adoptable == start:
+            # just restored from this very snapshot: the ring points at it instead of copying
+            self.snapshots.adopt(start, lambda: shm.load(start)[1])  # type: ignore[index]
+            if self.replica is not None:
+                self._mirror(start, self.registry.capture())  # (held: only the replica posts)
             return start
-        return self._resume_restored(snapshot_interval=self.schedule.interval)
+        state = self.registry.capture()
+        self.snapshots.capture(start, state)
+        self._mirror(start, state)
+        return start
 
     def _mirror(self, step: int, state: dict[str, Any]) -> None:
         """Under ``resilient launch``: the snapshot also goes where it outlives this process (this
@@ -549,61 +397,44 @@ class Runtime(Tracking):
         )  # fmt: skip
         return step
 
-    def _complete(self, step: int, total: int) -> None:
-        now = time.monotonic()
-        step_s = now - self._progress if self._stepped else None
-        self._progress, self._stepped = now, True
+    # -- each completed step ------------------------------------------------------------------------
+    def _on_step(self, step: int) -> None:
         self.hard_timer.arm(self.t.hard)
-        if self.fp is not None:  # every rank issued the same collectives, or nothing is captured
-            self.fp.check(step)
-        if self.cfg.events.steps:
-            ev = Event.STEP_COMPLETED
-            self._ev.emit(ev, generation=self.generation, step=step, step_s=step_s, log=False)
-        nxt = step + 1
-        capture_s = mirror_s = None
-        ring_due = self.schedule.due(nxt, total)
-        mirror_due = self.shm is not None and self.mirror_schedule.due(nxt, total)
-        if ring_due or mirror_due:
-            state = self.registry.capture()
-            if ring_due:
-                self.snapshots.capture(nxt, state)
-                capture_s = time.monotonic() - now
-            if mirror_due:
-                t_mirror = time.monotonic()
-                self._mirror(nxt, state)
-                mirror_s = time.monotonic() - t_mirror
-        self.schedule.observe(nxt, step_s, capture_s)
+
+    def _mirror_due(self, nxt: int, total: int) -> bool:
+        p = self.persist
+        return (self.shm is not None and self.mirror_schedule.due(nxt, total)) or (
+            p is not None and (p.due(nxt) or nxt == total or p.preempt_requested is not None)
+        )
+
+    def _after_snapshot(
+        self, step: int, nxt: int, total: int, state: dict[str, Any] | None, step_s: float | None, now: float
+    ) -> None:
         if self.shm is not None:
+            mirror_s = None
+            if self.mirror_schedule.due(nxt, total):
+                t_mirror = self.clock()
+                self._mirror(nxt, state if state is not None else self.registry.capture())
+                mirror_s = self.clock() - t_mirror
             self.mirror_schedule.observe(nxt, step_s, mirror_s)
         p = self.persist
-        if p is not None:
-            if p.due(nxt) or nxt == total:
-                optimizers = [o for o in self.registry.objects() if isinstance(o, torch.optim.Optimizer)]
-                # waiting for the save in flight (on_busy: wait) is not a hang: re-arm around it
-                self.hard_timer.arm(self.cfg.checkpoint.commit_timeout_s + self.t.hard)
-                self._in_save = True
-                try:
-                    state = self.registry.capture()
-                    p.save(nxt, state, self.generation, self.generation, pipeline=optimizers)
-                finally:
-                    self._in_save = False
-                self.hard_timer.arm(self.t.hard)
-                self._progress = time.monotonic()
-            if p.preempt_requested is not None:
-                if capture_s is None:  # the state the final checkpoint will hold
-                    self.snapshots.capture(nxt, self.registry.capture())
-                raise StepInterrupted(f"preempt: {p.preempt_requested} received")
-        self.cost.steps += 1
-        self.cost.snapshots += capture_s is not None
-        self.cost.hook_s += time.monotonic() - now
-        if self._resume_pending:
-            self._resume_pending = False
-            self._ev.emit(
-                Event.STEP_RESUMED,
-                generation=self.generation,
-                step=step,
-                since_fault_s=time.time() - (self._fault_ts or time.time()),
-            )
+        if p is None:
+            return
+        if p.due(nxt) or nxt == total:
+            optimizers = [o for o in self.registry.objects() if isinstance(o, torch.optim.Optimizer)]
+            # waiting for the save in flight (on_busy: wait) is not a hang: re-arm around it
+            self.hard_timer.arm(self.cfg.checkpoint.commit_timeout_s + self.t.hard)
+            self._in_save = True
+            try:
+                p.save(nxt, self.registry.capture(), self.generation, self.generation, pipeline=optimizers)
+            finally:
+                self._in_save = False
+            self.hard_timer.arm(self.t.hard)
+            self._progress = self.clock()
+        if p.preempt_requested is not None:
+            if nxt not in self.snapshots.steps():  # the state the final checkpoint will hold
+                self.snapshots.capture(nxt, state if state is not None else self.registry.capture())
+            raise StepInterrupted(f"preempt: {p.preempt_requested} received")
 
     # -- monitor-thread callbacks (see watchdog.Watched) ------------------------------------------
     def _interruptible(self, generation: int) -> bool:
@@ -689,21 +520,6 @@ class Runtime(Tracking):
         if now - self._last_nudge > 0.5:
             self._last_nudge = now
             self.interrupter.resend(generation)
-
-
-def _chaos_from_env() -> Any:
-    """``RESILIENT_CHAOS=kind@step[:rank],...`` (chaos/inject.py's plan): the runtime fires those
-    faults itself at the start of the step, so any wrapped script can be certified unchanged.
-    ``RESILIENT_CHAOS_ATTEMPT=N``: only in launch attempt N (TORCHELASTIC_RESTART_COUNT)."""
-    plan = os.environ.get("RESILIENT_CHAOS")
-    if not plan:
-        return None
-    only = os.environ.get("RESILIENT_CHAOS_ATTEMPT")
-    if only is not None and only != os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"):
-        return None
-    from chaos.inject import Injector
-
-    return Injector.parse(plan)
 
 
 def excepthook_exit_codes() -> None:

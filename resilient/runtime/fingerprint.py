@@ -7,18 +7,20 @@ corruption would be restored as "the last good state". (Measured with gloo: rank
 of four equal all-reduces gives rank 0 the sum of its 2nd and rank 1's 3rd tensor, no error.)
 
 The process group's sequence number counts every collective issued on it, DDP's bucket
-all-reduces and buffer broadcasts included. The runtime reads it at each step's start; at the
-step's end, before the next step's state is captured, each rank posts how many collectives it
-issued to the store (out of band: the desynchronized group cannot be trusted to carry it) and
-compares with its ring neighbour's count. Equal counts around the ring mean equal counts
-everywhere; a difference raises :class:`CollectiveDesync` before anything is captured.
+all-reduces and buffer broadcasts included. Before any state is kept (a snapshot, a mirror, a
+checkpoint: the same steps on every rank), each rank posts to the store how many collectives it
+issued since the previous check (out of band: the desynchronized group cannot be trusted to carry
+it) and compares with its ring neighbour's count for the same window. Equal counts around the
+ring mean equal counts everywhere; a difference raises :class:`CollectiveDesync` before anything
+is captured. Steps between two checks cost nothing here (no store request), so the check's cost
+follows the snapshot cadence, which the schedule keeps within its overhead budget.
 
-A rank blocked in a collective its peer never issued never reaches its step's end: its watchdog
+A rank blocked in a collective its peer never issued never reaches the next check: its watchdog
 sees a hang, and :meth:`CollectiveCount.diagnose` turns it into a desync when a neighbour
-finished the step after fewer collectives than this rank has issued so far.
+completed the same window after fewer collectives than this rank has issued in it so far.
 
-Ranks that legitimately issue different collectives on the default group in one step (e.g.
-pipeline stages' point-to-point traffic on it) turn the check off: ``collective_check: false``.
+Ranks that legitimately issue different collectives on the default group (e.g. pipeline stages'
+point-to-point traffic on it) turn the check off: ``collective_check: false``.
 """
 
 from __future__ import annotations
@@ -43,43 +45,53 @@ def _seq() -> int:
 
 
 class CollectiveCount:
-    """Per-step collective counts of one rank, posted under ``<prefix>/<step>/<rank>``."""
+    """Collective counts of one rank per check window, posted under ``<prefix>/<k>/<rank>`` for
+    the ``k``-th check of the generation (every rank checks at the same steps)."""
 
     def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int) -> None:
         self.store, self.prefix, self.rank, self.world = store, prefix, rank, world_size
         self.step: int | None = None
-        self._base = 0
+        self.checks = 0  # windows closed so far
+        self._since: int | None = None  # the first step of the open window
+        self._base = _seq()
         self._posted: list[int] = []  # own keys not yet deleted
 
-    def _key(self, step: int, rank: int) -> str:
-        return f"{self.prefix}/{step}/{rank}"
+    def _key(self, k: int, rank: int) -> str:
+        return f"{self.prefix}/{k}/{rank}"
 
     def begin(self, step: int) -> None:
-        self.step, self._base = step, _seq()
+        self.step = step
+        if self._since is None:
+            self._since = step
 
     def issued(self) -> int:
+        """Collectives this rank issued in the open window."""
         return _seq() - self._base
 
     def check(self, step: int) -> None:
-        """Post this rank's count for ``step`` and compare it with the next rank's (blocks until
-        that rank finished the step; a peer that never does is a hang, and the watchdog's)."""
-        n = self.issued()
-        self.store.set(self._key(step, self.rank), str(n))
-        self._posted.append(step)
+        """Close the window at the end of ``step``: post this rank's count and compare it with the
+        next rank's (blocks until that rank closed the same window; a peer that never does is a
+        hang, and the watchdog's)."""
+        seq = _seq()
+        n, since = seq - self._base, self._since if self._since is not None else step
+        k = self.checks
+        self.store.set(self._key(k, self.rank), str(n))
+        self._posted.append(k)
+        self.checks, self._base, self._since = k + 1, seq, None
         if self.world == 1:
             return
         peer = (self.rank + 1) % self.world
-        other = self._await(self._key(step, peer))
+        other = self._await(self._key(k, peer))
         if other != n:
+            where = f"step {step}" if since == step else f"steps {since}-{step}"
             raise CollectiveDesync(
-                f"collective desync in step {step}: rank {self.rank} issued {n} collectives, "
-                f"rank {peer} issued {other}; the step's state is not kept"
+                f"collective desync in {where}: rank {self.rank} issued {n} collectives, "
+                f"rank {peer} issued {other}; the state is not kept"
             )
-        if n > 0:  # a collective of this step means every rank finished reading the step before
-            done = [s for s in self._posted if s < step]
-            for s in done:
-                self.store.delete_key(self._key(s, self.rank))
-            self._posted = [s for s in self._posted if s >= step]
+        if n > 0:  # a collective in this window means every rank finished reading the ones before
+            for old in [c for c in self._posted if c < k]:
+                self.store.delete_key(self._key(old, self.rank))
+            self._posted = [c for c in self._posted if c >= k]
 
     def _await(self, key: str) -> int:
         # A blocking store wait cannot be interrupted by the runtime (the signal that ends a
@@ -104,14 +116,14 @@ class CollectiveCount:
 
     def diagnose(self, store: dist.Store) -> str | None:
         """From the monitor thread (its own store connection), while this rank seems hung: a
-        neighbour that finished the current step after fewer collectives than this rank has
-        issued in it means this rank waits in a collective the neighbour never issued."""
+        neighbour that closed the open window after fewer collectives than this rank has issued
+        in it means this rank waits in a collective the neighbour never issued."""
         step = self.step
         if step is None or self.world == 1:
             return None
-        n = self.issued()
+        n, k = self.issued(), self.checks
         for peer in sorted({(self.rank - 1) % self.world, (self.rank + 1) % self.world}):
-            key = self._key(step, peer)
+            key = self._key(k, peer)
             try:
                 if not store.check([key]):
                     continue
@@ -120,7 +132,7 @@ class CollectiveCount:
                 return None
             if other < n:
                 return (
-                    f"collective desync in step {step}: rank {peer} finished the step after {other} "
-                    f"collectives, rank {self.rank} has issued {n} and waits in the last one"
+                    f"collective desync in step {step}: rank {peer} reached the next check after {other} "
+                    f"collectives, rank {self.rank} has issued {n} since the last one and waits in the last"
                 )
         return None

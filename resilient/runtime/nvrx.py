@@ -34,32 +34,26 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import os
 import signal
 import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from loguru import logger
 
 from resilient.config import Config
-from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted, StateRestoreError
-from resilient.events import Event, EventLog
-from resilient.launcher.heartbeat import Heartbeat, die_with_launcher
-from resilient.runtime import coordinator as coord_mod
+from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted
+from resilient.events import Event
+from resilient.launch_env import LaunchEnv
+from resilient.launcher.heartbeat import die_with_launcher
+from resilient.runtime.core import EngineCore, Wiring, common_restore_step
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
-from resilient.runtime.fingerprint import CollectiveCount
-from resilient.runtime.health import Check, HealthInput, run_checks
-from resilient.runtime.pg import Group, build_group, resolve_backend
-from resilient.runtime.policy import RestartPolicy
-from resilient.runtime.schedule import SnapshotSchedule
-from resilient.runtime.tracking import Tracking
-from resilient.state import Registry, SnapshotRing
+from resilient.runtime.health import Check
+from resilient.runtime.hooks import StepHook
 
 S = datetime.timedelta
 
@@ -88,93 +82,41 @@ def wrapper_kwargs(cfg: Config) -> dict[str, Any]:
     }
 
 
-class NvrxRuntime(Tracking):
+class NvrxRuntime(EngineCore):
     """Engine behind ``resilient.wrap(engine="nvrx")``; the same surface :class:`Context` uses."""
 
-    def __init__(self, cfg: Config, checks: Sequence[Check] = ()) -> None:
+    engine = "nvrx"
+
+    def __init__(
+        self,
+        cfg: Config,
+        checks: Sequence[Check] = (),
+        *,
+        launch: LaunchEnv | None = None,
+        hooks: Sequence[StepHook] = (),
+        wiring: Callable[[EngineCore], Wiring] | None = None,
+    ) -> None:
         if cfg.checkpoint.dir is not None:
             raise ConfigError(
                 "engine: nvrx does not write durable checkpoints (checkpoint.dir is set): use "
                 "engine: resilient, or NVRx's own checkpointing beside this engine"
             )
-        self.cfg = cfg
-        self.t = cfg.timeouts
-        self.extra_checks = tuple(checks)
-        self.ep = coord_mod.endpoint_from_env()
-        self.rank, self.world_size, self.local_rank = self.ep.rank, self.ep.world_size, self.ep.local_rank
-        self.backend = resolve_backend(cfg.backend)
-        self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
-        self.generation = 0
-        self.step: int | None = None
-        self.restore_step: int | None = None
-        self.registry = Registry()
-        self.snapshots = SnapshotRing()
-        self.policy = RestartPolicy(cfg.restart)
-        self.group: Group | None = None
-        self.events: EventLog | None = None
-        self.run_dir: Any = None
-        self._restore_state: dict[str, Any] | None = None
-        self._restored: set[str] = set()
+        super().__init__(cfg, checks, launch=launch, hooks=hooks, wiring=wiring)
         self._fault: FaultRecord | None = None
-        self._resume_pending = False
         self._cw: Any = None
-        self._chaos: Any = None
-        self.heartbeat: Heartbeat | None = None
-        self.fp: CollectiveCount | None = None  # this iteration's per-step collective counts
-        self._t_step: float | None = None
-        self._fault_step: int | None = None
-        self._fault_ts = 0.0
         self._signal: signal.Signals | None = None
         self._in_fn: int | None = None  # the iteration whose training function is running
         self._aborted: tuple[int, float] = (-1, 0.0)  # (iteration, time) NVRx's abort last ran
 
-    @property
-    def _ev(self) -> EventLog:
-        assert self.events is not None
-        return self.events
-
     # -- setup ------------------------------------------------------------------------------------
     def _start(self) -> None:
-        from resilient.runtime.engine import _chaos_from_env
-
-        self.store = coord_mod.connect(self.ep, self.t.barrier)
-        self.store_port = self.store.port
-        self.run_id = coord_mod.agree_run_id(self.store)
+        w = self._open("nvrx/")
         # NVRx's monitor thread runs the abort: it gets a store connection of its own
-        self.monitor_store = coord_mod.client(self.ep.host, self.store_port, self.t.barrier)
-        # the launch attempt: after a relaunch the agent's store still holds the dead attempt's keys
-        attempt = os.environ.get("RESILIENT_LAUNCH_ROUND") or os.environ.get(
-            "TORCHELASTIC_RESTART_COUNT", "0"
-        )
-        self.ns = f"resilient/{self.run_id}/nvrx/a{attempt}"
+        self.monitor_store = w.side_store(self.t.barrier)
         self.nvrx_port = self._nvrx_store_port()
-        self.schedule = SnapshotSchedule(
-            self.cfg.snapshot, self.rank, self.store, f"{self.ns}/snapshot_interval"
-        )
-        self.run_dir = self.cfg.events.dir / self.run_id
-        self.events = EventLog(self.run_dir / "events.jsonl", self.rank)
-        self._chaos = _chaos_from_env()
-        if os.environ.get("RESILIENT_STEP_EVENTS") == "1":  # a certificate's timeline
-            events_cfg = self.cfg.events.model_copy(update={"steps": True})
-            self.cfg = self.cfg.model_copy(update={"events": events_cfg})
-        # under `resilient launch`: its agent watches this heartbeat (a stopped or GIL-bound
-        # process stops it; NVRx handles the Python-level hangs in-process meanwhile)
-        die_with_launcher()
-        self.heartbeat = Heartbeat.from_env()
-        if self.heartbeat is not None:
-            self.heartbeat.start(lambda: self.step)
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.local_rank)
-        self._ev.emit(
-            Event.RUN_STARTED,
-            generation=0,
-            step=None,
-            world_size=self.world_size,
-            backend=self.backend,
-            hang_timeout=self.t.hang,
-            collective_timeout=self.t.collective,
-            engine="nvrx",
-        )
+        # under `resilient launch`: its agent watches the heartbeat (a stopped or GIL-bound process
+        # stops it; NVRx handles the Python-level hangs in-process meanwhile)
+        die_with_launcher(self.launch.launcher_pid)
 
     def _nvrx_store_port(self) -> int:
         """NVRx keeps its barriers and records in a store of its own, with no namespace for the
@@ -223,13 +165,14 @@ class NvrxRuntime(Tracking):
         class Checks(inprocess.health_check.HealthCheck):
             def __call__(self, state: Any) -> Any:
                 if state.iteration > 0:
-                    rt._check_health(state.iteration - 1)
+                    rt._check_health(state.iteration - 1, rt.step)
                 return state
 
         abort = inprocess.Compose(inprocess.abort.AbortTorchDistributed(), Unblock())
         initialize = inprocess.Compose(
             Admit(), inprocess.initialize.RetryController(max_iterations=self.cfg.restart.max_restarts + 1)
         )
+        assert self.run_dir is not None  # (started)
         logfile = self.run_dir / f"nvrx_monitor_{self.rank}.log"
         return inprocess.Wrapper(
             store_factory=inprocess.store.TCPStore,
@@ -264,14 +207,7 @@ class NvrxRuntime(Tracking):
         attempt.__annotations__ = {"call_wrapper": Optional[inprocess.CallWrapper]}  # noqa: UP045
         try:
             result = wrapped(attempt)()
-            self._save_final_state()
-            self._ev.emit(
-                Event.RUN_FINISHED,
-                generation=self.generation,
-                step=self.step,
-                snapshot_interval=self.schedule.interval,
-                engine="nvrx",
-            )
+            self._finished()
             return result
         except BaseException as e:  # NVRx's RestartAbort is one; recorded, then raised on
             err = self._verdict or e
@@ -305,16 +241,10 @@ class NvrxRuntime(Tracking):
         threading.Thread(target=repeat, name="resilient-nvrx-nudge", daemon=True).start()
 
     def _close(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.close()
         if self._signal is not None:
             signal.signal(self._signal, signal.SIG_DFL)
-        if self.group is not None:
-            self.group.destroy(abort=False)
-            self.group = None
-        if self.events is not None:
-            self.events.close()
-        self.store = self.monitor_store = None  # type: ignore[assignment]
+        self._close_core()  # the event log last: run_finished / run_failed are written first
+        self.monitor_store = None  # type: ignore[assignment]  # release the connection
 
     def _attempt(self, fn: Callable[[], Any], cw: Any) -> Any:
         it = cw.iteration
@@ -323,24 +253,9 @@ class NvrxRuntime(Tracking):
         if it > 0:
             gc.collect()  # the failed iteration's model, DDP and group, in order, not at exit
         self.generation = it
-        self.group = build_group(
-            backend=self.backend,
-            store=self.store,
-            store_port=self.store_port,
-            rank=self.rank,
-            world_size=self.world_size,
-            generation=it,
-            timeout=self.t.collective,
-            device_id=self.device if self.backend == "nccl" else None,
-            namespace=self.ns,
-        )
+        self._new_group(it)
         if it > 0:
-            self._prepare_restore(it, t0)
-        if self.cfg.collective_check:
-            self.fp = CollectiveCount(self.store, f"{self.ns}/g{it}/fp", self.rank, self.world_size)
-        self.registry.clear()
-        self._restored = set()
-        self._t_step = None
+            self._restore_agreed(it, t0)
         self._in_fn = it
         try:
             return fn()
@@ -405,91 +320,15 @@ class NvrxRuntime(Tracking):
             severity=Severity.SOFT.value, signature="desync: collective count", message=why,
         )  # fmt: skip
 
-    def _check_health(self, gen: int) -> None:
-        results = run_checks(HealthInput(self.rank, gen, self.store, self.cfg.health), self.extra_checks)
-        failed = [r for r in results if not r.ok]
-        self._ev.emit(
-            Event.HEALTH_CHECKED,
-            generation=gen,
-            step=self.step,
-            ok=not failed,
-            checks={r.name: {"ok": r.ok, "value": r.value} for r in results},
-        )
-        if failed:
-            f = failed[0]
-            raise RuntimeError(f"health check {f.name!r} failed: value={f.value} ({f.detail})")
-
-    def _prepare_restore(self, it: int, t0: float) -> None:
+    def _restore_agreed(self, it: int, t0: float) -> None:
         primary = self._previous_fault(it - 1)
-        self._ev.emit(
-            Event.FAULT_DETECTED,
-            generation=it - 1,
-            step=self.step,
-            kind=primary.kind,
-            signature=primary.signature,
-            origin_rank=primary.rank,
-            origin_step=primary.step,
-            origin_ts=primary.ts,
-            origin_latency_s=primary.latency_s,
-            local="nvrx restart iteration",
-        )
+        self._fault_detected(it - 1, self.step, primary, "nvrx restart iteration")
         self._ev.emit(Event.GROUP_REBUILT, generation=it, step=None, duration_s=time.time() - t0)
         held: list[list[int]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(held, self.snapshots.steps())
-        common = set(held[0]).intersection(*map(set, held[1:]))
-        if not common:
-            raise StateRestoreError(f"no snapshot step held by every rank: {held}")
-        self.restore_step = max(common)
-        self.snapshots.drop_after(self.restore_step)
-        self._restore_state = self.snapshots.materialize(self.restore_step)
-        self._fault_step, self._fault_ts = self.step, primary.ts
-        self._resume_pending = True
+        self._prepare_restore(common_restore_step(held), self.step, primary.ts)
 
-    # -- what Context calls -----------------------------------------------------------------------
-    def steps(self, total: int) -> Iterator[int]:
-        start = self._begin(total)
-        for step in range(start, total):
-            self.step = step
-            if self.fp is not None:
-                self.fp.begin(step)
-            if self._chaos is not None:
-                for where in ("step", "before_collective"):
-                    self._chaos.maybe_fire(self.rank, step, where, objects=self.registry.objects())
-            yield step
-            self._complete(step, total)
-
-    def _begin(self, total: int) -> int:
-        if self._restore_state is None:
-            self.snapshots.capture(0, self.registry.capture())
-            return 0
-        return self._resume_restored()
-
-    def _complete(self, step: int, total: int) -> None:
-        if self.fp is not None:  # every rank issued the same collectives, or nothing is captured
-            self.fp.check(step)
+    # -- each completed step ------------------------------------------------------------------------
+    def _on_step(self, step: int) -> None:
         if self._cw is not None:
             self._cw.ping()  # NVRx's progress timeout starts with the first ping of an iteration
-        now = time.monotonic()
-        step_s = now - self._t_step if self._t_step is not None else None
-        self._t_step = now
-        if self.cfg.events.steps:
-            self._ev.emit(
-                Event.STEP_COMPLETED, generation=self.generation, step=step, step_s=step_s, log=False
-            )
-        nxt = step + 1
-        capture_s = None
-        if self.schedule.due(nxt, total):
-            self.snapshots.capture(nxt, self.registry.capture())
-            capture_s = time.monotonic() - now
-        self.schedule.observe(nxt, step_s, capture_s)
-        if self._resume_pending:
-            self._resume_pending = False
-            self._ev.emit(
-                Event.STEP_RESUMED,
-                generation=self.generation,
-                step=step,
-                since_fault_s=time.time() - (self._fault_ts or time.time()),
-            )
-            logger.info(
-                "rank {}: resumed under NVRx at step {} (iteration {})", self.rank, step, self.generation
-            )

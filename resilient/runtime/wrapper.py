@@ -6,12 +6,17 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from resilient.config import Config, load_config
+from resilient.runtime import hooks as hooks_mod
 from resilient.runtime.context import Context
 from resilient.runtime.engine import Runtime, excepthook_exit_codes
 from resilient.runtime.health import Check
+from resilient.runtime.hooks import StepHook
+
+if TYPE_CHECKING:
+    from resilient.runtime.nvrx import NvrxRuntime
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,6 +42,7 @@ def wrap(
     *,
     config: str | os.PathLike[str] | Config | None = None,
     checks: Sequence[Check] = (),
+    hooks: Sequence[StepHook] = (),
     **overrides: Any,
 ) -> Callable[[F], F]: ...
 
@@ -46,6 +52,7 @@ def wrap(
     *,
     config: str | os.PathLike[str] | Config | None = None,
     checks: Sequence[Check] = (),
+    hooks: Sequence[StepHook] = (),
     **overrides: Any,
 ) -> Any:
     """Make ``fn`` survive soft faults in-process.
@@ -54,6 +61,8 @@ def wrap(
     The configuration is validated here, at decoration time. If ``fn`` has a parameter named ``ctx``,
     the :class:`Context` is passed to it; otherwise ``resilient.current()`` returns it. The runtime
     creates the default process group (on a fresh store generation) before each entry of ``fn``.
+    ``hooks``: :class:`~resilient.runtime.hooks.StepHook` objects called at every step, besides the
+    ones installed packages register (entry-point group ``resilient.hooks``).
     """
     cfg = config if isinstance(config, Config) else load_config(config, **overrides)
     if isinstance(config, Config) and overrides:
@@ -66,13 +75,14 @@ def wrap(
         def run(*args: Any, **kwargs: Any) -> Any:
             global _current
             excepthook_exit_codes()
-            rt: Any
+            active = [*hooks, *hooks_mod.discover()]
+            rt: Runtime | NvrxRuntime
             if cfg.engine == "nvrx":
                 from resilient.runtime.nvrx import NvrxRuntime
 
-                rt = NvrxRuntime(cfg, checks)
+                rt = NvrxRuntime(cfg, checks, hooks=active)
             else:
-                rt = Runtime(cfg, checks)
+                rt = Runtime(cfg, checks, hooks=active)
 
             def entry() -> Any:
                 global _current

@@ -163,7 +163,7 @@ def test_under_torchrun_with_agent_store(tmp_path, reference):
 
 def _desync_run(tmp: Path, check: str, plan: str):
     tmp.mkdir(parents=True, exist_ok=True)
-    env = {"RESILIENT_FINAL_STATE": str(tmp / "state")} | ({"RESILIENT_CHAOS": plan} if plan else {})
+    env = {"CHAOS_FINAL_STATE": str(tmp / "state")} | ({"CHAOS_PLAN": plan} if plan else {})
     script = str(Path(__file__).with_name("_desync_train.py"))
     return run_ranks([script, "--check", check], 2, cwd=tmp, run_id=f"desync-{check}-{bool(plan)}", env=env,
                      timeout=90)  # fmt: skip

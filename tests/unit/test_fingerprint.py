@@ -1,5 +1,6 @@
-"""Per-step collective counts: equal counts pass, a difference is a desync fault, a hung rank's
-watchdog names the desync when a neighbour finished the step after fewer collectives."""
+"""Collective counts per check window: equal counts pass, a difference is a desync fault (also when
+it happened steps before the check), a hung rank's watchdog names the desync when a neighbour
+closed the window after fewer collectives."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def _pair(store: dist.Store) -> tuple[CollectiveCount, CollectiveCount]:
     return CollectiveCount(store, "fp", 0, 2), CollectiveCount(store, "fp", 1, 2)
 
 
+def _both_check(a: CollectiveCount, b: CollectiveCount, step: int) -> None:
+    t = threading.Thread(target=b.check, args=(step,))
+    t.start()
+    a.check(step)
+    t.join(5)
+
+
 def test_equal_counts_pass_and_old_keys_are_deleted(seq: _Seq) -> None:
     store = dist.HashStore()
     a, b = _pair(store)
@@ -38,11 +46,20 @@ def test_equal_counts_pass_and_old_keys_are_deleted(seq: _Seq) -> None:
         a.begin(step)
         b.begin(step)
         seq.value += 3  # both "issued" three collectives
-        t = threading.Thread(target=b.check, args=(step,))
-        t.start()
-        a.check(step)
-        t.join(5)
-    assert not store.check(["fp/0/0"]) and store.check(["fp/2/0"])  # bounded: no key per step forever
+        _both_check(a, b, step)
+    assert not store.check(["fp/0/0"]) and store.check(["fp/2/0"])  # bounded: no key per check forever
+
+
+def test_steps_between_checks_make_no_store_request(seq: _Seq) -> None:
+    store = dist.HashStore()
+    a = CollectiveCount(store, "fp", 0, 2)
+    for step in range(5):
+        a.begin(step)
+        seq.value += 1
+    assert store.num_keys() == 0
+    store.set("fp/0/1", "5")  # rank 1 issued as many over the same five steps
+    a.check(4)
+    assert a.checks == 1
 
 
 def test_a_different_count_raises_desync_naming_both(seq: _Seq) -> None:
@@ -50,23 +67,35 @@ def test_a_different_count_raises_desync_naming_both(seq: _Seq) -> None:
     a, _ = _pair(store)
     a.begin(7)
     seq.value = 2
-    store.set("fp/7/1", "1")  # rank 1 finished step 7 after one collective
+    store.set("fp/0/1", "1")  # rank 1 closed the same window after one collective
     with pytest.raises(CollectiveDesync, match=r"step 7: rank 0 issued 2 collectives, rank 1 issued 1"):
         a.check(7)
     assert classify(CollectiveDesync("x"))[0] is FaultKind.DESYNC
+
+
+def test_a_skip_steps_before_the_check_is_still_caught(seq: _Seq) -> None:
+    """A collective skipped at step 1 and none later: the window's total differs at step 3."""
+    store = dist.HashStore()
+    a = CollectiveCount(store, "fp", 0, 2)
+    for step in range(1, 4):
+        a.begin(step)
+        seq.value += 1
+    store.set("fp/0/1", "2")
+    with pytest.raises(CollectiveDesync, match=r"steps 1-3: rank 0 issued 3 collectives, rank 1 issued 2"):
+        a.check(3)
 
 
 def test_hung_rank_diagnoses_desync_only_when_a_neighbour_did_fewer(seq: _Seq) -> None:
     store = dist.HashStore()
     a, _ = _pair(store)
     a.begin(4)
-    seq.value = 2  # rank 0 has issued 2 collectives in step 4 and is blocked in the 2nd
-    assert a.diagnose(store) is None  # the neighbour has not finished the step: just a hang
-    store.set("fp/4/1", "2")
+    seq.value = 2  # rank 0 has issued 2 collectives in the window and is blocked in the 2nd
+    assert a.diagnose(store) is None  # the neighbour has not reached the check: just a hang
+    store.set("fp/0/1", "2")
     assert a.diagnose(store) is None  # it did as many: rank 0 is slow, not desynchronized
-    store.set("fp/4/1", "1")
+    store.set("fp/0/1", "1")
     msg = a.diagnose(store)
-    assert msg is not None and "rank 1 finished the step after 1 collectives, rank 0 has issued 2" in msg
+    assert msg is not None and "rank 1 reached the next check after 1 collectives, rank 0 has issued 2" in msg
 
 
 def test_single_rank_never_waits(seq: _Seq) -> None:

@@ -1,0 +1,405 @@
+"""The engine core: what every engine does with a generation, a step and a fault, written once.
+
+An engine (the native one, :mod:`resilient.runtime.engine`; NVRx's Wrapper,
+:mod:`resilient.runtime.nvrx`) decides *how* ranks leave a failed generation and meet again; the
+core holds what happens around that, the same under both:
+
+- start-up: the run's store, id, event log and heartbeat (a :class:`Wiring`, built from the launch
+  contract by :func:`wire`, or from fakes by a test), ``run_started``, the hooks;
+- a generation: the process group built on its own store prefix, the tracked objects registered
+  afresh, the collective count of its steps;
+- a step: the heartbeat, the hooks, the collective check, the in-memory snapshot when due;
+- a fault: the ``fault_detected`` event, the health checks (an unhealthy rank tells its
+  launcher's agent), the newest snapshot step every rank holds, its restore into the objects
+  tracked on re-entry;
+- the end: the hooks' ``on_finish`` and ``run_finished``.
+
+Engines extend the core at named points: ``_fresh_start`` (the first entry's state),
+``_on_step`` (each completed step, before the snapshot), ``_after_snapshot`` (mirror, durable
+checkpoint) and ``_tell_peers`` (a rank that cannot go on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+from resilient.config import Config
+from resilient.errors import HealthCheckFailed, StateRestoreError
+from resilient.events import Event, EventLog
+from resilient.launch_env import LaunchEnv
+from resilient.launcher.heartbeat import Heartbeat, unhealthy_path
+from resilient.runtime import coordinator as coord_mod
+from resilient.runtime.faults import FaultRecord
+from resilient.runtime.fingerprint import CollectiveCount
+from resilient.runtime.health import Check, HealthInput, run_checks
+from resilient.runtime.hooks import RunInfo, StepHook
+from resilient.runtime.pg import Group, build_group, resolve_backend
+from resilient.runtime.policy import RestartPolicy
+from resilient.runtime.schedule import SnapshotSchedule
+from resilient.state import Registry, SnapshotRing
+from resilient.state.registry import RNG, restore_rng
+
+GroupBuilder = Callable[[int, str], Group]  # (generation, namespace) -> that generation's group
+
+
+@dataclass
+class Wiring:
+    """The collaborators of one run: connections, identity agreed with the peers, sinks."""
+
+    store: dist.Store  # the main thread's connection to the job's store
+    side_store: Callable[[float], dist.Store]  # another connection (a thread's own), given a timeout
+    run_id: str
+    events: EventLog
+    build_group: GroupBuilder
+    heartbeat: Heartbeat | None = None
+    clock: Callable[[], float] = time.monotonic  # step progress; wall time stays time.time
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+
+
+def wire(cfg: Config, launch: LaunchEnv, *, backend: str, device: torch.device) -> Wiring:
+    """The real collaborators: the job's TCPStore (rank 0 hosts it without an agent store), the run
+    id agreed over it, the run's event log, groups built with ``backend``, the launcher's heartbeat."""
+    ep, t = launch.endpoint, cfg.timeouts
+    store = coord_mod.connect(ep, t.barrier)
+    run_id = launch.run_id or coord_mod.agree_run_id(store, {})
+    port = store.port
+
+    def group(generation: int, namespace: str) -> Group:
+        return build_group(
+            backend=backend,
+            store=store,
+            store_port=port,
+            rank=ep.rank,
+            world_size=ep.world_size,
+            generation=generation,
+            timeout=t.collective,
+            device_id=device if backend == "nccl" else None,
+            namespace=namespace,
+        )
+
+    return Wiring(
+        store=store,
+        side_store=lambda timeout: coord_mod.client(ep.host, port, timeout),
+        run_id=run_id,
+        events=EventLog(cfg.events.dir / run_id / "events.jsonl", ep.rank),
+        build_group=group,
+        heartbeat=Heartbeat.for_worker(launch),
+    )
+
+
+def common_restore_step(steps_by_rank: Sequence[Sequence[int]]) -> int:
+    """The newest snapshot step every rank holds."""
+    common = set(steps_by_rank[0]).intersection(*map(set, steps_by_rank[1:]))
+    if not common:
+        raise StateRestoreError(f"no snapshot step held by every rank: {[list(s) for s in steps_by_rank]}")
+    return max(common)
+
+
+@dataclass
+class Cost:
+    """What the runtime costs the main thread in steady state (reported in ``run_finished``)."""
+
+    steps: int = 0
+    snapshots: int = 0
+    hook_s: float = 0.0  # time in the per-step hook: progress, timer, snapshot copy
+
+
+class EngineCore:
+    """State and logic both engines share; see the module docstring for the extension points."""
+
+    engine: ClassVar[str] = "resilient"
+
+    def __init__(
+        self,
+        cfg: Config,
+        checks: Sequence[Check] = (),
+        *,
+        launch: LaunchEnv | None = None,
+        hooks: Sequence[StepHook] = (),
+        wiring: Callable[[EngineCore], Wiring] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.t = cfg.timeouts
+        self.extra_checks = tuple(checks)
+        self.launch = launch if launch is not None else LaunchEnv.from_environ()
+        self.ep = self.launch.endpoint
+        self.rank, self.world_size, self.local_rank = self.ep.rank, self.ep.world_size, self.ep.local_rank
+        self.backend = resolve_backend(cfg.backend)
+        self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        self.hooks = list(hooks)
+        self._wire = wiring or (
+            lambda core: wire(core.cfg, core.launch, backend=core.backend, device=core.device)
+        )
+        self.generation = 0
+        self.step: int | None = None
+        self.restore_step: int | None = None
+        self.registry = Registry()
+        self.snapshots = SnapshotRing()
+        self.policy = RestartPolicy(cfg.restart)
+        self.group: Group | None = None
+        self.events: EventLog | None = None  # needs the run id, agreed at start-up
+        self.run_dir: Path | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.fp: CollectiveCount | None = None  # this generation's per-step collective counts
+        self.cost = Cost()
+        self._restore_state: dict[str, Any] | None = None
+        self._restored: set[str] = set()
+        self._fault_step: int | None = None
+        self._fault_ts: float | None = None
+        self._resume_pending = False
+        self._stepped = False
+        self._progress = 0.0
+        self.clock: Callable[[], float] = time.monotonic
+
+    @property
+    def _ev(self) -> EventLog:
+        assert self.events is not None, "events are available once the run started"
+        return self.events
+
+    # -- start-up and end -------------------------------------------------------------------------
+    def _open(self, namespace_tail: str) -> Wiring:
+        """Connect (through the wiring), name this launch attempt's keys, start the event log, the
+        heartbeat and the hooks. Engine-specific start-up comes after."""
+        w = self._wire(self)
+        self.wiring = w
+        self.store = w.store
+        self.clock = w.clock
+        self.run_id = w.run_id
+        self.ns = f"resilient/{w.run_id}/{namespace_tail}a{self.launch.attempt}"
+        self.events = w.events
+        self.run_dir = w.events.path.parent if w.events.path is not None else self.cfg.events.dir / w.run_id
+        self.schedule = SnapshotSchedule(
+            self.cfg.snapshot, self.rank, self.store, f"{self.ns}/snapshot_interval"
+        )
+        self.heartbeat = w.heartbeat
+        if self.heartbeat is not None:  # under `resilient launch`: the agent watches it
+            self.heartbeat.start(lambda: self.step)
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.local_rank)
+        self._ev.emit(
+            Event.RUN_STARTED,
+            generation=0,
+            step=None,
+            world_size=self.world_size,
+            backend=self.backend,
+            hang_timeout=self.t.hang,
+            collective_timeout=self.t.collective,
+            engine=self.engine,
+        )
+        info = RunInfo(self.rank, self.world_size, self.engine, self.cfg, self.launch, self._ev, self.run_dir)
+        for h in self.hooks:
+            h.on_start(info)
+        return w
+
+    def _close_core(self) -> None:
+        """Release what :meth:`_open` acquired, the event log last; safe after a partial start."""
+        with contextlib.ExitStack() as stack:
+            if self.events is not None:
+                stack.callback(self.events.close)
+            wiring = getattr(self, "wiring", None)
+            for fn in reversed(wiring.on_close if wiring is not None else []):
+                stack.callback(fn)
+            if self.group is not None:
+                group, self.group = self.group, None
+                stack.callback(group.destroy, abort=False)
+            if self.heartbeat is not None:
+                stack.callback(self.heartbeat.close)
+        self.store = None  # type: ignore[assignment]  # release the connection
+
+    def _finished(self, **detail: Any) -> None:
+        """Every rank returned: the hooks see the final state, then ``run_finished``."""
+        for h in self.hooks:
+            h.on_finish(lambda: {k: v for k, v in self.registry.capture().items() if k != RNG})
+        self._ev.emit(
+            Event.RUN_FINISHED,
+            generation=self.generation,
+            step=self.step,
+            steps_completed=self.cost.steps,
+            snapshots=self.cost.snapshots,
+            snapshot_interval=self.schedule.interval,
+            runtime_ms_per_step=1e3 * self.cost.hook_s / max(1, self.cost.steps),
+            engine=self.engine,
+            **detail,
+        )
+
+    # -- a generation -----------------------------------------------------------------------------
+    def _new_group(self, generation: int) -> Group:
+        """Build ``generation``'s group; the function's next entry tracks its objects afresh."""
+        self.group = self.wiring.build_group(generation, self.ns)
+        self.registry.clear()
+        self._restored = set()
+        if self.cfg.collective_check:
+            self.fp = CollectiveCount(self.store, f"{self.ns}/g{generation}/fp", self.rank, self.world_size)
+        self._progress, self._stepped = self.clock(), False
+        return self.group
+
+    def _fault_detected(self, gen: int, step: int | None, primary: FaultRecord, local: str) -> None:
+        self._ev.emit(
+            Event.FAULT_DETECTED,
+            generation=gen,
+            step=step,
+            kind=primary.kind,
+            signature=primary.signature,
+            origin_rank=primary.rank,
+            origin_step=primary.step,
+            origin_ts=primary.ts,
+            origin_latency_s=primary.latency_s,
+            local=local,
+        )
+
+    def _check_health(self, gen: int, step: int | None) -> None:
+        """The built-in and the caller's checks; a failure is told to the launcher's agent (a node
+        that keeps failing them is excluded) and to the peers, then raised."""
+        t0 = time.time()
+        results = run_checks(HealthInput(self.rank, gen, self.store, self.cfg.health), self.extra_checks)
+        failed = [r for r in results if not r.ok]
+        self._ev.emit(
+            Event.HEALTH_CHECKED,
+            generation=gen,
+            step=step,
+            ok=not failed,
+            duration_s=time.time() - t0,
+            checks={r.name: {"ok": r.ok, "value": r.value} for r in results},
+        )
+        if not failed:
+            return
+        f = failed[0]
+        logger.error("rank {}: health check {!r} failed: value={} ({})", self.rank, f.name, f.value, f.detail)
+        if self.launch.heartbeat_dir is not None:
+            with contextlib.suppress(OSError):
+                unhealthy_path(self.launch.heartbeat_dir, self.local_rank).write_text(
+                    json.dumps({"check": f.name, "value": str(f.value), "detail": f.detail})
+                )
+        self._tell_peers(gen, f"health check {f.name!r} failed: {f.value}")
+        raise HealthCheckFailed(f.name, f.value, f.detail)
+
+    def _tell_peers(self, gen: int, reason: str) -> None:
+        """This rank cannot go on in generation ``gen`` (the engine's way to release its peers)."""
+
+    def _prepare_restore(self, step: int, fault_step: int | None, fault_ts: float | None) -> None:
+        """The agreed ``step``'s snapshot is loaded into each object as the function tracks it."""
+        self.restore_step = step
+        self.snapshots.drop_after(step)
+        self._restore_state = self.snapshots.materialize(step)
+        self._fault_step, self._fault_ts = fault_step, fault_ts
+        self._resume_pending = True
+
+    # -- what Context calls -----------------------------------------------------------------------
+    def track(self, objects: dict[str, Any]) -> None:
+        for name, obj in objects.items():
+            self.registry.add(name, obj)
+            if self._restore_state is not None:
+                if name not in self._restore_state:
+                    raise StateRestoreError(
+                        f"{name!r} is tracked now but was not in the snapshot of step {self.restore_step} "
+                        f"(snapshot holds {sorted(k for k in self._restore_state if k != RNG)})"
+                    )
+                self.registry.load(name, self._restore_state[name])
+                self._restored.add(name)
+
+    def steps(self, total: int) -> Iterator[int]:
+        start = self._begin_steps(total)
+        hooks, hb = self.hooks, self.heartbeat
+        for step in range(start, total):
+            self.step = step
+            if hb is not None:  # the step a hard fault hits, exactly, for the agent
+                hb.beat(step)
+            if self.fp is not None:
+                self.fp.begin(step)
+            if hooks:
+                objects = self.registry.objects()
+                for h in hooks:
+                    h.before_step(step, objects)
+            yield step
+            self._complete(step, total)
+
+    def _begin_steps(self, total: int) -> int:
+        if self._restore_state is None:
+            return self._fresh_start(total)
+        return self._resume_restored()
+
+    def _fresh_start(self, total: int) -> int:
+        """The first entry: snapshot the initial state as step 0."""
+        self.snapshots.capture(0, self.registry.capture())
+        return 0
+
+    def _resume_restored(self) -> int:
+        """At ``ctx.steps`` after a restart: every object of the snapshot was tracked again and
+        loaded; the RNGs are restored last, and the step to resume at is returned."""
+        assert self._restore_state is not None
+        missing = [n for n in self._restore_state if n != RNG and n not in self._restored]
+        if missing:
+            raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
+        restore_rng(self._restore_state[RNG])
+        step = self.restore_step
+        assert step is not None
+        self._ev.emit(
+            Event.STATE_RESTORED,
+            generation=self.generation,
+            step=step,
+            objects=sorted(self._restored),
+            steps_rerun=(self._fault_step if self._fault_step is not None else step) - step,
+            since_fault_s=time.time() - (self._fault_ts or time.time()),
+            snapshot_interval=self.schedule.interval,
+        )
+        self._restore_state = None
+        self.step = step
+        return step
+
+    def _complete(self, step: int, total: int) -> None:
+        now = self.clock()
+        step_s = now - self._progress if self._stepped else None
+        self._progress, self._stepped = now, True
+        self._on_step(step)
+        nxt = step + 1
+        capture_s = None
+        state: dict[str, Any] | None = None
+        ring_due = self.schedule.due(nxt, total)
+        if ring_due or self._mirror_due(nxt, total):
+            if self.fp is not None:  # every rank issued the same collectives, or nothing is kept
+                self.fp.check(step)
+            state = self.registry.capture()
+            if ring_due:
+                self.snapshots.capture(nxt, state)
+                capture_s = self.clock() - now
+        self.schedule.observe(nxt, step_s, capture_s)
+        if self.cfg.events.steps:
+            self._ev.emit(
+                Event.STEP_COMPLETED, generation=self.generation, step=step, step_s=step_s, log=False
+            )
+        for h in self.hooks:
+            h.after_step(self.generation, step, step_s)
+        self._after_snapshot(step, nxt, total, state, step_s, now)
+        self.cost.steps += 1
+        self.cost.snapshots += capture_s is not None
+        self.cost.hook_s += self.clock() - now
+        if self._resume_pending:
+            self._resume_pending = False
+            self._ev.emit(
+                Event.STEP_RESUMED,
+                generation=self.generation,
+                step=step,
+                since_fault_s=time.time() - (self._fault_ts or time.time()),
+            )
+
+    def _on_step(self, step: int) -> None:
+        """``step`` completed (before anything is captured)."""
+
+    def _mirror_due(self, nxt: int, total: int) -> bool:
+        """Whether the engine keeps the state after ``nxt`` steps somewhere besides the ring."""
+        return False
+
+    def _after_snapshot(
+        self, step: int, nxt: int, total: int, state: dict[str, Any] | None, step_s: float | None, now: float
+    ) -> None:
+        """After the ring's snapshot (``state``: what was captured, if anything was)."""

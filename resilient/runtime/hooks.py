@@ -1,0 +1,89 @@
+"""Step hooks: code that plugs into the runtime at fixed points of a run, unknown to the runtime.
+
+A hook sees the run start, the start and end of every step, and the run's end. The chaos harness
+is one (it fires planned faults inside a step, logs every step for a certificate's timeline and
+dumps the final state it compares bit for bit); a user's profiler or metrics exporter can be
+another. Hooks come from two places:
+
+- ``resilient.wrap(hooks=[...])``: objects the caller passes;
+- the ``resilient.hooks`` entry-point group: each entry point names a factory ``() -> hook | None``
+  that an installed package provides; ``None`` means "not active in this process" (the chaos
+  harness's factory returns a hook only when a certificate's environment asks for one).
+
+An exception raised by ``before_step`` is a fault in that step (this is how a harness injects
+one); the other methods must not raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from loguru import logger
+
+if TYPE_CHECKING:
+    from resilient.config import Config
+    from resilient.events import EventLog
+    from resilient.launch_env import LaunchEnv
+
+ENTRY_POINT_GROUP = "resilient.hooks"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a hook is told when the run starts."""
+
+    rank: int
+    world_size: int
+    engine: str
+    config: Config
+    launch: LaunchEnv
+    events: EventLog
+    run_dir: Path
+
+
+@runtime_checkable
+class StepHook(Protocol):
+    def on_start(self, run: RunInfo) -> None: ...
+
+    def before_step(self, step: int, objects: Sequence[object]) -> None:
+        """At the start of ``step``, with the objects the function tracks (model, optimizer…)."""
+
+    def after_step(self, generation: int, step: int, step_s: float | None) -> None:
+        """``step`` completed (``step_s``: since the previous one completed; None for the first)."""
+
+    def on_finish(self, final_state: Callable[[], Mapping[str, Any]]) -> None:
+        """The function returned on every rank; ``final_state()`` captures what it tracked."""
+
+
+class Hook:
+    """A :class:`StepHook` that does nothing: subclass it and override what you need."""
+
+    def on_start(self, run: RunInfo) -> None:
+        return None
+
+    def before_step(self, step: int, objects: Sequence[object]) -> None:
+        return None
+
+    def after_step(self, generation: int, step: int, step_s: float | None) -> None:
+        return None
+
+    def on_finish(self, final_state: Callable[[], Mapping[str, Any]]) -> None:
+        return None
+
+
+def discover() -> list[StepHook]:
+    """The hooks installed packages register under ``resilient.hooks`` and that are active now."""
+    found: list[StepHook] = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            hook = ep.load()()
+        except Exception as e:  # a broken plug-in is named, and the run goes on without it
+            logger.warning("step hook {!r} ({}) not loaded: {}: {}", ep.name, ep.value, type(e).__name__, e)
+            continue
+        if hook is not None:
+            found.append(hook)
+    return found
