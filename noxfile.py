@@ -12,15 +12,16 @@ PY = "3.11"
 TORCH = "torch==2.13.0"
 
 
-def _install(session: nox.Session, *extra: str) -> None:
+def _install(session: nox.Session, *extras: str) -> None:
+    """torch (the pin above) first, then this project with the given extras (`dev`, `chaos`, `bench`)."""
     session.install(TORCH)
-    session.install("-e", ".[dev]", *extra)
+    session.install("-e", f".[{','.join(extras)}]")
 
 
 @nox.session(python=PY)
 def tests(session: nox.Session) -> None:
     """Unit tests, then the multi-process gloo tests with real faults."""
-    _install(session)
+    _install(session, "dev", "chaos")
     env = {"OMP_NUM_THREADS": "1"}
     session.run("pytest", "tests/unit", "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
     session.run(
@@ -39,13 +40,13 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PY)
 def demo(session: nox.Session) -> None:
     """The bundled example under injected faults, checked against a fault-free run."""
-    _install(session)
+    _install(session, "dev")
     session.run("python", "examples/demo.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session(python=PY)
 def lint(session: nox.Session) -> None:
-    _install(session)
+    _install(session, "dev", "chaos", "bench")
     session.run("ruff", "check", ".")
     session.run("mypy")
 
@@ -57,7 +58,7 @@ def bench(session: nox.Session) -> None:
     seeded schedule; overhead; checkpoint blocking 64 MB-4 GB vs torch.save, DCP and NVRx async;
     scaling to 8 ranks; the planner at 1k-16k GPUs. Table of ratios, suite.json, suite.png.
     On a quiet machine: about 40 min."""
-    _install(session)
+    _install(session, "dev", "bench")
     session.run("python", "benchmarks/suite.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -65,7 +66,7 @@ def bench(session: nox.Session) -> None:
 def certify(session: nox.Session) -> None:
     """The CPU recovery certificate (5 trials per fault class: table, certificate.json,
     timeline.png), then goodput under a fault every 60 s (stream.json). Exit 1 on a failed SLO."""
-    _install(session)
+    _install(session, "dev", "chaos")
     env = {"OMP_NUM_THREADS": "1"}
     args = session.posargs or ["configs/chaos/cpu.yaml", "--out", "chaos_out", "--trials", "5"]
     session.run("chaos", "certify", *args, env=env)
@@ -76,7 +77,7 @@ def certify(session: nox.Session) -> None:
 @nox.session(python=PY)
 def soak(session: nox.Session) -> None:
     """200 faults of every CPU kind in one run (configs/chaos/soak.yaml, ~15 min)."""
-    _install(session)
+    _install(session, "dev", "chaos")
     args = session.posargs or ["configs/chaos/soak.yaml", "--out", "chaos_soak"]
     session.run("chaos", "stream", *args, env={"OMP_NUM_THREADS": "1"})
 

@@ -71,10 +71,15 @@ class SnapshotConfig(_Model):
 class HealthConfig(_Model):
     """Health checks run between fault detection and the rebuild of the group."""
 
-    checks: tuple[str, ...] = BUILTIN_CHECKS
-    min_host_memory_mb: float = Field(256.0, ge=0)
-    checkpoint_dir: Path | None = None
-    min_free_disk_mb: float = Field(1024.0, ge=0)
+    checks: tuple[str, ...] = Field(
+        BUILTIN_CHECKS,
+        description="subset of gpu, host_memory, checkpoint_dir, store; add yours: `wrap(checks=[fn])`",
+    )
+    min_host_memory_mb: float = Field(256.0, ge=0, description="host_memory: the least available memory")
+    checkpoint_dir: Path | None = Field(
+        None, description="checkpoint_dir: the directory whose free space is checked (skipped when null)"
+    )
+    min_free_disk_mb: float = Field(1024.0, ge=0, description="checkpoint_dir: the least free space")
 
     @field_validator("checks")
     @classmethod
@@ -133,14 +138,16 @@ class CheckpointConfig(_Model):
 class EventsConfig(_Model):
     """Where the per-run JSONL event log goes."""
 
-    dir: Path = Path("resilient_runs")
+    dir: Path = Field(Path("resilient_runs"), description="event logs go to `<dir>/<run_id>/events.jsonl`")
     steps: bool = Field(False, description="a step_completed event per step (certificates, timelines)")
 
 
 class Config(_Model):
     """Runtime configuration. Defaults live here; ``configs/default.yaml`` mirrors them."""
 
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="`gloo`, `nccl`, or `auto` (nccl when CUDA is available)"
+    )
     engine: Literal["resilient", "nvrx"] = Field(
         "resilient",
         description="who detects faults and restarts: this runtime, or NVRx's in-process Wrapper "
@@ -150,7 +157,9 @@ class Config(_Model):
     collective_timeout: float | None = Field(
         None, gt=0, description="per-collective timeout; default 2 × hang_timeout (the watchdog fires first)"
     )
-    interrupt_signal: str = "SIGUSR2"
+    interrupt_signal: str = Field(
+        "SIGUSR2", description="the signal that interrupts the main thread when a step must be left"
+    )
     freeze_gc: bool = Field(
         True,
         description="gc.freeze() the objects alive at start so the full collection that frees a failed "
