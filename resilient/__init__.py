@@ -4,7 +4,8 @@ import warnings
 
 # nvidia-resiliency-ext pulls in the deprecated `pynvml` shim, which warns when torch.cuda imports it;
 # we depend on nvidia-ml-py (same import name), so the warning is noise for our users.
-warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
+PYNVML_NOISE = "The pynvml package is deprecated"
+warnings.filterwarnings("ignore", message=PYNVML_NOISE, category=FutureWarning)
 
 from resilient.checkpoint import Checkpointer, Loaded, OnBusy, ShmSnapshot
 from resilient.config import Config, Timeouts, load_config

@@ -28,6 +28,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
+from resilient import PYNVML_NOISE
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import ExitCode
 from resilient.events import EventLog
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     if not config.run_id or config.run_id == "none":
         config.run_id = uuid.uuid4().hex[:12]
     hb_dir = Path("/dev/shm") / f"resilient-hb-{config.run_id}-{os.getpid()}"
+    # a worker's script imports torch before us: the pynvml shim's warning is filtered for it here
+    quiet = f"ignore:{PYNVML_NOISE}:FutureWarning"
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
     os.environ[Var.HEARTBEAT_DIR] = str(hb_dir)  # inherited by the workers
     os.environ[Var.LAUNCHER_PID] = str(os.getpid())  # workers die with the launcher (PDEATHSIG)
     os.environ[Var.HEARTBEAT_INTERVAL] = str(max(0.05, min(1.0, args.heartbeat_timeout / 5)))

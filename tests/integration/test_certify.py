@@ -119,3 +119,17 @@ def test_chaos_run_executes_a_declared_schedule_in_one_job(tmp_path: Path) -> No
     assert by["corrupt_checkpoint"]["detected_by"].startswith("checkpoint_rejected")
     # the agent's worker_died or the peer's fault_detected (its collective fails), whichever is first
     assert by["sigkill"]["detected_by"].split()[0] in ("worker_died", "fault_detected")
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_main_command_works_as_written_with_relative_paths(tmp_path: Path) -> None:
+    """What `nox -s certify` runs, in small, from a checkout's root: the config and --out relative
+    (the job runs inside --out, so a path resolved there twice once lost the final state)."""
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # the checkout's layout, without writing in it
+    r = _chaos(tmp_path, "certify", "configs/chaos/cpu.yaml", "--out", "chaos_out", "--classes", "exception",
+               "--trials", "1")  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    cert = json.loads((tmp_path / "chaos_out" / "certificate.json").read_text())
+    assert cert["passed"] and [c["class"] for c in cert["classes"]] == ["exception"]
+    assert (tmp_path / "chaos_out" / "reference" / "state" / "rank0.pt").exists()
+    assert "Warning" not in r.stderr, r.stderr  # no deprecation noise on a clean run
