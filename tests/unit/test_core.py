@@ -1,0 +1,229 @@
+"""The engine core's state machine in one process, with fakes for its collaborators.
+
+The native engine runs here as it does under torchrun, except that its wiring is handed in: an
+in-memory store (torch's HashStore), a group builder that builds no process group, a temporary
+event log. A fault is a real exception raised in the step; recovery, the restart policy, health
+checks, the restore agreement and the hooks run exactly as in production.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from resilient.config import Config, load_config
+from resilient.errors import FaultRepeats, HealthCheckFailed, StateRestoreError
+from resilient.events import EventLog, read_events
+from resilient.launch_env import LaunchEnv
+from resilient.runtime import fingerprint
+from resilient.runtime.core import EngineCore, Wiring, common_restore_step
+from resilient.runtime.engine import Runtime
+from resilient.runtime.health import CheckResult, HealthInput
+from resilient.runtime.hooks import Hook, RunInfo
+
+STEPS = 12
+
+
+class FakeGroup:
+    """Stands in for a generation's process group: records what the engine did to it."""
+
+    def __init__(self, generation: int, log: list[str]) -> None:
+        self.generation = generation
+        self._log = log
+
+    def abort(self) -> int:
+        self._log.append(f"abort g{self.generation}")
+        return 0
+
+    def destroy(self, abort: bool = True) -> None:
+        self._log.append(f"destroy g{self.generation}")
+
+
+class Fakes:
+    def __init__(self, tmp: Path) -> None:
+        self.store = dist.HashStore()
+        self.groups: list[str] = []
+        self.tmp = tmp
+
+    def wiring(self, core: EngineCore) -> Wiring:
+        def build(generation: int, namespace: str) -> Any:
+            self.groups.append(f"build g{generation} {namespace}")
+            return FakeGroup(generation, self.groups)
+
+        return Wiring(
+            store=self.store,
+            side_store=lambda _timeout: self.store,
+            run_id="unit",
+            events=EventLog(self.tmp / "unit" / "events.jsonl", core.rank),
+            build_group=build,
+        )
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        evs = read_events(self.tmp / "unit" / "events.jsonl")
+        return [e for e in evs if name is None or e["event"] == name]
+
+
+def _cfg(**overrides: Any) -> Config:
+    base: dict[str, Any] = {"snapshot": {"interval": 1}, "health": {"checks": ["host_memory", "store"]}}
+    return load_config(None, **{**base, **overrides})
+
+
+def _train(rt: Runtime, fault_at: Callable[[int, int], bool]) -> Callable[[], dict[str, torch.Tensor]]:
+    """A model with dropout and an optimizer; ``fault_at(generation, step)`` raises in that step."""
+
+    def fn() -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rt.track({"model": model, "opt": opt})
+        for step in rt.steps(STEPS):
+            if fault_at(rt.generation, step):
+                raise ValueError(f"boom at step {step}")
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    return fn
+
+
+def _runtime(fakes: Fakes, cfg: Config | None = None, **kw: Any) -> Runtime:
+    return Runtime(cfg or _cfg(), launch=LaunchEnv.from_environ({}), wiring=fakes.wiring, **kw)
+
+
+def test_an_exception_is_recovered_in_process_and_ends_bit_exact(tmp_path: Path) -> None:
+    ref_fakes, fakes = Fakes(tmp_path / "ref"), Fakes(tmp_path / "faulty")
+    ref_rt = _runtime(ref_fakes)
+    ref = ref_rt.run(_train(ref_rt, lambda g, s: False))
+    rt = _runtime(fakes)
+    got = rt.run(_train(rt, lambda g, s: g == 0 and s == 7))
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+    assert rt.generation == 1
+    (fault,) = fakes.events("fault_detected")
+    assert fault["kind"] == "exception" and fault["origin_step"] == 7
+    (restored,) = fakes.events("state_restored")
+    assert restored["step"] == 7 and restored["steps_rerun"] == 0
+    # the failed generation's group was aborted and destroyed before the next one was built
+    assert fakes.groups[:4] == [
+        "build g0 resilient/unit/a0",
+        "abort g0",
+        "destroy g0",
+        "build g1 resilient/unit/a0",
+    ]
+    assert fakes.events("run_finished")[0]["steps_completed"] == STEPS + 1 - 1  # steps 0-6 then 7-11
+
+
+def test_a_fault_that_repeats_at_the_same_step_is_diagnosed_not_looped_on(tmp_path: Path) -> None:
+    fakes = Fakes(tmp_path)
+    rt = _runtime(fakes, _cfg(restart={"max_repeats": 2, "max_restarts": 10}))
+    with pytest.raises(FaultRepeats) as ei:
+        rt.run(_train(rt, lambda g, s: s == 5))
+    assert "step 5" in str(ei.value) and "ValueError" in str(ei.value)
+    assert len(fakes.events("fault_detected")) == 2  # the first restart, then the verdict
+    assert fakes.events("run_failed")
+
+
+def test_a_failed_health_check_tells_the_agent_and_is_raised_typed(tmp_path: Path) -> None:
+    fakes = Fakes(tmp_path)
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    launch = LaunchEnv.from_environ({"RESILIENT_HEARTBEAT_DIR": str(hb)})
+
+    def disk_gone(inp: HealthInput) -> CheckResult:
+        return CheckResult("scratch_disk", False, "0 MB", "the node's scratch disk vanished")
+
+    rt = Runtime(_cfg(), [disk_gone], launch=launch, wiring=fakes.wiring)
+    rt.heartbeat = None
+    with pytest.raises(HealthCheckFailed, match="scratch_disk"):
+        rt.run(_train(rt, lambda g, s: s == 3))
+    verdict = json.loads((hb / "rank00000.unhealthy").read_text())
+    assert verdict["check"] == "scratch_disk"
+
+
+class Recorder(Hook):
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.final: Mapping[str, Any] = {}
+
+    def on_start(self, run: RunInfo) -> None:
+        self.calls.append(("start", run.rank, run.engine))
+
+    def before_step(self, step: int, objects: Sequence[object]) -> None:
+        self.calls.append(("before", step, len(objects)))
+
+    def after_step(self, generation: int, step: int, step_s: float | None) -> None:
+        self.calls.append(("after", generation, step))
+
+    def on_finish(self, final_state: Callable[[], Mapping[str, Any]]) -> None:
+        self.final = final_state()
+
+
+def test_hooks_see_every_step_the_re_run_included_and_the_final_state(tmp_path: Path) -> None:
+    fakes, rec = Fakes(tmp_path), Recorder()
+    rt = _runtime(fakes, hooks=[rec])
+    out = rt.run(_train(rt, lambda g, s: g == 0 and s == 4))
+    assert rec.calls[0] == ("start", 0, "resilient")
+    befores = [c[1] for c in rec.calls if c[0] == "before"]
+    assert befores == [0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10, 11]  # step 4 again after the restore
+    assert ("after", 1, 4) in rec.calls and ("after", 0, 4) not in rec.calls
+    assert all(c[2] == 2 for c in rec.calls if c[0] == "before")  # the tracked model and optimizer
+    assert torch.equal(rec.final["model"]["0.weight"], out["0.weight"])
+
+
+def test_a_hook_raising_before_a_step_is_a_fault_in_that_step(tmp_path: Path) -> None:
+    class Inject(Hook):
+        fired = False
+
+        def before_step(self, step: int, objects: Sequence[object]) -> None:
+            if step == 6 and not self.fired:
+                self.fired = True
+                raise RuntimeError("injected by a hook")
+
+    fakes = Fakes(tmp_path)
+    rt = _runtime(fakes, hooks=[Inject()])
+    rt.run(_train(rt, lambda g, s: False))
+    (fault,) = fakes.events("fault_detected")
+    assert fault["origin_step"] == 6 and "injected by a hook" in fault["local"]
+
+
+def test_the_collective_check_runs_only_where_state_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checked: list[int] = []
+    real = fingerprint.CollectiveCount.check
+    monkeypatch.setattr(
+        fingerprint.CollectiveCount, "check", lambda self, step: (checked.append(step), real(self, step))
+    )
+    fakes = Fakes(tmp_path)
+    rt = _runtime(fakes, _cfg(snapshot={"interval": 4}))
+    rt.run(_train(rt, lambda g, s: False))
+    assert checked == [3, 7, 11]  # before the snapshots of steps 4, 8 and 12, not at every step
+
+
+def test_a_restart_that_tracks_fewer_objects_is_refused_by_name(tmp_path: Path) -> None:
+    fakes = Fakes(tmp_path)
+    rt = _runtime(fakes)
+
+    def fn() -> None:
+        model = torch.nn.Linear(2, 2)
+        rt.track({"model": model} if rt.generation else {"model": model, "ema": torch.nn.Linear(2, 2)})
+        for step in rt.steps(6):
+            if rt.generation == 0 and step == 2:
+                raise ValueError("boom")
+
+    with pytest.raises(StateRestoreError, match="ema"):
+        rt.run(fn)
+
+
+def test_the_restore_step_is_the_newest_every_rank_holds() -> None:
+    assert common_restore_step([[0, 4, 8], [4, 8, 9], [8, 4]]) == 8
+    with pytest.raises(StateRestoreError, match="no snapshot step held by every rank"):
+        common_restore_step([[0, 4], [8]])
