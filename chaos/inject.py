@@ -34,6 +34,8 @@ from typing import Any
 
 import psutil
 
+from resilient.events import read_events
+
 KINDS = ("exception", "hang", "stall", "oom", "cuda_oom", "kernel_oom", "gil_hang", "desync")
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                 "reduce", "all_to_all_single", "barrier")  # fmt: skip
@@ -112,17 +114,12 @@ def _fired_in_job(f: Fault) -> int:
     """How often earlier processes of this job fired ``f`` (``$CHAOS_INJECTIONS``): a relaunched
     worker must not fire a planned fault again (a fault per plan entry, not per process)."""
     path = os.environ.get("CHAOS_INJECTIONS")  # chaos.hooks.Var.INJECTIONS
-    if not path or not os.path.exists(path):
+    if not path:
         return 0
-    n = 0
-    with open(path) as fh:
-        for line in fh:
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            n += r.get("by") == "injector" and (r["kind"], r["step"], r["rank"]) == (f.kind, f.step, f.rank)
-    return n
+    return sum(
+        r.get("by") == "injector" and (r["kind"], r["step"], r["rank"]) == (f.kind, f.step, f.rank)
+        for r in read_events(path)
+    )
 
 
 def _record(f: Fault) -> None:

@@ -19,6 +19,7 @@ from chaos.hooks import Var
 from chaos.netns import ENV as NETNS_ENV
 from chaos.netns import VethLink
 from chaos.schedule import Certification
+from resilient.events import read_events, read_run_events
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_tiny.py"
@@ -101,21 +102,12 @@ class Job:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):  # a line being written right now
-            out.append(json.loads(line))
-    return out
+jsonl = read_events  # injections.jsonl is JSON lines too
 
 
 def events(cwd: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for f in (cwd / "resilient_runs").glob("*/events.jsonl"):
-        out += jsonl(f)
-    return sorted(out, key=lambda e: e["ts"])
+    """Every event of the job run in ``cwd`` (its agent's and every worker's), in time order."""
+    return read_run_events(cwd / "resilient_runs")
 
 
 def record_injection(cwd: Path, kind: str, rank: int, step: int, **extra: Any) -> float:

@@ -10,7 +10,6 @@ the target rank reached the fault's step; used by ``chaos certify`` (one fault p
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from chaos.cgroup import blkio_cgroup, release_blkio
 from chaos.job import Job, record_injection
 from chaos.netns import VethLink
 from chaos.schedule import LINK, Certification, Planned
+from resilient.events import EventTail
 
 HARNESS = ("sigkill", "sigstop", "corrupt_checkpoint", "slow_disk", "kernel_oom", *LINK)
 
@@ -32,24 +32,15 @@ class Tail:
 
     def __init__(self, cwd: Path) -> None:
         self.cwd = cwd
-        self._pos: dict[Path, int] = {}
+        self._tail = EventTail(cwd / "resilient_runs")
         self.reached: dict[int, tuple[int, int]] = {}  # rank → (newest step completed, its pid)
 
     def poll(self) -> None:
-        for f in (self.cwd / "resilient_runs").glob("*/events.jsonl"):
-            pos = self._pos.get(f, 0)
-            with open(f, "rb") as fh:
-                fh.seek(pos)
-                chunk = fh.read()
-            end = chunk.rfind(b"\n") + 1  # a line being written now: next time
-            self._pos[f] = pos + end
-            for line in chunk[:end].splitlines():
-                with contextlib.suppress(ValueError):
-                    e = json.loads(line)
-                    if e["event"] == "step_completed":
-                        self.reached[e["rank"]] = (e["step"], e["pid"])
-                    elif e["event"] == "run_started" and e["rank"] >= 0:  # a new process: from its start
-                        self.reached[e["rank"]] = (-1, e["pid"])
+        for e in self._tail.poll():
+            if e["event"] == "step_completed":
+                self.reached[e["rank"]] = (e["step"], e["pid"])
+            elif e["event"] == "run_started" and e["rank"] >= 0:  # a new process: from its start
+                self.reached[e["rank"]] = (-1, e["pid"])
 
 
 @dataclass

@@ -93,11 +93,48 @@ class EventLog:
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Read an events.jsonl file; a torn last line (a killed writer) is skipped."""
+    """Read an events.jsonl file (or any JSON-lines record); a torn line (a killed writer, a line
+    being written now) is skipped, a missing file is no records."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
     out = []
-    for line in Path(path).read_text().splitlines():
+    for line in text.splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
             continue
     return out
+
+
+def read_run_events(runs_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every run's events under ``runs_dir`` (``<dir>/<run_id>/events.jsonl``), in time order."""
+    out: list[dict[str, Any]] = []
+    for f in Path(runs_dir).glob("*/events.jsonl"):
+        out += read_events(f)
+    return sorted(out, key=lambda e: e["ts"])
+
+
+class EventTail:
+    """The event logs under ``runs_dir``, read incrementally: each :meth:`poll` returns the records
+    appended since the last one (a long run's log grows to ~10^5 lines; re-reading all of it on
+    every poll would make a watcher late)."""
+
+    def __init__(self, runs_dir: str | os.PathLike[str]) -> None:
+        self.runs_dir = Path(runs_dir)
+        self._pos: dict[Path, int] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        new: list[dict[str, Any]] = []
+        for f in self.runs_dir.glob("*/events.jsonl"):
+            pos = self._pos.get(f, 0)
+            with open(f, "rb") as fh:
+                fh.seek(pos)
+                chunk = fh.read()
+            end = chunk.rfind(b"\n") + 1  # a line being written now: next time
+            self._pos[f] = pos + end
+            for line in chunk[:end].splitlines():
+                with contextlib.suppress(ValueError):
+                    new.append(json.loads(line))
+        return new

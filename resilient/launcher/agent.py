@@ -96,8 +96,6 @@ def describe_exit(exitcode: int, pid: int, oom_before: int | None, oom_after: in
     return f"killed by {name}"
 
 
-
-
 def _rdzv_state(handler: Any) -> Any:
     holder = getattr(handler, "_state_holder", None)  # DynamicRendezvousHandler (c10d, etcd-v2)
     return getattr(holder, "state", None)

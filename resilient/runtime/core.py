@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
+import threading
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +51,14 @@ from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.schedule import SnapshotSchedule
 from resilient.state import Registry, SnapshotRing
 from resilient.state.registry import RNG, restore_rng
+
+# Files whose frames, innermost on the main thread, mean "blocked waiting for peers".
+_COLLECTIVE_MODULES = (
+    "torch/distributed/",
+    "torch/autograd/",
+    "torch/nn/parallel/distributed.py",
+    "resilient/runtime/fingerprint.py",  # waiting for a peer's collective count: a victim's wait too
+)
 
 GroupBuilder = Callable[[int, str], Group]  # (generation, namespace) -> that generation's group
 
@@ -103,6 +114,23 @@ def common_restore_step(steps_by_rank: Sequence[Sequence[int]]) -> int:
     if not common:
         raise StateRestoreError(f"no snapshot step held by every rank: {[list(s) for s in steps_by_rank]}")
     return max(common)
+
+
+def main_thread_where() -> tuple[str, bool]:
+    """Innermost frame of the main thread, and whether it sits in a collective / backward pass
+    (a victim waiting for a peer) rather than in the rank's own code (a culprit, when it hangs)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return "?", False
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    f: types.FrameType | None = frame
+    for _ in range(4):  # the innermost Python frames around the blocking C++ call
+        if f is None:
+            break
+        if any(m in f.f_code.co_filename for m in _COLLECTIVE_MODULES):
+            return where, True
+        f = f.f_back
+    return where, False
 
 
 @dataclass

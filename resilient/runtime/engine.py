@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 import traceback
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +42,7 @@ from resilient.launch_env import LaunchEnv
 from resilient.launcher.heartbeat import die_with_launcher
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime import resume
-from resilient.runtime.core import EngineCore, Wiring, common_restore_step
+from resilient.runtime.core import EngineCore, Wiring, common_restore_step, main_thread_where
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.health import Check
 from resilient.runtime.hooks import StepHook
@@ -51,14 +50,6 @@ from resilient.runtime.persist import Persistence
 from resilient.runtime.schedule import SnapshotSchedule
 from resilient.runtime.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
 from resilient.state.registry import RNG, restore_rng
-
-# Files whose frames, innermost on the main thread, mean "blocked waiting for peers".
-_COLLECTIVE_MODULES = (
-    "torch/distributed/",
-    "torch/autograd/",
-    "torch/nn/parallel/distributed.py",
-    "resilient/runtime/fingerprint.py",  # waiting for a peer's collective count: a victim's wait too
-)
 
 
 class Phase(str, enum.Enum):
@@ -475,19 +466,7 @@ class Runtime(EngineCore):
         )
 
     def main_thread_where(self) -> tuple[str, bool]:
-        """Innermost frame of the main thread, and whether it sits in a collective / backward pass."""
-        frame = sys._current_frames().get(threading.main_thread().ident or -1)
-        if frame is None:
-            return "?", False
-        where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-        f: types.FrameType | None = frame
-        for _ in range(4):  # the innermost Python frames around the blocking C++ call
-            if f is None:
-                break
-            if any(m in f.f_code.co_filename for m in _COLLECTIVE_MODULES):
-                return where, True
-            f = f.f_back
-        return where, False
+        return main_thread_where()
 
     def on_hang(self, generation: int, idle_s: float) -> None:
         where, _ = self.main_thread_where()

@@ -50,7 +50,7 @@ from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhauste
 from resilient.events import Event
 from resilient.launch_env import LaunchEnv
 from resilient.launcher.heartbeat import die_with_launcher
-from resilient.runtime.core import EngineCore, Wiring, common_restore_step
+from resilient.runtime.core import EngineCore, Wiring, common_restore_step, main_thread_where
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.health import Check
 from resilient.runtime.hooks import StepHook
@@ -266,7 +266,10 @@ class NvrxRuntime(EngineCore):
                 rec = FaultRecord.from_exception(exc, rank=self.rank, generation=it, step=self.step)
                 if rec.kind == FaultKind.COLLECTIVE.value:  # timed out waiting for a skipped one?
                     rec = self._desync(self.store) or rec
-                self.store.compare_set(f"{self.ns}/g{it}/fault", "", rec.to_json())
+                # a collective that timed out is a victim's view: the peer it waited for may be
+                # the one that hangs, and that rank's record (posted at NVRx's abort) comes first
+                weak = rec.kind == FaultKind.COLLECTIVE.value
+                self.store.compare_set(self._fault_key(it, weak), "", rec.to_json())
             traceback.clear_frames(exc.__traceback__)
             raise
         finally:
@@ -278,8 +281,11 @@ class NvrxRuntime(EngineCore):
         timeout interrupted every rank), so it is recorded as one at the step this rank was in."""
         if self._fault is not None and self._fault.generation == gen:
             return self._fault
-        key = f"{self.ns}/g{gen}/fault"
-        raw = self.store.get(key) if self.store.check([key]) else b""
+        raw = b""
+        for key in (self._fault_key(gen, weak=False), self._fault_key(gen, weak=True)):
+            if self.store.check([key]):
+                raw = self.store.get(key)
+                break
         if raw:
             rec = FaultRecord.from_json(raw)
         else:  # NVRx interrupted every rank before any raised: its progress timeout (a hang)
@@ -292,16 +298,34 @@ class NvrxRuntime(EngineCore):
         self._fault = rec
         return rec
 
+    def _fault_key(self, gen: int, weak: bool) -> str:
+        """Where iteration ``gen``'s fault is posted; the first post wins. A weak record (a victim's
+        collective timeout) is read only when no rank posted a strong one."""
+        return f"{self.ns}/g{gen}/fault" + ("/weak" if weak else "")
+
     def _post_diagnosis(self) -> None:
-        """From NVRx's monitor thread, at the abort: a rank waiting in a collective that its
-        neighbour finished the step without (fewer collectives counted) posts a desync record,
-        so every rank restarts knowing the cause instead of "no progress"."""
+        """From NVRx's monitor thread, at the abort, so every rank restarts knowing the cause:
+        a rank waiting in a collective that its neighbour finished without (fewer collectives
+        counted) posts a desync; a rank that made no progress for the hang timeout outside any
+        collective (in its own code: the culprit, not a victim) posts a hang."""
         if self._in_fn is None:
             return
-        rec = self._desync(self.monitor_store)
+        rec = self._desync(self.monitor_store) or self._own_hang()
         if rec is not None:
             with contextlib.suppress(Exception):
-                self.monitor_store.compare_set(f"{self.ns}/g{rec.generation}/fault", "", rec.to_json())
+                self.monitor_store.compare_set(self._fault_key(rec.generation, weak=False), "", rec.to_json())
+
+    def _own_hang(self) -> FaultRecord | None:
+        idle = self.clock() - self._progress
+        limit = self.t.hang if self._stepped else self.t.startup
+        where, in_collective = main_thread_where()
+        if in_collective or idle < limit:
+            return None
+        return FaultRecord(
+            rank=self.rank, generation=self.generation, step=self.step, kind=FaultKind.HANG.value,
+            severity=Severity.SOFT.value, signature="hang: no step progress", latency_s=idle,
+            message=f"no step progress for {idle:.2f}s (limit {limit:g}s); main thread at {where}",
+        )  # fmt: skip
 
     def _desync(self, store: dist.Store) -> FaultRecord | None:
         """A desync record if this rank waits in a collective its neighbour finished the step
