@@ -23,6 +23,7 @@ from resilient.checkpoint.manifest import committed_steps, tmp_dirs
 from resilient.checkpoint.reader import load_latest
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import CheckpointError, ExitCode
+from tests._wait import wait_until
 from tests.integration.conftest import STEPS, assert_bit_exact, load_states, run_example
 
 pytestmark = pytest.mark.integration
@@ -66,17 +67,23 @@ class Worker:
 
     def wait_for(self, n: int, timeout: float = 60.0) -> None:
         """Block until the worker reports at least ``n`` completed steps."""
-        deadline = time.monotonic() + timeout
+        wait_until(
+            lambda: self._read_reports(n) >= n,
+            timeout,
+            lambda: f"the worker to report {n} steps (it reported {self.last})",
+        )
+
+    def _read_reports(self, n: int) -> int:
+        """The steps reported so far, after reading the lines the worker has written (up to step
+        ``n``) without blocking; fails at once if the worker exited."""
         assert self.p.stdout is not None
-        while self.last < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sel.select(left):
-                raise AssertionError(f"worker reported {self.last} < {n} steps in {timeout}s")
+        while self.last < n and self.sel.select(0):
             line = self.p.stdout.readline()
             if not line:
                 err = self.p.stderr.read() if self.p.stderr else ""
                 raise AssertionError(f"worker exited rc={self.p.wait()}:\n{err[-3000:]}")
             self.last = int(line.split()[1])
+        return self.last
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -167,15 +174,15 @@ def test_disk_full_reports_checkpoint_error_and_keeps_older_checkpoints(small_fs
 
 
 def _wait_event(path: Path, name: str, min_step: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:  # another process writes the log: poll it, bounded
+    def logged() -> bool:  # another process writes the log: poll it
         if path.exists():
             for line in path.read_text().splitlines():
                 e = json.loads(line)
                 if e["event"] == name and (e.get("step") or 0) >= min_step:
-                    return
-        time.sleep(0.05)
-    raise AssertionError(f"no {name} event with step >= {min_step} in {path} within {timeout}s")
+                    return True
+        return False
+
+    wait_until(logged, timeout, f"a {name} event with step >= {min_step} in {path}")
 
 
 def test_sigusr1_writes_final_checkpoint_exits_requeue_and_resumes_bit_exact(
@@ -186,10 +193,7 @@ def test_sigusr1_writes_final_checkpoint_exits_requeue_and_resumes_bit_exact(
 
     def preempt(procs: list[subprocess.Popen[str]]) -> None:
         runs = first / "resilient_runs"
-        deadline = time.monotonic() + 60
-        while not runs.exists() or not any(runs.iterdir()):
-            assert time.monotonic() < deadline, "the run never started"
-            time.sleep(0.05)
+        wait_until(lambda: runs.exists() and any(runs.iterdir()), 60, "the run to start")
         events = next(runs.iterdir()) / "events.jsonl"
         _wait_event(events, "checkpoint_saved", 8)
         for p in procs:  # like Slurm's --signal: every task gets it

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from resilient.errors import ExitCode
+from tests._wait import wait_until
 from tests.integration.conftest import EXAMPLE, STEPS, assert_bit_exact
 
 pytestmark = pytest.mark.integration
@@ -46,14 +46,14 @@ class Launch:
         return sorted(out, key=lambda e: e["ts"])
 
     def wait_event(self, name: str, pred: Any = lambda e: True, timeout: float = 60.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:  # another process writes the log: poll it, bounded
+        def logged() -> dict[str, Any] | None:  # another process writes the log: poll it
             for e in self.events():
                 if e["event"] == name and pred(e):
                     return e
             assert self.p.poll() is None, f"launcher exited rc={self.p.returncode}:\n{self.output()}"
-            time.sleep(0.05)
-        raise AssertionError(f"no {name} event within {timeout}s:\n{self.output()}")
+            return None
+
+        return wait_until(logged, timeout, lambda: f"a {name} event:\n{self.output()}")
 
     def output(self) -> str:
         if not self.log.closed:
@@ -261,12 +261,13 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGSTOP)
         os.kill(run.p.pid, signal.SIGKILL)  # the launcher only: no chance to stop its workers
         run.p.wait()
-        deadline = time.monotonic() + 20
-        alive = pids
-        while alive and time.monotonic() < deadline:  # the kernel delivers PDEATHSIG; wait for it
-            alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-            time.sleep(0.05)
-        assert not alive, f"workers {alive} outlived their launcher"
+
+        def alive() -> list[int]:
+            return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+        wait_until(  # the kernel delivers PDEATHSIG; wait for it
+            lambda: not alive(), 20, lambda: f"the workers to die: workers {alive()} outlived their launcher"
+        )
     finally:
         run.finish(timeout=1)
 

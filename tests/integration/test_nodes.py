@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from tests._wait import wait_until
 from tests.integration.conftest import EXAMPLE, STEPS, assert_bit_exact
 from tests.integration.test_launcher import Launch, _finish_all
 
@@ -42,13 +42,15 @@ class Job:
     def start(self, *args: str) -> Launch:
         node = Launch(self.tmp / f"node{len(self.nodes)}", *self.common, *args)
         self.nodes.append(node)
+
+        def store_up() -> bool:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+                return True
+            assert node.p.poll() is None, node.output()
+            return False
+
         if len(self.nodes) == 1:  # the others must find node 0's rendezvous store, not host one
-            deadline = time.monotonic() + 60
-            while True:
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
-                    break
-                assert node.p.poll() is None and time.monotonic() < deadline, node.output()
-                time.sleep(0.05)
+            wait_until(store_up, 60, lambda: f"node 0's rendezvous store:\n{node.output()}")
         return node
 
     def ranks(self, node: Launch) -> set[int]:
@@ -126,13 +128,18 @@ def test_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path) -> None:
               "--rdzv-conf", RDZV_FAST)  # fmt: skip
     try:
         nodes = [job.start(*_train(tmp_path, cfg)) for _ in range(3)]
-        deadline = time.monotonic() + 120
-        while not all(
-            any(e["event"] == "checkpoint_saved" and e["rank"] >= 0 and e["step"] >= 8 for e in n.events())
-            for n in nodes
-        ):  # all three train (a late one was admitted with a restart)
-            assert time.monotonic() < deadline, [n.output() for n in nodes]
-            time.sleep(0.1)
+
+        def saved_step_8(n: Launch) -> bool:
+            return any(
+                e["event"] == "checkpoint_saved" and e["rank"] >= 0 and e["step"] >= 8 for e in n.events()
+            )
+
+        wait_until(  # all three train (a late one was admitted with a restart)
+            lambda: all(saved_step_8(n) for n in nodes),
+            120,
+            lambda: f"all three nodes to save a checkpoint at step >= 8: {[n.output() for n in nodes]}",
+            interval=0.1,
+        )
         victim = next(n for n in nodes[1:] if 1 in job.ranks(n) and 0 not in job.ranks(n))
         job.lose(victim)
         survivors = [n for n in nodes if n is not victim]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from resilient.launcher.agent import describe_exit
 from resilient.launcher.heartbeat import beat_path, read_beat
@@ -30,28 +31,34 @@ def test_no_file_or_no_beat_reads_as_none(tmp_path: Path) -> None:
     assert read_beat(tmp_path / "empty.hb") is None
 
 
-def test_beating_thread_stops_when_the_process_is_stopped(tmp_path: Path) -> None:
+def test_beating_thread_stops_when_the_process_is_stopped(tmp_path: Path, wait_until: Any) -> None:
     path = beat_path(tmp_path, 0)
     code = (
         "import time; from pathlib import Path; from resilient.launcher.heartbeat import Heartbeat;"
         f"h = Heartbeat(Path({str(path)!r})); h.start(lambda: 7, interval=0.05); time.sleep(60)"
     )
     p = subprocess.Popen([sys.executable, "-c", code])
+
+    def stepped() -> bool:  # the thread's first beat with a step
+        if (b := read_beat(path)) is not None and b[1] == 7:
+            return True
+        assert p.poll() is None
+        return False
+
     try:
-        deadline = time.monotonic() + 30
-        while (b := read_beat(path)) is None or b[1] != 7:  # the thread's first beat with a step
-            assert time.monotonic() < deadline and p.poll() is None
-            time.sleep(0.02)
+        wait_until(stepped, 30, "the beating thread's first beat with step 7", interval=0.02)
         os.kill(p.pid, signal.SIGSTOP)  # a real freeze: no thread of it runs any more
         stopped_at = time.monotonic()
         time.sleep(0.5)  # the time span under test: the beat must age while the process is stopped
         age = read_beat(path)
         assert age is not None and age[0] >= 0.4 and time.monotonic() - stopped_at >= 0.5
         os.kill(p.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while (b := read_beat(path)) is not None and b[0] > 0.2:  # beats resume
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(  # beats resume
+            lambda: (b := read_beat(path)) is None or b[0] <= 0.2,
+            10,
+            "the beats to resume after SIGCONT (a beat at most 0.2 s old)",
+            interval=0.02,
+        )
     finally:
         p.kill()
         p.wait()

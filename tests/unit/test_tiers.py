@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -214,7 +213,7 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def s3_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def s3_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait_until: Any) -> Iterator[str]:
     pytest.importorskip("moto.server", reason="moto[server] is not installed")
     s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed")
     for var, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}.items():
@@ -226,18 +225,20 @@ def s3_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
     endpoint = f"http://127.0.0.1:{port}"
     with open(tmp_path / "moto.log", "wb") as log:
         proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
+
+    def answers() -> bool:
+        try:
+            urllib.request.urlopen(endpoint, timeout=1.0).close()
+        except urllib.error.HTTPError:
+            pass  # it answered HTTP
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(f"moto_server did not come up: {(tmp_path / 'moto.log').read_text()}")
+            return False
+        return True
+
     try:
-        deadline = time.monotonic() + 30.0
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=1.0).close()
-                break
-            except urllib.error.HTTPError:
-                break  # it answered HTTP
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"moto_server did not come up: {(tmp_path / 'moto.log').read_text()}")
-                time.sleep(0.05)
+        wait_until(answers, 30.0, lambda: f"moto_server to come up: {(tmp_path / 'moto.log').read_text()}")
         fs = s3fs.S3FileSystem(key="test", secret="test", endpoint_url=endpoint, skip_instance_cache=True)
         fs.mkdir("ckpt")
         yield endpoint
