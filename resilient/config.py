@@ -45,13 +45,15 @@ class RestartConfig(_Model):
 class SnapshotConfig(_Model):
     """In-memory snapshot of the last good step.
 
-    ``interval: auto`` snapshots every step while the run calibrates, then rank 0 measures the copy
-    against the step time and picks the smallest interval whose cost stays under ``max_overhead``
-    (every rank adopts rank 0's choice, so all ranks hold the same steps).
+    ``interval: auto`` snapshots at a few sample steps while the run calibrates, then rank 0 measures
+    the cost against the step time and picks the smallest interval whose cost stays under
+    ``max_overhead`` (every rank adopts rank 0's choice, so all ranks hold the same steps).
     """
 
     interval: int | Literal["auto"] = Field("auto", description="every N completed steps, or auto")
-    max_overhead: float = Field(0.005, gt=0, le=1, description="auto: snapshot time / step time budget")
+    max_overhead: float = Field(
+        0.005, gt=0, le=1, description="auto: snapshot time / step time budget (ring and shm mirror together)"
+    )
     replica_max_bytes: int = Field(
         256 * 1024,
         ge=0,

@@ -43,7 +43,7 @@ from resilient.launch_env import LaunchEnv
 from resilient.launcher.heartbeat import Heartbeat, unhealthy_path
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime.faults import FaultRecord
-from resilient.runtime.fingerprint import CollectiveCount
+from resilient.runtime.fingerprint import CollectiveCount, CollectiveDesync
 from resilient.runtime.health import Check, HealthInput, run_checks
 from resilient.runtime.hooks import RunInfo, StepHook
 from resilient.runtime.pg import Group, build_group, resolve_backend
@@ -207,7 +207,7 @@ class EngineCore:
         self.events = w.events
         self.run_dir = w.events.path.parent if w.events.path is not None else self.cfg.events.dir / w.run_id
         self.schedule = SnapshotSchedule(
-            self.cfg.snapshot, self.rank, self.store, f"{self.ns}/snapshot_interval"
+            self.cfg.snapshot, self.rank, self.store, f"{self.ns}/snapshot_interval", self._ring_share()
         )
         self.heartbeat = w.heartbeat
         if self.heartbeat is not None:  # under `resilient launch`: the agent watches it
@@ -392,10 +392,15 @@ class EngineCore:
         nxt = step + 1
         capture_s = None
         state: dict[str, Any] | None = None
+        fp = self.fp
+        if fp is not None and fp.pending is not None:  # the last kept snapshot, verified now
+            self._verified(fp.settle, False)
         ring_due = self.schedule.due(nxt, total)
-        if ring_due or self._mirror_due(nxt, total):
-            if self.fp is not None:  # every rank issued the same collectives, or nothing is kept
-                self.fp.check(step)
+        leaves = nxt == total or self._mirror_due(nxt, total)  # (the last: returned to the caller)
+        if ring_due or leaves:
+            if fp is not None:  # every rank issued the same collectives, or nothing is kept
+                # state that leaves the process is verified first; the ring's, at the next step
+                self._verified(fp.check if leaves else fp.close_window, step)
             state = self.registry.capture()
             if ring_due:
                 self.snapshots.capture(nxt, state)
@@ -419,6 +424,42 @@ class EngineCore:
                 step=step,
                 since_fault_s=time.time() - (self._fault_ts or time.time()),
             )
+
+    def _verified(self, compare: Callable[[Any], Any], arg: Any) -> None:
+        """Run a comparison of collective counts; on a desync, the snapshot kept after the
+        window that differs is dropped before the fault is raised."""
+        try:
+            compare(arg)
+        except CollectiveDesync as e:
+            self.snapshots.drop_after(e.window_end)
+            raise
+
+    def _settle_at_end(self) -> None:
+        """The function returned (perhaps leaving ``ctx.steps`` early): no unverified state may
+        stand as its result."""
+        fp = self.fp
+        if fp is not None and fp.pending is not None:
+            self._verified(fp.settle, True)
+
+    def _settle_before_restore(self) -> None:
+        """A fault came while the newest snapshot was unverified: compare now if the neighbour's
+        count is there, else drop that snapshot (nothing proves it good)."""
+        fp = self.fp
+        if fp is None or fp.pending is None:
+            return
+        end = fp.pending
+        try:
+            if fp.settle(block=False):
+                return
+        except CollectiveDesync:
+            pass
+        except Exception as e:  # the store may be what failed: no proof either way
+            logger.debug("rank {}: collective count not compared: {}", self.rank, e)
+        self.snapshots.drop_after(end)
+
+    def _ring_share(self) -> float:
+        """The in-memory ring's part of the snapshot budget (the rest: the engine's mirror)."""
+        return 1.0
 
     def _on_step(self, step: int) -> None:
         """``step`` completed (before anything is captured)."""

@@ -112,7 +112,7 @@ class Runtime(EngineCore):
         # has its own cadence: the in-memory ring, which every soft fault restores from, is not
         # thinned out by the mirror's cost
         self.mirror_schedule = SnapshotSchedule(
-            self.cfg.snapshot, self.rank, self.store, f"{self.ns}/mirror_interval"
+            self.cfg.snapshot, self.rank, self.store, f"{self.ns}/mirror_interval", 1.0 - self._ring_share()
         )
         self.monitor_store = w.side_store(self.t.barrier)
         self.listener_store = w.side_store(coord_mod.FOREVER)
@@ -209,6 +209,7 @@ class Runtime(EngineCore):
     def _attempt(self, fn: Callable[[], Any]) -> tuple[bool, Any, BaseException | None]:
         try:
             result = fn()
+            self._settle_at_end()
         except (Exception, StepInterrupted) as exc:
             self.phase = Phase.RECOVERING  # first: a late interrupt must not fire in recovery code
             if isinstance(exc, ResilienceError) and not isinstance(exc, HardFault | SoftFault):
@@ -291,6 +292,7 @@ class Runtime(EngineCore):
         self._check_health(gen, step)
         if delay > 0:
             time.sleep(delay)
+        self._settle_before_restore()
         self._prepare_restore(self._agree_restore_step(gen), step, fault_ts)
         self.generation = gen + 1
 
@@ -305,6 +307,7 @@ class Runtime(EngineCore):
 
     def _preempt(self, gen: int, primary: FaultRecord) -> None:
         """Every rank left its step: save the newest state all ranks hold, then exit for requeue."""
+        self._settle_before_restore()
         step = self._agree_restore_step(gen)
         if self.persist is None:
             raise Preempted(f"preempted ({primary.message}); no checkpoint.dir, nothing saved", step)
@@ -389,6 +392,9 @@ class Runtime(EngineCore):
         return step
 
     # -- each completed step ------------------------------------------------------------------------
+    def _ring_share(self) -> float:
+        return 0.5 if self.launch.under_launcher else 1.0  # the mirror takes the other half
+
     def _on_step(self, step: int) -> None:
         self.hard_timer.arm(self.t.hard)
 

@@ -12,8 +12,14 @@ checkpoint: the same steps on every rank), each rank posts to the store how many
 issued since the previous check (out of band: the desynchronized group cannot be trusted to carry
 it) and compares with its ring neighbour's count for the same window. Equal counts around the
 ring mean equal counts everywhere; a difference raises :class:`CollectiveDesync` before anything
-is captured. Steps between two checks cost nothing here (no store request), so the check's cost
+is trusted. Steps between two checks cost nothing here (no store request), so the check's cost
 follows the snapshot cadence, which the schedule keeps within its overhead budget.
+
+The comparison need not hold the step up: state kept only in this process's memory (the snapshot
+ring) may be kept at once and verified at the next step's end, when the neighbour's count is
+normally there (one store request); a difference then drops that snapshot before the fault is
+raised, and a recovery drops a snapshot still unverified. State that leaves the process (the
+shared-memory mirror, a checkpoint) is compared first, waiting for the neighbour.
 
 A rank blocked in a collective its peer never issued never reaches the next check: its watchdog
 sees a hang, and :meth:`CollectiveCount.diagnose` turns it into a desync when a neighbour
@@ -33,7 +39,12 @@ from resilient.errors import SoftFault
 
 
 class CollectiveDesync(SoftFault):
-    """Ranks issued different numbers of collectives in one step (recovered in-process)."""
+    """Ranks issued different numbers of collectives in one window (recovered in-process).
+    ``window_end``: the step that closed the window; state kept after it is not a good state."""
+
+    def __init__(self, message: str, window_end: int) -> None:
+        super().__init__(message)
+        self.window_end = window_end
 
 
 def _seq() -> int:
@@ -55,6 +66,7 @@ class CollectiveCount:
         self._since: int | None = None  # the first step of the open window
         self._base = _seq()
         self._posted: list[int] = []  # own keys not yet deleted
+        self._pending: tuple[int, int, int, int] | None = None  # (k, count, first step, last step)
 
     def _key(self, k: int, rank: int) -> str:
         return f"{self.prefix}/{k}/{rank}"
@@ -68,30 +80,57 @@ class CollectiveCount:
         """Collectives this rank issued in the open window."""
         return _seq() - self._base
 
-    def check(self, step: int) -> None:
-        """Close the window at the end of ``step``: post this rank's count and compare it with the
-        next rank's (blocks until that rank closed the same window; a peer that never does is a
-        hang, and the watchdog's)."""
+    @property
+    def pending(self) -> int | None:
+        """The step that closed a window whose neighbour's count was not compared yet."""
+        return self._pending[3] if self._pending is not None else None
+
+    def close_window(self, step: int) -> None:
+        """Post this rank's count for the window ending with ``step`` and return at once; the
+        comparison with the neighbour's count follows in :meth:`settle` (state kept meanwhile is
+        unverified). A window still unsettled is settled first, waiting if need be."""
+        if self._pending is not None:
+            self.settle(block=True)
         seq = _seq()
         n, since = seq - self._base, self._since if self._since is not None else step
         k = self.checks
         self.store.set(self._key(k, self.rank), str(n))
         self._posted.append(k)
         self.checks, self._base, self._since = k + 1, seq, None
-        if self.world == 1:
-            return
+        if self.world > 1:
+            self._pending = (k, n, since, step)
+
+    def settle(self, block: bool) -> bool:
+        """Compare the pending window with the next rank's count: True once compared (or nothing
+        was pending), False if ``block`` is off and the neighbour has not posted yet. Raises
+        :class:`CollectiveDesync` when the counts differ."""
+        if self._pending is None:
+            return True
+        k, n, since, step = self._pending
         peer = (self.rank + 1) % self.world
-        other = self._await(self._key(k, peer))
+        key = self._key(k, peer)
+        if not block and not self.store.check([key]):
+            return False
+        other = self._await(key)
+        self._pending = None
         if other != n:
             where = f"step {step}" if since == step else f"steps {since}-{step}"
             raise CollectiveDesync(
                 f"collective desync in {where}: rank {self.rank} issued {n} collectives, "
-                f"rank {peer} issued {other}; the state is not kept"
+                f"rank {peer} issued {other}; the state is not kept",
+                window_end=step,
             )
         if n > 0:  # a collective in this window means every rank finished reading the ones before
             for old in [c for c in self._posted if c < k]:
                 self.store.delete_key(self._key(old, self.rank))
             self._posted = [c for c in self._posted if c >= k]
+        return True
+
+    def check(self, step: int) -> None:
+        """Close the window at the end of ``step`` and compare it now (blocks until the next rank
+        closed the same window; a peer that never does is a hang, and the watchdog's)."""
+        self.close_window(step)
+        self.settle(block=True)
 
     def _await(self, key: str) -> int:
         # A blocking store wait cannot be interrupted by the runtime (the signal that ends a
@@ -122,6 +161,8 @@ class CollectiveCount:
         if step is None or self.world == 1:
             return None
         n, k = self.issued(), self.checks
+        since = self._since if self._since is not None else step
+        where = f"step {step}" if since == step else f"steps {since}-{step}"
         for peer in sorted({(self.rank - 1) % self.world, (self.rank + 1) % self.world}):
             key = self._key(k, peer)
             try:
@@ -132,7 +173,7 @@ class CollectiveCount:
                 return None
             if other < n:
                 return (
-                    f"collective desync in step {step}: rank {peer} reached the next check after {other} "
+                    f"collective desync in {where}: rank {peer} reached the next check after {other} "
                     f"collectives, rank {self.rank} has issued {n} since the last one and waits in the last"
                 )
         return None

@@ -253,12 +253,16 @@ class NvrxRuntime(EngineCore):
         if it > 0:
             gc.collect()  # the failed iteration's model, DDP and group, in order, not at exit
         self.generation = it
+        if it > 0:
+            self._settle_before_restore()  # the failed iteration's counts, before they are replaced
         self._new_group(it)
         if it > 0:
             self._restore_agreed(it, t0)
         self._in_fn = it
         try:
-            return fn()
+            result = fn()
+            self._settle_at_end()
+            return result
         except BaseException as exc:  # NVRx's interrupt (RankShouldRestart) is one; always re-raised
             self._in_fn = None
             # a fault of its own, not NVRx's interrupt nor what the abort did to this rank

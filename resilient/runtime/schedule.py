@@ -1,10 +1,14 @@
-"""When to take the in-memory snapshot: a fixed interval, or ``auto`` (calibrated once).
+"""When to keep the state: a fixed interval, or ``auto`` (calibrated once, early in the run).
 
 The schedule must be the same function of the step index on every rank — otherwise two ranks
-could hold no common snapshot step after a fault. ``auto`` therefore snapshots every step until
-step ``ADOPT_AT``; rank 0 measures the copy time against the step time at ``CALIBRATE_AT`` and
-publishes the smallest interval within ``max_overhead``; every rank adopts that one value at
-``ADOPT_AT`` (by then rank 0 has long passed ``CALIBRATE_AT``: each step holds a collective).
+could hold no common snapshot step after a fault. ``auto`` therefore keeps the state at a few
+fixed sample steps (``SAMPLES``: the first step carries warm-up, so it is not one); rank 0
+measures what keeping it cost against the step time up to ``CALIBRATE_AT`` and publishes the
+smallest interval within its budget; every rank adopts that one value at ``ADOPT_AT`` (a blocking
+read: a rank that gets there first waits for rank 0's value).
+
+The budget is ``snapshot.max_overhead`` times ``share``: the in-memory ring and, under
+``resilient launch``, the shared-memory mirror each get half, so together they stay within it.
 """
 
 from __future__ import annotations
@@ -15,14 +19,17 @@ import torch.distributed as dist
 
 from resilient.config import SnapshotConfig
 
-CALIBRATE_AT = 5
-ADOPT_AT = 10
+SAMPLES = (2, 3, 4, 5)  # steps since the start (or resume) at which auto keeps the state to measure it
+CALIBRATE_AT = SAMPLES[-1]
+ADOPT_AT = 8
 
 
 class SnapshotSchedule:
-    def __init__(self, cfg: SnapshotConfig, rank: int, store: dist.Store, key: str) -> None:
+    def __init__(
+        self, cfg: SnapshotConfig, rank: int, store: dist.Store, key: str, share: float = 1.0
+    ) -> None:
         self.fixed = cfg.interval if isinstance(cfg.interval, int) else None
-        self.max_overhead = cfg.max_overhead
+        self.budget = cfg.max_overhead * share
         self.rank = rank
         self._store = store
         self._key = key
@@ -36,14 +43,16 @@ class SnapshotSchedule:
         self.base = step
 
     def due(self, nxt: int, total: int) -> bool:
-        """Whether the state after ``nxt`` completed steps is snapshotted."""
+        """Whether the state after ``nxt`` completed steps is kept."""
         if nxt == total:
             return True
         if self.fixed is not None:
             return nxt % self.fixed == 0
         k = nxt - self.base
-        if k <= ADOPT_AT or self.interval is None:
-            return True
+        if k < ADOPT_AT:
+            return k in SAMPLES
+        if self.interval is None:  # (observe() normally adopted it one step earlier)
+            self.interval = int(self._store.get(self._key))
         return (k - ADOPT_AT) % self.interval == 0
 
     def observe(self, nxt: int, step_s: float | None, capture_s: float | None) -> None:
@@ -52,17 +61,17 @@ class SnapshotSchedule:
             return
         if k > 1 and step_s is not None:  # the first step carries warm-up
             self._step_s.append(step_s)
-        if capture_s is not None:
+        if capture_s is not None and k in SAMPLES:
             self._capture_s.append(capture_s)
         if k == CALIBRATE_AT and self.rank == 0:
             self._store.compare_set(self._key, "", str(self.choose()))
-        if k == ADOPT_AT and self.interval is None:
+        if k == ADOPT_AT - 1 and self.interval is None:  # in force from the next step on
             self.interval = int(self._store.get(self._key))
 
     def choose(self) -> int:
-        """Smallest interval whose snapshot cost per step fits ``max_overhead`` of a step."""
+        """Smallest interval whose cost per step fits the budget (a share of a step's time)."""
         if not self._step_s or not self._capture_s:
             return 1
         step = sorted(self._step_s)[len(self._step_s) // 2]
         cap = sorted(self._capture_s)[len(self._capture_s) // 2]
-        return max(1, math.ceil(cap / (self.max_overhead * max(step, 1e-9))))
+        return max(1, math.ceil(cap / (self.budget * max(step, 1e-9))))

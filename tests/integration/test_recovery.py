@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from pathlib import Path
@@ -182,7 +183,9 @@ def test_skipped_collective_is_a_desync_fault_never_a_silent_wrong_state(tmp_pat
     assert res.ok, res.describe()
     faults = res.of("fault_detected")
     assert faults and {e["kind"] for e in faults} == {"desync"}, faults
-    assert {e["origin_step"] for e in faults} == {8}
+    # counts are compared where state is kept: the fault names the window that holds step 8
+    windows = [re.search(r"desync in steps (\d+)-(\d+)", e["local"]) for e in faults]
+    assert any(w and int(w[1]) <= 8 <= int(w[2]) for w in windows), faults
     got = [torch.load(tmp_path / "on" / "state" / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for r in range(2):
         assert_bit_exact(expected[r], got[r], f"rank{r}")

@@ -197,15 +197,18 @@ def test_a_hook_raising_before_a_step_is_a_fault_in_that_step(tmp_path: Path) ->
 def test_the_collective_check_runs_only_where_state_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    checked: list[int] = []
-    real = fingerprint.CollectiveCount.check
-    monkeypatch.setattr(
-        fingerprint.CollectiveCount, "check", lambda self, step: (checked.append(step), real(self, step))
-    )
+    closed: list[int] = []
+    real = fingerprint.CollectiveCount.close_window
+
+    def spy(self: fingerprint.CollectiveCount, step: int) -> None:
+        closed.append(step)
+        real(self, step)
+
+    monkeypatch.setattr(fingerprint.CollectiveCount, "close_window", spy)
     fakes = Fakes(tmp_path)
     rt = _runtime(fakes, _cfg(snapshot={"interval": 4}))
     rt.run(_train(rt, lambda g, s: False))
-    assert checked == [3, 7, 11]  # before the snapshots of steps 4, 8 and 12, not at every step
+    assert closed == [3, 7, 11]  # before the snapshots of steps 4, 8 and 12, not at every step
 
 
 def test_a_restart_that_tracks_fewer_objects_is_refused_by_name(tmp_path: Path) -> None:

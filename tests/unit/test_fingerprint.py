@@ -70,7 +70,7 @@ def test_a_different_count_raises_desync_naming_both(seq: _Seq) -> None:
     store.set("fp/0/1", "1")  # rank 1 closed the same window after one collective
     with pytest.raises(CollectiveDesync, match=r"step 7: rank 0 issued 2 collectives, rank 1 issued 1"):
         a.check(7)
-    assert classify(CollectiveDesync("x"))[0] is FaultKind.DESYNC
+    assert classify(CollectiveDesync("x", window_end=0))[0] is FaultKind.DESYNC
 
 
 def test_a_skip_steps_before_the_check_is_still_caught(seq: _Seq) -> None:
@@ -104,3 +104,27 @@ def test_single_rank_never_waits(seq: _Seq) -> None:
     seq.value = 5
     c.check(0)
     assert c.diagnose(dist.HashStore()) is None
+
+
+def test_a_window_closes_without_waiting_and_is_settled_when_the_neighbour_posts(seq: _Seq) -> None:
+    store = dist.HashStore()
+    a = CollectiveCount(store, "fp", 0, 2)
+    a.begin(3)
+    seq.value = 4
+    a.close_window(3)
+    assert a.pending == 3 and store.get("fp/0/0") == b"4"
+    assert a.settle(block=False) is False  # rank 1 has not closed the window yet: no wait
+    store.set("fp/0/1", "4")
+    assert a.settle(block=False) is True and a.pending is None
+
+
+def test_a_deferred_difference_names_the_window_whose_state_must_go(seq: _Seq) -> None:
+    store = dist.HashStore()
+    a = CollectiveCount(store, "fp", 0, 2)
+    a.begin(5)
+    seq.value = 3
+    a.close_window(6)
+    store.set("fp/0/1", "2")
+    with pytest.raises(CollectiveDesync) as ei:
+        a.settle(block=False)
+    assert ei.value.window_end == 6 and "steps 5-6" in str(ei.value)
