@@ -437,7 +437,7 @@ def phase_ft_launcher(trials: int) -> dict:
 def phase_planner(measured: dict[str, Any]) -> dict:
     """Daly's model at 1k–16k GPUs with each engine's measured restart cost (hard fault: the
     sigkill recovery) and checkpoint blocking time (1 GB of state per GPU)."""
-    from resilient.state import planner
+    from resilient.state import interval_planner as planner
 
     rec = measured.get("recovery", {})
     ckp = measured.get("checkpoint", {}).get("1", {})

@@ -18,7 +18,7 @@ up to N); without it a fault fires once. Kinds:
   among ``objects`` (the runtime passes its tracked state) the rank does not all-reduce that step's
   gradients (DDP's ``require_backward_grad_sync``, off for this one step); otherwise its next
   ``torch.distributed`` collective call returns without communicating. Its peers' collectives then
-  pair with the wrong ones: silent corruption unless something compares (runtime/fingerprint.py).
+  pair with the wrong ones: silent corruption unless something compares (runtime/collective_check.py).
 """
 
 from __future__ import annotations

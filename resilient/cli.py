@@ -111,7 +111,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from resilient.state import planner
+    from resilient.state import interval_planner as planner
 
     if args.mtbf_h is None and args.gpus is None:
         print("resilient plan: give --mtbf-h, or --gpus with --gpu-mtbf-h", file=sys.stderr)

@@ -52,7 +52,7 @@ class SnapshotConfig(_Model):
 
     interval: int | Literal["auto"] = Field("auto", description="every N completed steps, or auto")
     max_overhead: float = Field(
-        0.005, gt=0, le=1, description="auto: snapshot time / step time budget (ring and shm mirror together)"
+        0.002, gt=0, le=1, description="auto: snapshot time / step time budget (ring and shm mirror together)"
     )
     replica_max_bytes: int = Field(
         256 * 1024,

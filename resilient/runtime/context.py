@@ -10,8 +10,8 @@ import torch
 
 
 class Engine(Protocol):
-    """What a :class:`Context` needs of an engine (both :class:`~resilient.runtime.engine.Runtime`
-    and :class:`~resilient.runtime.nvrx.NvrxRuntime` provide it, through their shared core)."""
+    """What a :class:`Context` needs of an engine (both :class:`~resilient.runtime.native.NativeEngine`
+    and :class:`~resilient.runtime.nvrx.NvrxEngine` provide it, through their shared core)."""
 
     rank: int
     world_size: int

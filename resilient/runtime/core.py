@@ -1,6 +1,6 @@
 """The engine core: what every engine does with a generation, a step and a fault, written once.
 
-An engine (the native one, :mod:`resilient.runtime.engine`; NVRx's Wrapper,
+An engine (the native one, :mod:`resilient.runtime.native`; NVRx's Wrapper,
 :mod:`resilient.runtime.nvrx`) decides *how* ranks leave a failed generation and meet again; the
 core holds what happens around that, the same under both:
 
@@ -42,8 +42,8 @@ from resilient.events import Event, EventLog
 from resilient.launch_env import LaunchEnv
 from resilient.launcher.heartbeat import Heartbeat, unhealthy_path
 from resilient.runtime import coordinator as coord_mod
+from resilient.runtime.collective_check import CollectiveCount, CollectiveDesync
 from resilient.runtime.faults import FaultRecord
-from resilient.runtime.fingerprint import CollectiveCount, CollectiveDesync
 from resilient.runtime.health import Check, HealthInput, run_checks
 from resilient.runtime.hooks import RunInfo, StepHook
 from resilient.runtime.pg import Group, build_group, resolve_backend
@@ -57,7 +57,7 @@ _COLLECTIVE_MODULES = (
     "torch/distributed/",
     "torch/autograd/",
     "torch/nn/parallel/distributed.py",
-    "resilient/runtime/fingerprint.py",  # waiting for a peer's collective count: a victim's wait too
+    "resilient/runtime/collective_check.py",  # waiting for a peer's collective count: a victim's wait too
 )
 
 GroupBuilder = Callable[[int, str], Group]  # (generation, namespace) -> that generation's group

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from resilient.errors import StepInterrupted
-from resilient.runtime.fingerprint import CollectiveDesync
+from resilient.runtime.collective_check import CollectiveDesync
 
 
 class FaultKind(str, enum.Enum):
@@ -27,7 +27,7 @@ class FaultKind(str, enum.Enum):
     PEER = "peer"  # this rank was pulled out because another rank faulted
     PREEMPT = "preempt"  # a preemption signal: save a final checkpoint and exit for requeue
     CUDA = "cuda"  # a sticky CUDA error: the context is unusable, in-process recovery is impossible
-    DESYNC = "desync"  # ranks issued different collectives in one step (runtime/fingerprint.py)
+    DESYNC = "desync"  # ranks issued different collectives in one step (runtime/collective_check.py)
 
 
 class Severity(str, enum.Enum):

@@ -82,7 +82,7 @@ def wrapper_kwargs(cfg: Config) -> dict[str, Any]:
     }
 
 
-class NvrxRuntime(EngineCore):
+class NvrxEngine(EngineCore):
     """Engine behind ``resilient.wrap(engine="nvrx")``; the same surface :class:`Context` uses."""
 
     engine = "nvrx"

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from resilient.config import Config, load_config
 from resilient.runtime import hooks as hooks_mod
 from resilient.runtime.context import Context
-from resilient.runtime.engine import Runtime, excepthook_exit_codes
 from resilient.runtime.health import Check
 from resilient.runtime.hooks import StepHook
+from resilient.runtime.native import NativeEngine, excepthook_exit_codes
 
 if TYPE_CHECKING:
-    from resilient.runtime.nvrx import NvrxRuntime
+    from resilient.runtime.nvrx import NvrxEngine
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -76,13 +76,13 @@ def wrap(
             global _current
             excepthook_exit_codes()
             active = [*hooks, *hooks_mod.discover()]
-            rt: Runtime | NvrxRuntime
+            rt: NativeEngine | NvrxEngine
             if cfg.engine == "nvrx":
-                from resilient.runtime.nvrx import NvrxRuntime
+                from resilient.runtime.nvrx import NvrxEngine
 
-                rt = NvrxRuntime(cfg, checks, hooks=active)
+                rt = NvrxEngine(cfg, checks, hooks=active)
             else:
-                rt = Runtime(cfg, checks, hooks=active)
+                rt = NativeEngine(cfg, checks, hooks=active)
 
             def entry() -> Any:
                 global _current

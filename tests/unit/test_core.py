@@ -21,11 +21,11 @@ from resilient.config import Config, load_config
 from resilient.errors import FaultRepeats, HealthCheckFailed, StateRestoreError
 from resilient.events import EventLog, read_events
 from resilient.launch_env import LaunchEnv
-from resilient.runtime import fingerprint
+from resilient.runtime import collective_check as fingerprint
 from resilient.runtime.core import EngineCore, Wiring, common_restore_step
-from resilient.runtime.engine import Runtime
 from resilient.runtime.health import CheckResult, HealthInput
 from resilient.runtime.hooks import Hook, RunInfo
+from resilient.runtime.native import NativeEngine
 
 STEPS = 12
 
@@ -74,7 +74,7 @@ def _cfg(**overrides: Any) -> Config:
     return load_config(None, **{**base, **overrides})
 
 
-def _train(rt: Runtime, fault_at: Callable[[int, int], bool]) -> Callable[[], dict[str, torch.Tensor]]:
+def _train(rt: NativeEngine, fault_at: Callable[[int, int], bool]) -> Callable[[], dict[str, torch.Tensor]]:
     """A model with dropout and an optimizer; ``fault_at(generation, step)`` raises in that step."""
 
     def fn() -> dict[str, torch.Tensor]:
@@ -94,8 +94,8 @@ def _train(rt: Runtime, fault_at: Callable[[int, int], bool]) -> Callable[[], di
     return fn
 
 
-def _runtime(fakes: Fakes, cfg: Config | None = None, **kw: Any) -> Runtime:
-    return Runtime(cfg or _cfg(), launch=LaunchEnv.from_environ({}), wiring=fakes.wiring, **kw)
+def _runtime(fakes: Fakes, cfg: Config | None = None, **kw: Any) -> NativeEngine:
+    return NativeEngine(cfg or _cfg(), launch=LaunchEnv.from_environ({}), wiring=fakes.wiring, **kw)
 
 
 def test_an_exception_is_recovered_in_process_and_ends_bit_exact(tmp_path: Path) -> None:
@@ -140,7 +140,7 @@ def test_a_failed_health_check_tells_the_agent_and_is_raised_typed(tmp_path: Pat
     def disk_gone(inp: HealthInput) -> CheckResult:
         return CheckResult("scratch_disk", False, "0 MB", "the node's scratch disk vanished")
 
-    rt = Runtime(_cfg(), [disk_gone], launch=launch, wiring=fakes.wiring)
+    rt = NativeEngine(_cfg(), [disk_gone], launch=launch, wiring=fakes.wiring)
     rt.heartbeat = None
     with pytest.raises(HealthCheckFailed, match="scratch_disk"):
         rt.run(_train(rt, lambda g, s: s == 3))

@@ -29,8 +29,8 @@ def test_bad_engine_names_the_field() -> None:
 
 
 def test_durable_checkpoints_under_nvrx_are_refused_with_the_reason(tmp_path, monkeypatch) -> None:
-    from resilient.runtime.nvrx import NvrxRuntime
+    from resilient.runtime.nvrx import NvrxEngine
 
     cfg = load_config(None, engine="nvrx", checkpoint={"dir": tmp_path})
     with pytest.raises(ConfigError, match="engine: nvrx does not write durable checkpoints"):
-        NvrxRuntime(cfg)
+        NvrxEngine(cfg)

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from resilient.runtime import fingerprint
+from resilient.runtime import collective_check as fingerprint
+from resilient.runtime.collective_check import CollectiveCount, CollectiveDesync
 from resilient.runtime.faults import FaultKind, classify
-from resilient.runtime.fingerprint import CollectiveCount, CollectiveDesync
 
 
 class _Seq:

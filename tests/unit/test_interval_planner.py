@@ -7,7 +7,7 @@ import math
 import pytest
 
 from resilient.cli import main
-from resilient.state import planner
+from resilient.state import interval_planner as planner
 
 
 def test_young_and_daly_formulas():

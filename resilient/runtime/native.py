@@ -60,7 +60,7 @@ class Phase(str, enum.Enum):
     CLOSED = "closed"
 
 
-class Runtime(EngineCore):
+class NativeEngine(EngineCore):
     """The native engine behind :func:`resilient.wrap`. Not thread-safe except where the monitor
     needs it. Collaborators come from ``wiring`` (default: :func:`~resilient.runtime.core.wire`)."""
 
