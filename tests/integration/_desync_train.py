@@ -12,7 +12,8 @@ p.add_argument("--check", choices=["on", "off"], default="on")
 args = p.parse_args()
 
 
-@resilient.wrap(backend="gloo", hang_timeout=2, collective_check=args.check == "on")
+# a fixed snapshot cadence: without the check, snapshots after the skip are kept (the point shown)
+@resilient.wrap(backend="gloo", hang_timeout=2, collective_check=args.check == "on", snapshot={"interval": 2})
 def train(ctx: resilient.Context) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, bias=False) for _ in range(3)))
