@@ -1,4 +1,4 @@
-"""What the per-step collective check costs, measured side by side in one run.
+"""What the collective check costs (counts compared where state is kept), side by side in one run.
 
 The bundled example (DDP over gloo, model sized for ~50 ms steps here) runs with
 ``collective_check`` on and off, interleaved. Figures: wall clock per step (noisy on a shared

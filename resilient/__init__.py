@@ -24,9 +24,10 @@ from resilient.errors import (
     StateRestoreError,
     StepInterrupted,
 )
-from resilient.events import Event, read_events
+from resilient.events import Event, read_events, read_run_events
 from resilient.runtime.context import Context
 from resilient.runtime.health import CheckResult, HealthInput
+from resilient.runtime.hooks import Hook, RunInfo, StepHook
 from resilient.runtime.wrapper import current, wrap
 
 __version__ = "0.1.0"
@@ -45,19 +46,23 @@ __all__ = [
     "HardFault",
     "HealthCheckFailed",
     "HealthInput",
+    "Hook",
     "Loaded",
     "OnBusy",
     "PeerAborted",
     "Preempted",
     "ResilienceError",
     "RestartBudgetExhausted",
+    "RunInfo",
     "ShmSnapshot",
     "StateRestoreError",
+    "StepHook",
     "StepInterrupted",
     "Timeouts",
     "__version__",
     "current",
     "load_config",
     "read_events",
+    "read_run_events",
     "wrap",
 ]
