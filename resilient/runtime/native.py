@@ -407,14 +407,17 @@ class NativeEngine(EngineCore):
     def _after_snapshot(
         self, step: int, nxt: int, total: int, state: dict[str, Any] | None, step_s: float | None, now: float
     ) -> None:
+        p = self.persist
         if self.shm is not None:
             mirror_s = None
-            if self.mirror_schedule.due(nxt, total):
+            # a mirror older than the newest checkpoint is never restored from (the disk is, more
+            # slowly): a checkpoint step refreshes it too, with the state already captured
+            on_ckpt = p is not None and (p.due(nxt) or nxt == total)
+            if self.mirror_schedule.due(nxt, total) or on_ckpt:
                 t_mirror = self.clock()
                 self._mirror(nxt, state if state is not None else self.registry.capture())
                 mirror_s = self.clock() - t_mirror
             self.mirror_schedule.observe(nxt, step_s, mirror_s)
-        p = self.persist
         if p is None:
             return
         if p.due(nxt) or nxt == total:
