@@ -167,7 +167,10 @@ class NativeEngine(EngineCore):
         if self.phase is Phase.CLOSED:
             return
         self.phase = Phase.CLOSED
-        self._cleanup.close()
+        try:  # every step runs (ExitStack); a failing one must not mask the run's own outcome
+            self._cleanup.close()
+        except Exception as e:
+            logger.error("rank {}: at close: {}: {}", self.rank, type(e).__name__, e)
         self.monitor_store = self.listener_store = None  # type: ignore[assignment]
 
     # -- the restart loop -------------------------------------------------------------------------
