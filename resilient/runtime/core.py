@@ -396,7 +396,7 @@ class EngineCore:
         if fp is not None and fp.pending is not None:  # the last kept snapshot, verified now
             self._verified(fp.settle, False)
         ring_due = self.schedule.due(nxt, total)
-        leaves = nxt == total or self._mirror_due(nxt, total)  # (the last: returned to the caller)
+        leaves = self._mirror_due(nxt, total) or nxt == total  # (the last: returned to the caller)
         if ring_due or leaves:
             if fp is not None:  # every rank issued the same collectives, or nothing is kept
                 # state that leaves the process is verified first; the ring's, at the next step

@@ -78,6 +78,7 @@ class NativeEngine(EngineCore):
         super().__init__(cfg, checks, launch=launch, hooks=hooks, wiring=wiring)
         self.phase = Phase.STARTING
         self._in_save = False
+        self._ckpt_due = False  # a durable checkpoint is due after this step (set once a step)
         self._last_nudge = 0.0
         # constructed here without side effects; start() installs and starts them
         self.interrupter = MainThreadInterrupter(cfg.interrupt_signal, self._interruptible)
@@ -296,7 +297,10 @@ class NativeEngine(EngineCore):
         if delay > 0:
             time.sleep(delay)
         self._settle_before_restore()
-        self._prepare_restore(self._agree_restore_step(gen), step, fault_ts)
+        restore = self._agree_restore_step(gen)
+        self._prepare_restore(restore, step, fault_ts)
+        if self.persist is not None:  # a rank the fault interrupted before its save must not differ
+            self.persist.rebase(restore)
         self.generation = gen + 1
 
     def _agree_restore_step(self, gen: int) -> int:
@@ -384,8 +388,7 @@ class NativeEngine(EngineCore):
             self.registry.load(name, state[name])
         restore_rng(state[RNG])
         if self.persist is not None:
-            interval = self.cfg.checkpoint.interval
-            self.persist.next_save = step + (interval if isinstance(interval, int) else 1)
+            self.persist.rebase(step)
         self.schedule.rebase(step)
         self.mirror_schedule.rebase(step)
         self._ev.emit(
@@ -403,8 +406,9 @@ class NativeEngine(EngineCore):
 
     def _mirror_due(self, nxt: int, total: int) -> bool:
         p = self.persist
+        self._ckpt_due = p is not None and (p.due(nxt) or nxt == total)  # once a step: due() times it
         return (self.shm is not None and self.mirror_schedule.due(nxt, total)) or (
-            p is not None and (p.due(nxt) or nxt == total or p.preempt_requested is not None)
+            self._ckpt_due or (p is not None and p.preempt_requested is not None)
         )
 
     def _after_snapshot(
@@ -415,15 +419,14 @@ class NativeEngine(EngineCore):
             mirror_s = None
             # a mirror older than the newest checkpoint is never restored from (the disk is, more
             # slowly): a checkpoint step refreshes it too, with the state already captured
-            on_ckpt = p is not None and (p.due(nxt) or nxt == total)
-            if self.mirror_schedule.due(nxt, total) or on_ckpt:
+            if self.mirror_schedule.due(nxt, total) or self._ckpt_due:
                 t_mirror = self.clock()
                 self._mirror(nxt, state if state is not None else self.registry.capture())
                 mirror_s = self.clock() - t_mirror
             self.mirror_schedule.observe(nxt, step_s, mirror_s)
         if p is None:
             return
-        if p.due(nxt) or nxt == total:
+        if self._ckpt_due:
             optimizers = [o for o in self.registry.objects() if isinstance(o, torch.optim.Optimizer)]
             # waiting for the save in flight (on_busy: wait) is not a hang: re-arm around it
             self.hard_timer.arm(self.cfg.checkpoint.commit_timeout_s + self.t.hard)

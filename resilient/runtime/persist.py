@@ -157,6 +157,11 @@ class Persistence:
         return None
 
     # ---- saving --------------------------------------------------------------------------------
+    def rebase(self, step: int) -> None:
+        """Resumed at ``step`` (the same on every rank): the next save is counted from there, so
+        a rank that saved a step its peers did not reach before the fault does not differ."""
+        self.next_save = step + (self.cfg.interval if isinstance(self.cfg.interval, int) else 1)
+
     def due(self, nxt: int) -> bool:
         now = time.monotonic()
         if self._last_step_t is not None:
