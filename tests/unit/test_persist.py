@@ -106,3 +106,17 @@ def test_resume_with_nothing_valid_anywhere_is_fatal_and_names_each_checkpoint(t
         _persist(tmp_path, interval=1).resume()
     assert e.value.exit_code == ExitCode.FATAL
     assert (tmp_path / "ck" / "step-00000001").is_dir()  # left in place for the person who fixes it
+
+
+def test_ranks_that_saved_different_steps_agree_again_after_a_restore(tmp_path: Path) -> None:
+    """A fault can stop one rank before a save its peer completed; resumed at the agreed step,
+    both count the next save from there (else one waits at a save the other never makes)."""
+    saved, interrupted = _persist(tmp_path / "a", interval=10), _persist(tmp_path / "b", interval=10)
+    saved._plan_next(20, 0)  # rank 0 saved step 20; rank 1 was interrupted in the step before
+    assert (saved.next_save, interrupted.next_save) == (30, 10)
+    for p in (saved, interrupted):
+        p.rebase(8)
+    assert [s for s in range(9, 40) if saved.due(s)] == [s for s in range(9, 40) if interrupted.due(s)]
+    assert saved.next_save == interrupted.next_save == 18
+    saved.ckpt.close()
+    interrupted.ckpt.close()
