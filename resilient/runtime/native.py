@@ -296,6 +296,11 @@ class NativeEngine(EngineCore):
         self._check_health(gen, step)
         if delay > 0:
             time.sleep(delay)
+        if self.persist is not None:
+            # a write still in flight would make this rank alone wait at its next save, a wait its
+            # peers see as a hang: finish it here, where the recovery barrier holds them
+            self.hard_timer.arm(self.cfg.checkpoint.commit_timeout_s + self.t.barrier + 10.0)
+            self.persist.settle(gen, step)
         self._settle_before_restore()
         restore = self._agree_restore_step(gen)
         self._prepare_restore(restore, step, fault_ts)

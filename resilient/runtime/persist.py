@@ -157,6 +157,13 @@ class Persistence:
         return None
 
     # ---- saving --------------------------------------------------------------------------------
+    def settle(self, generation: int, step: int | None) -> None:
+        """Wait for the save in flight, if any (its failure is a checkpoint failure, reported)."""
+        try:
+            self.ckpt.wait()
+        except CheckpointError as e:
+            self._failed(e, generation, step if step is not None else -1)
+
     def rebase(self, step: int) -> None:
         """Resumed at ``step`` (the same on every rank): the next save is counted from there, so
         a rank that saved a step its peers did not reach before the fault does not differ."""
