@@ -40,7 +40,7 @@ from resilient.config import Config
 from resilient.errors import HealthCheckFailed, StateRestoreError
 from resilient.events import Event, EventLog
 from resilient.launch_env import LaunchEnv
-from resilient.launcher.heartbeat import Heartbeat, unhealthy_path
+from resilient.launcher.heartbeat import Heartbeat, die_with_launcher, unhealthy_path
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime.collective_check import CollectiveCount, CollectiveDesync
 from resilient.runtime.faults import FaultRecord
@@ -198,6 +198,9 @@ class EngineCore:
     def _open(self, namespace_tail: str) -> Wiring:
         """Connect (through the wiring), name this launch attempt's keys, start the event log, the
         heartbeat and the hooks. Engine-specific start-up comes after."""
+        # first: a launcher killed while this worker connects (or stopped before it got further)
+        # must still take the worker with it
+        die_with_launcher(self.launch.launcher_pid)
         w = self._wire(self)
         self.wiring = w
         self.store = w.store

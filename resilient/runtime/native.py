@@ -39,7 +39,6 @@ from resilient.errors import (
 )
 from resilient.events import Event
 from resilient.launch_env import LaunchEnv
-from resilient.launcher.heartbeat import die_with_launcher
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime import resume
 from resilient.runtime.core import EngineCore, Wiring, common_restore_step, main_thread_where
@@ -133,7 +132,6 @@ class NativeEngine(EngineCore):
         stack.callback(self.interrupter.uninstall)
         self.hard_timer.install()
         stack.callback(self.hard_timer.uninstall)
-        die_with_launcher(self.launch.launcher_pid)
         if self.launch.shm_name is not None:  # `resilient launch` keeps it across relaunches
             # keyed by the local rank: a relaunched worker finds its predecessor's snapshot even when
             # the rendezvous renumbered the nodes (each snapshot records the global rank that wrote it)

@@ -49,7 +49,6 @@ from resilient.config import Config
 from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted
 from resilient.events import Event
 from resilient.launch_env import LaunchEnv
-from resilient.launcher.heartbeat import die_with_launcher
 from resilient.runtime.core import EngineCore, Wiring, common_restore_step, main_thread_where
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.health import Check
@@ -114,9 +113,6 @@ class NvrxEngine(EngineCore):
         # NVRx's monitor thread runs the abort: it gets a store connection of its own
         self.monitor_store = w.side_store(self.t.barrier)
         self.nvrx_port = self._nvrx_store_port()
-        # under `resilient launch`: its agent watches the heartbeat (a stopped or GIL-bound process
-        # stops it; NVRx handles the Python-level hangs in-process meanwhile)
-        die_with_launcher(self.launch.launcher_pid)
 
     def _nvrx_store_port(self) -> int:
         """NVRx keeps its barriers and records in a store of its own, with no namespace for the
