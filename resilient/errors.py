@@ -15,7 +15,8 @@ class ExitCode(enum.IntEnum):
 
     - ``SUCCESS``: the training function returned on every rank.
     - ``FATAL``: retrying will not help (restart budget exhausted, a fault that repeats at the
-      same step, a configuration error). A launcher must not relaunch; a scheduler must not requeue.
+      same step, a configuration error, an error before the first step). A launcher must not
+      relaunch; a scheduler must not requeue.
     - ``HARD_FAULT``: this process cannot recover in place (failed health check, a peer that never
       came back, a sticky CUDA error). A launcher should relaunch the worker group.
     - ``REQUEUE``: the job was asked to stop (preemption); requeue it.
@@ -41,6 +42,10 @@ class ConfigError(ResilienceError):
 
 class SoftFault(ResilienceError):
     """A fault the runtime itself detected inside a step and recovers from in-process."""
+
+
+class SnapshotError(SoftFault):
+    """Copying a tracked object's state failed; the message names the object and the leaf."""
 
 
 class HardFault(ResilienceError):
@@ -88,6 +93,18 @@ class FaultRepeats(RestartBudgetExhausted):
         self.step = step
         self.signature = signature
         self.count = count
+
+
+class SetupFailed(ResilienceError):
+    """A rank failed before its first snapshot (importing, building the model, ``ctx.track``,
+    ``ctx.steps``): there is no state to go back to and the same code would fail again. The rank
+    that raised ends with its own exception; its peers end with this one, which names it."""
+
+    exit_code = ExitCode.FATAL
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks  # the ranks that held no snapshot
 
 
 class StateRestoreError(ResilienceError):

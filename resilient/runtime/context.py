@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -84,6 +85,9 @@ class Context:
 
         Completing a loop body is the progress signal (watchdog) and the snapshot point.
         """
+        if isinstance(total, bool) or not hasattr(total, "__index__"):
+            raise TypeError(f"ctx.steps(total): total must be an int, got {type(total).__name__} {total!r}")
+        total = operator.index(total)
         if total < 0:
             raise ValueError(f"total steps must be >= 0, got {total}")
         return self._rt.steps(total)

@@ -16,6 +16,7 @@ A ``release`` value other than ``ok`` aborts the barrier with the reason it carr
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Mapping
 from datetime import timedelta
@@ -141,6 +142,19 @@ class Coordinator:
     def exchange(self, generation: int, name: str, payload: str) -> list[str]:
         """A barrier that also gathers one string from every rank (a small all-gather)."""
         return self._barrier(generation, name, payload)
+
+    def depart(self, generation: int, hosting: bool, timeout: float = 10.0) -> None:
+        """Every rank is about to exit after this generation's last barrier. The rank that hosts
+        the store waits (``timeout`` at most) until every rank has read what it needed: leaving
+        first would reset its peers' connections mid-read."""
+        key = self.key(generation, "departed")
+        n = self.store.add(key, 1)
+        if not hosting:
+            return
+        deadline = time.monotonic() + timeout
+        while n < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            n = self.store.add(key, 0)
 
     def recovery_barrier(self, generation: int, snapshot_steps: list[int]) -> list[list[int]]:
         """Wait until every rank left generation ``generation``; return each rank's snapshot steps."""

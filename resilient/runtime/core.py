@@ -37,7 +37,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from resilient.config import Config
-from resilient.errors import HealthCheckFailed, StateRestoreError
+from resilient.errors import ExitCode, HealthCheckFailed, SetupFailed, StateRestoreError
 from resilient.events import Event, EventLog
 from resilient.launch_env import LaunchEnv
 from resilient.launcher.heartbeat import Heartbeat, die_with_launcher, unhealthy_path
@@ -108,8 +108,14 @@ def wire(cfg: Config, launch: LaunchEnv, *, backend: str, device: torch.device) 
     )
 
 
-def common_restore_step(steps_by_rank: Sequence[Sequence[int]]) -> int:
-    """The newest snapshot step every rank holds."""
+def common_restore_step(steps_by_rank: Sequence[Sequence[int]], primary: FaultRecord | None = None) -> int:
+    """The newest snapshot step every rank holds. A rank holding none failed before its first
+    step: :class:`SetupFailed`, naming it (and the fault, when it is that rank's)."""
+    empty = [r for r, s in enumerate(steps_by_rank) if not s]
+    if empty:  # (a peer pulled out before its own first step holds none either: the fault names who)
+        if primary is not None and primary.rank in empty:
+            raise SetupFailed(f"rank {primary.rank} failed before the first step: {primary.message}", empty)
+        raise SetupFailed(f"ranks {empty} hold no snapshot: they failed before the first step", empty)
     common = set(steps_by_rank[0]).intersection(*map(set, steps_by_rank[1:]))
     if not common:
         raise StateRestoreError(f"no snapshot step held by every rank: {[list(s) for s in steps_by_rank]}")
@@ -427,6 +433,17 @@ class EngineCore:
                 step=step,
                 since_fault_s=time.time() - (self._fault_ts or time.time()),
             )
+
+    def _own_setup_error(self, exc: BaseException) -> BaseException:
+        """The user's exception raised before this rank's first step, to be raised as itself
+        (its own type and traceback) once every rank knows: nothing to restore, not retried.
+        The process then ends with ``FATAL``, the exit code of an error a relaunch repeats."""
+        exc.add_note(
+            f"resilient: rank {self.rank} raised this before its first step; there is no state to "
+            f"restore and a retry would repeat it (exit code {int(ExitCode.FATAL)}, not relaunched)"
+        )
+        exc._resilient_exit_code = ExitCode.FATAL  # type: ignore[attr-defined]
+        return exc
 
     def _verified(self, compare: Callable[[Any], Any], arg: Any) -> None:
         """Run a comparison of collective counts; on a desync, the snapshot kept after the

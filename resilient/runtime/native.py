@@ -33,6 +33,7 @@ from resilient.errors import (
     Preempted,
     ResilienceError,
     RestartBudgetExhausted,
+    SetupFailed,
     SoftFault,
     StateRestoreError,
     StepInterrupted,
@@ -181,9 +182,9 @@ class NativeEngine(EngineCore):
                 # a node that fails here again and again is excluded by its agent
                 self._check_health(0, None)
             while True:
-                self._enter_generation()
+                pulled = self._enter_generation()
                 try:
-                    done, result, exc = self._attempt(fn)
+                    done, result, exc = (False, None, pulled) if pulled else self._attempt(fn)
                 except StepInterrupted as late:  # an interrupt that raced with the except clause
                     self.phase = Phase.RECOVERING
                     done, result, exc = False, None, late
@@ -227,7 +228,8 @@ class NativeEngine(EngineCore):
         self.phase = Phase.RECOVERING
         return False, None, None
 
-    def _enter_generation(self) -> None:
+    def _enter_generation(self) -> StepInterrupted | None:
+        """Build this generation's group. ``None``, or the interruption when a peer faulted first."""
         self.hard_timer.arm(self.t.startup + self.t.hard)
         t0 = time.time()
         gc_s = 0.0
@@ -237,6 +239,15 @@ class NativeEngine(EngineCore):
         try:
             self._new_group(self.generation)
         except Exception as e:
+            # a peer that faulted right after building its side closes its connections while this
+            # rank still connects: that is its fault to recover from, not a failed rendezvous
+            with contextlib.suppress(Exception):
+                found = self.coord.primary_fault(self.generation)
+                if found is not None:
+                    self.phase = Phase.RECOVERING
+                    return StepInterrupted(
+                        f"peer: rank {found.rank} faulted while the group was built: {found.signature}"
+                    )
             raise CoordinationError(
                 f"rank {self.rank}: building the process group of generation {self.generation} failed: {e}"
             ) from e
@@ -250,6 +261,7 @@ class NativeEngine(EngineCore):
             )
         self.phase = Phase.RUNNING
         self.listener.watch(self.generation)
+        return None
 
     def _recover(self, exc: BaseException | None) -> None:
         gen, step = self.generation, self.step
@@ -269,10 +281,11 @@ class NativeEngine(EngineCore):
             primary = found
         self._fault_detected(gen, step, primary, rec.message if rec else "finished; a peer faulted")
         t0 = time.time()
-        assert self.group is not None
-        n = self.group.abort()
-        self.group.destroy()
-        self.group = None
+        n = 0
+        if self.group is not None:  # (None: this generation's group was never built)
+            n = self.group.abort()
+            self.group.destroy()
+            self.group = None
         self._ev.emit(
             Event.GROUP_ABORTED, generation=gen, step=step, connections=n, duration_s=time.time() - t0
         )
@@ -300,14 +313,26 @@ class NativeEngine(EngineCore):
             self.hard_timer.arm(self.cfg.checkpoint.commit_timeout_s + self.t.barrier + 10.0)
             self.persist.settle(gen, step)
         self._settle_before_restore()
-        restore = self._agree_restore_step(gen)
+        try:
+            restore = self._agree_restore_step(gen, primary)
+        except SetupFailed as e:
+            with contextlib.suppress(Exception):  # every rank leaves now; the store's host last
+                self.coord.depart(gen, self.launch.endpoint.hosts_store)
+            if exc is None or self.rank not in e.ranks or isinstance(exc, StepInterrupted):
+                raise  # (a rank pulled out by the culprit: the error names it)
+            self._ev.emit(Event.RUN_FAILED, generation=gen, step=step, error=str(e))
+            own = exc
+        else:
+            own = None
+        if own is not None:  # raised outside the handler: the user's exception keeps its own chain
+            raise self._own_setup_error(own)
         self._prepare_restore(restore, step, fault_ts)
         if self.persist is not None:  # a rank the fault interrupted before its save must not differ
             self.persist.rebase(restore)
         self.generation = gen + 1
 
-    def _agree_restore_step(self, gen: int) -> int:
-        return common_restore_step(self.coord.recovery_barrier(gen, self.snapshots.steps()))
+    def _agree_restore_step(self, gen: int, primary: FaultRecord | None = None) -> int:
+        return common_restore_step(self.coord.recovery_barrier(gen, self.snapshots.steps()), primary)
 
     def _tell_peers(self, gen: int, reason: str) -> None:
         try:
@@ -532,7 +557,7 @@ def excepthook_exit_codes() -> None:
             traceback.print_exception(tp, value, tb, file=sys.stderr)
         else:
             previous(tp, value, tb)
-        code = getattr(value, "exit_code", None)
+        code = getattr(value, "exit_code", None) or getattr(value, "_resilient_exit_code", None)
         if code is not None:
             sys.stdout.flush()
             sys.stderr.flush()

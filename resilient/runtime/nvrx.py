@@ -350,7 +350,7 @@ class NvrxEngine(EngineCore):
         self._ev.emit(Event.GROUP_REBUILT, generation=it, step=None, duration_s=time.time() - t0)
         held: list[list[int]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(held, self.snapshots.steps())
-        self._prepare_restore(common_restore_step(held), self.step, primary.ts)
+        self._prepare_restore(common_restore_step(held, primary), self.step, primary.ts)
 
     # -- each completed step ------------------------------------------------------------------------
     def _on_step(self, step: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from resilient.errors import StateRestoreError
+from resilient.errors import SnapshotError, StateRestoreError
 from resilient.state.snapshot import Frozen
 
 RNG = "__rng__"
@@ -78,9 +78,13 @@ class Registry:
         """The current state of every tracked object plus the RNGs (tensors are not copied here)."""
         out: dict[str, Any] = {}
         for name, obj in self._objects.items():
-            out[name] = (
-                {"generator": obj.get_state()} if isinstance(obj, torch.Generator) else obj.state_dict()
-            )
+            try:
+                out[name] = (
+                    {"generator": obj.get_state()} if isinstance(obj, torch.Generator) else obj.state_dict()
+                )
+            except Exception as e:
+                what = f"tracked object {name!r} ({type(obj).__name__})"
+                raise SnapshotError(f"{what}: state_dict() failed: {type(e).__name__}: {e}") from e
         out[RNG] = capture_rng()
         return out
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from resilient.errors import StateRestoreError
+from resilient.errors import SnapshotError, StateRestoreError
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,11 @@ class SnapshotRing:
         slot.valid = False
         slot.loader = None
         cuda_copies = False
+        at = ""  # the leaf being copied, for the error
 
         def walk(obj: Any, path: str) -> Any:
-            nonlocal cuda_copies
+            nonlocal cuda_copies, at
+            at = path
             if isinstance(obj, torch.Tensor):
                 src = obj.detach()
                 buf = slot.buffers.get(path)
@@ -101,7 +103,14 @@ class SnapshotRing:
                 return items if isinstance(obj, list) else tuple(items)
             return copy.deepcopy(obj)
 
-        slot.tree = walk(state, "")
+        try:
+            slot.tree = walk(state, "")
+        except Exception as e:
+            name, _, leaf = at.lstrip("/").partition("/")
+            raise SnapshotError(
+                f"snapshot of step {step}: tracked object {name!r}, leaf {leaf or '(root)'!r}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         if cuda_copies:
             torch.cuda.synchronize()
         slot.step = step

@@ -195,3 +195,32 @@ def test_skipped_collective_is_a_desync_fault_never_a_silent_wrong_state(tmp_pat
     bad = [torch.load(tmp_path / "off" / "state" / f"rank{r}.pt", weights_only=True) for r in range(2)]
     with pytest.raises(AssertionError):  # ... with a model the fault-free run never had
         assert_bit_exact(expected[0]["model"], bad[0]["model"], "rank0/model")
+
+
+@pytest.mark.parametrize(
+    ("how", "who", "shown"),
+    [
+        ("import", 1, "ModuleNotFoundError: No module named 'not_a_module_of_this_project'"),
+        ("track", -1, "TypeError: cannot track data=list: it needs state_dict()/load_state_dict()"),
+        ("steps", 0, "ValueError: total steps must be >= 0, got -1"),
+    ],
+)
+def test_an_error_before_the_first_step_is_shown_as_itself(tmp_path, how, who, shown):
+    """Nothing to restore yet: not retried, the user's own exception and traceback, exit FATAL on
+    every rank; the ranks that did not raise it name the one that did."""
+    res = run_ranks([str(Path(__file__).with_name("_setup_error.py")), how, str(who)], 2, cwd=tmp_path)
+    assert not res.timed_out, res.describe()
+    culprits = [0, 1] if who == -1 else [who]
+    own = []
+    for rank, r in enumerate(res.ranks):
+        assert r.returncode == ExitCode.FATAL, res.describe()
+        assert "no snapshot step held" not in r.stderr, r.stderr
+        if f"rank {rank} raised this before its first step" in r.stderr:  # its own, as raised
+            tail = r.stderr[r.stderr.rindex("Traceback (most recent call last)") :]
+            assert "_setup_error.py" in tail and shown in tail, r.stderr
+            own.append(rank)
+        else:  # pulled out by the culprit first (with -1: perhaps before its own error): named
+            named = re.search(r"SetupFailed: rank (\d) failed before the first step: (\w+)", r.stderr)
+            assert named and int(named[1]) in culprits and named[2] == shown.split(":")[0], r.stderr
+    assert own and set(own) <= set(culprits), res.describe()
+    assert not res.of("state_restored") and not res.of("step_resumed")

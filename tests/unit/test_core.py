@@ -230,3 +230,16 @@ def test_the_restore_step_is_the_newest_every_rank_holds() -> None:
     assert common_restore_step([[0, 4, 8], [4, 8, 9], [8, 4]]) == 8
     with pytest.raises(StateRestoreError, match="no snapshot step held by every rank"):
         common_restore_step([[0, 4], [8]])
+
+
+def test_a_rank_holding_no_snapshot_failed_before_its_first_step() -> None:
+    from resilient.errors import ExitCode, SetupFailed
+    from resilient.runtime.faults import FaultRecord
+
+    culprit = FaultRecord(1, 0, None, "exception", "soft", "exception: ImportError: x", "ImportError: x")
+    with pytest.raises(SetupFailed, match=r"^rank 1 failed before the first step: ImportError: x$") as e:
+        common_restore_step([[0], []], culprit)
+    assert e.value.ranks == [1] and e.value.exit_code == ExitCode.FATAL
+    # the first fault came from a rank that had a snapshot: the empty ones are named, not it
+    with pytest.raises(SetupFailed, match=r"ranks \[0\] hold no snapshot"):
+        common_restore_step([[], [0]], culprit)

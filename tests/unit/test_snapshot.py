@@ -253,3 +253,30 @@ def _copied(state: dict[str, Any]) -> dict[str, Any]:
     ring = SnapshotRing()
     ring.capture(0, state)
     return ring.materialize(0)
+
+
+def test_a_failed_copy_names_the_tracked_object_and_the_leaf() -> None:
+    from resilient.errors import SnapshotError
+    from resilient.state.registry import Registry
+
+    class Uncopyable:
+        def __deepcopy__(self, memo: object) -> object:
+            raise RuntimeError("cannot copy me")
+
+    ring = SnapshotRing()
+    with pytest.raises(
+        SnapshotError, match=r"tracked object 'model', leaf 'extra/0': RuntimeError: cannot copy me"
+    ):
+        ring.capture(3, {"model": {"w": torch.ones(2), "extra": [Uncopyable()]}})
+    assert ring.steps() == []  # nothing half-written is kept
+
+    class Broken(torch.nn.Linear):
+        def state_dict(self, *a: object, **k: object) -> dict:  # type: ignore[override]
+            raise ValueError("no state today")
+
+    reg = Registry()
+    reg.add("net", Broken(2, 2))
+    with pytest.raises(
+        SnapshotError, match=r"'net' \(Broken\): state_dict\(\) failed: ValueError: no state today"
+    ):
+        reg.capture()
