@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, overload
 
 import torch
+
+T = TypeVar("T")
 
 
 class Engine(Protocol):
@@ -26,6 +28,10 @@ class Engine(Protocol):
     def track(self, objects: dict[str, Any]) -> None: ...
 
     def steps(self, total: int) -> Iterator[int]: ...
+
+    def steps_over(self, batches: Iterable[Any]) -> Iterator[Any]: ...
+
+    def epochs(self, total: int) -> Iterator[int]: ...
 
 
 class Context:
@@ -80,14 +86,41 @@ class Context:
         """
         self._rt.track(objects)
 
-    def steps(self, total: int) -> Iterator[int]:
+    @overload
+    def steps(self, total: int) -> Iterator[int]: ...
+
+    @overload
+    def steps(self, total: Iterable[T]) -> Iterator[T]: ...
+
+    def steps(self, total: Any) -> Iterator[Any]:
         """Yield step indices up to ``total``; after a restart, resume at the last good step.
 
         Completing a loop body is the progress signal (watchdog) and the snapshot point.
+
+        Given a tracked ``DataLoader`` (or any iterable) instead of a count, yield its batches, each
+        one step; the step count runs on across epochs (``ctx.step``), and after a restart the
+        epoch resumes after the batches already consumed::
+
+            for epoch in ctx.epochs(10):
+                sampler.set_epoch(epoch)
+                for batch in ctx.steps(loader):
+                    ...
         """
+        if not isinstance(total, bool) and hasattr(total, "__iter__") and not hasattr(total, "__index__"):
+            return self._rt.steps_over(total)
         if isinstance(total, bool) or not hasattr(total, "__index__"):
-            raise TypeError(f"ctx.steps(total): total must be an int, got {type(total).__name__} {total!r}")
+            raise TypeError(
+                "ctx.steps(total): total must be an int or an iterable of batches, "
+                f"got {type(total).__name__} {total!r}"
+            )
         total = operator.index(total)
         if total < 0:
             raise ValueError(f"total steps must be >= 0, got {total}")
         return self._rt.steps(total)
+
+    def epochs(self, total: int) -> Iterator[int]:
+        """Yield epoch numbers up to ``total``; after a restart, resume at the restored step's epoch
+        (its batches already consumed are skipped by ``ctx.steps(loader)``)."""
+        if isinstance(total, bool) or not hasattr(total, "__index__") or operator.index(total) < 0:
+            raise ValueError(f"ctx.epochs(total): total must be an int >= 0, got {total!r}")
+        return self._rt.epochs(operator.index(total))

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -50,7 +50,7 @@ from resilient.runtime.pg import Group, build_group, resolve_backend
 from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.schedule import SnapshotSchedule
 from resilient.state import Registry, SnapshotRing
-from resilient.state.registry import RNG, restore_rng
+from resilient.state.registry import EPOCHS, RNG, restore_rng
 
 # Files whose frames, innermost on the main thread, mean "blocked waiting for peers".
 _COLLECTIVE_MODULES = (
@@ -106,6 +106,19 @@ def wire(cfg: Config, launch: LaunchEnv, *, backend: str, device: torch.device) 
         build_group=group,
         heartbeat=Heartbeat.for_worker(launch),
     )
+
+
+class _Epochs:
+    """``ctx.epochs``' position, kept with the tracked state."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
 
 
 def common_restore_step(steps_by_rank: Sequence[Sequence[int]], primary: FaultRecord | None = None) -> int:
@@ -191,6 +204,8 @@ class EngineCore:
         self._fault_step: int | None = None
         self._fault_ts: float | None = None
         self._resume_pending = False
+        self._begun = False
+        self._next_step = 0
         self._stepped = False
         self._progress = 0.0
         self.clock: Callable[[], float] = time.monotonic
@@ -275,6 +290,7 @@ class EngineCore:
         self.group = self.wiring.build_group(generation, self.ns)
         self.registry.clear()
         self._restored = set()
+        self._begun = False  # (the entry's first ctx.epochs / ctx.steps over batches begins it)
         if self.cfg.collective_check:
             self.fp = CollectiveCount(self.store, f"{self.ns}/g{generation}/fp", self.rank, self.world_size)
         self._progress, self._stepped = self.clock(), False
@@ -343,6 +359,43 @@ class EngineCore:
                     )
                 self.registry.load(name, self._restore_state[name])
                 self._restored.add(name)
+
+    def epochs(self, total: int) -> Iterator[int]:
+        """Epoch numbers up to ``total``, resuming at the epoch of the restored step. Begins the
+        run (a relaunched worker restores here), so an epoch loop's body sees its state."""
+        progress = _Epochs()
+        self.track({EPOCHS: progress})
+        self._ensure_begun()
+        for epoch in range(progress.epoch, total):
+            progress.epoch = epoch
+            yield epoch
+        progress.epoch = total
+
+    def steps_over(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Each item of ``batches`` is one step; the step count runs on across calls (epochs)."""
+        step = self._ensure_begun()
+        hooks, hb = self.hooks, self.heartbeat
+        for item in batches:
+            self.step = step
+            if hb is not None:
+                hb.beat(step)
+            if self.fp is not None:
+                self.fp.begin(step)
+            if hooks:
+                objects = self.registry.objects()
+                for h in hooks:
+                    h.before_step(step, objects)
+            yield item
+            self._complete(step, None)
+            step += 1
+            self._next_step = step
+
+    def _ensure_begun(self) -> int:
+        """The next step to run; the first call of a generation begins it (restore or step 0)."""
+        if not self._begun:
+            self._next_step = self._begin_steps(None)
+            self._begun = True
+        return self._next_step
 
     def steps(self, total: int) -> Iterator[int]:
         start = self._begin_steps(total)

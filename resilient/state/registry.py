@@ -12,11 +12,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from resilient.errors import SnapshotError, StateRestoreError
+from resilient.state import dtensor
+from resilient.state.loader import make_resumable
 from resilient.state.snapshot import Frozen
 
 RNG = "__rng__"
+EPOCHS = "__epochs__"  # ctx.epochs' position (the runtime tracks it)
 
 
 @runtime_checkable
@@ -64,6 +68,8 @@ class Registry:
     def add(self, name: str, obj: Any) -> None:
         if name == RNG:
             raise ValueError(f"{RNG!r} is reserved for the RNG state")
+        if isinstance(obj, DataLoader) and not isinstance(obj, Stateful):
+            make_resumable(obj)  # a plain DataLoader: its position becomes state (state/loader.py)
         if not isinstance(obj, torch.Generator | Stateful):
             raise TypeError(
                 f"cannot track {name}={type(obj).__name__}: it needs state_dict()/load_state_dict() "
@@ -80,7 +86,9 @@ class Registry:
         for name, obj in self._objects.items():
             try:
                 out[name] = (
-                    {"generator": obj.get_state()} if isinstance(obj, torch.Generator) else obj.state_dict()
+                    {"generator": obj.get_state()}
+                    if isinstance(obj, torch.Generator)
+                    else dtensor.to_portable(obj.state_dict())
                 )
             except Exception as e:
                 what = f"tracked object {name!r} ({type(obj).__name__})"
@@ -90,6 +98,8 @@ class Registry:
 
     def load(self, name: str, state: Any) -> None:
         obj = self._objects[name]
+        if dtensor.holds_dtensors(state):  # back onto the mesh the rebuilt objects live on
+            state = dtensor.from_portable(state, dtensor.live_meshes(self._objects.values()), name)
         try:
             if isinstance(obj, torch.Generator):
                 obj.set_state(state["generator"])

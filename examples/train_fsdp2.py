@@ -1,0 +1,104 @@
+"""An FSDP2 transformer LM made resilient with the README's three lines.
+
+Written the way FSDP2 scripts usually are: ``fully_shard`` on every block and then on the root,
+AdamW, ``clip_grad_norm_``, bf16 autocast, dropout, a cosine schedule. The runtime keeps each
+rank's local shards (model and optimizer) and restores them into the rebuilt sharded model.
+
+    torchrun --standalone --nproc-per-node 2 examples/train_fsdp2.py --steps 40
+    resilient launch --standalone --nproc-per-node 2 examples/train_fsdp2.py --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import resilient
+
+VOCAB = 128
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class LM(nn.Module):
+    def __init__(self, dim: int, layers: int, heads: int, seq: int, dropout: float) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--config", default=None, help="a resilient config file (configs/default.yaml)")
+    p.add_argument("--hang-timeout", type=float, default=None)
+    p.add_argument("--ckpt-dir", default=None, help="durable checkpoints (each rank's shards) here")
+    p.add_argument("--ckpt-every", type=int, default=10)
+    args = p.parse_args()
+    overrides: dict[str, object] = {}
+    if args.hang_timeout is not None:
+        overrides["hang_timeout"] = args.hang_timeout
+    if args.ckpt_dir:
+        overrides["checkpoint"] = {"dir": args.ckpt_dir, "interval": args.ckpt_every}
+
+    @resilient.wrap(config=args.config, **overrides)
+    def train(ctx: resilient.Context) -> None:
+        torch.manual_seed(0)  # every rank builds the same initial weights, then keeps its shard
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        model = LM(args.dim, args.layers, 4, args.seq, dropout=0.1)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
+        data = torch.Generator().manual_seed(1000 + ctx.rank)  # this rank's token stream
+        ctx.track(model=model, optimizer=opt, scheduler=sched, data=data)
+        for step in ctx.steps(args.steps):
+            tokens = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=data)
+            with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+                logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if ctx.rank == 0 and step % 10 == 0:
+                print(f"step {step} loss {loss.item():.4f}", flush=True)
+
+    train()
+
+
+if __name__ == "__main__":
+    main()

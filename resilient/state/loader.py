@@ -1,0 +1,169 @@
+"""A plain ``torch.utils.data.DataLoader`` made resumable when it is tracked.
+
+A ``DataLoader`` has no ``state_dict``, and creating its iterator draws from the *global* torch RNG
+(the workers' base seed; a ``RandomSampler`` without a generator draws its shuffle seed at the
+first batch). A restored run that creates the iterator again mid-epoch would draw again, from the
+restored stream, and every later random number (dropout, augmentation) would shift.
+
+Tracking a loader gives it, in place, a subclass that records its position: how many iterators it
+created (epochs begun), how many batches the current one yielded, and the global RNG state just
+before that iterator was created. After a restore, the next ``iter(loader)`` recreates the
+iterator *from that recorded RNG state* (the same base seed, the same shuffle), puts the global
+RNG back where the snapshot left it, and skips the batches already consumed: by advancing the
+sampler alone (no sample is read) in a single-process loader; by reading them again with worker
+processes, whose own RNG streams must advance exactly as they did. ``DistributedSampler`` needs
+nothing more: its order depends on its seed and the epoch the training loop sets.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+_classes: dict[type, type] = {}
+
+
+class _Position:
+    def __init__(self) -> None:
+        self.iterators = 0  # iterators created so far (epochs begun)
+        self.consumed = 0  # batches the current iterator yielded
+        self.rng: list[torch.Tensor] | None = None  # each RNG source's state before that iterator
+        self.pending: dict[str, Any] | None = None  # a restored position, applied at the next iter()
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The loader's own generators (its ``generator``, its sampler's), each once."""
+    out: list[torch.Generator] = []
+    for g in (
+        getattr(loader, "generator", None),
+        getattr(getattr(loader, "sampler", None), "generator", None),
+    ):
+        if isinstance(g, torch.Generator) and all(g is not h for h in out):
+            out.append(g)
+    return out
+
+
+def _get_states(loader: Any) -> list[torch.Tensor]:
+    """The global torch RNG's state, then each of the loader's generators'."""
+    return [torch.get_rng_state(), *(g.get_state() for g in _generators(loader))]
+
+
+def _set_states(loader: Any, states: list[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    for g, st in zip(_generators(loader), states[1:], strict=True):
+        g.set_state(st)
+
+
+class _Counting:
+    """The loader's iterator, counting the batches it yields."""
+
+    def __init__(self, it: Any, pos: _Position) -> None:
+        self._it, self._pos = it, pos
+
+    def __iter__(self) -> _Counting:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._it)
+        self._pos.consumed += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped iterator's own attributes
+        return getattr(self._it, name)
+
+
+class _Resumable:
+    """The methods of the tracked loader's class (see :func:`make_resumable`). Not a base class:
+    ``__class__`` assignment needs the new class's first base to be the loader's own class."""
+
+    _resilient_pos: _Position
+    _resilient_base: type
+
+    def __iter__(self) -> Iterator[Any]:
+        pos = self._resilient_pos
+        pending, pos.pending = pos.pending, None
+        if pending is None or pending["rng"] is None:  # a new pass (or nothing to resume)
+            pos.iterators += 1
+            pos.rng = _get_states(self)
+            pos.consumed = 0
+            return _Counting(self._resilient_base.__iter__(self), pos)  # type: ignore[arg-type]
+        restored = _get_states(self)
+        _set_states(self, pending["rng"])
+        try:  # the draws the original pass made, from the states it made them in
+            it = self._resilient_base.__iter__(self)  # type: ignore[arg-type]
+            first = _draw_first_indices(it)
+        finally:
+            _set_states(self, restored)
+        pos.rng, pos.consumed = pending["rng"], 0
+        counting = _Counting(it, pos)
+        skip = int(pending["consumed"])
+        if first is not None:  # single process: advance the sampler, read nothing
+            sampler_iter = itertools.chain(first, it._sampler_iter)
+            for _ in range(skip):
+                if next(sampler_iter, None) is None:
+                    break
+            it._sampler_iter = sampler_iter
+            it._num_yielded += skip
+            pos.consumed = skip
+        else:  # worker processes: read the consumed batches again, so their RNGs advance alike
+            for _ in range(skip):
+                if next(counting, None) is None:
+                    break
+        return counting
+
+    def state_dict(self) -> dict[str, Any]:
+        pos = self._resilient_pos
+        now = [g.get_state() for g in _generators(self)]  # (the global RNG: the runtime keeps it)
+        return {"iterators": pos.iterators, "consumed": pos.consumed, "rng": pos.rng, "generators": now}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pos = self._resilient_pos
+        gens = _generators(self)
+        if len(gens) != len(state["generators"]):
+            raise ValueError(
+                f"the loader has {len(gens)} generator(s); the snapshot, {len(state['generators'])}"
+            )
+        for g, st in zip(gens, state["generators"], strict=True):
+            g.set_state(st)
+        pos.iterators = int(state["iterators"])
+        pos.consumed = int(state["consumed"])
+        pos.rng = None if state["rng"] is None else list(state["rng"])
+        pos.pending = {"consumed": pos.consumed, "rng": pos.rng}
+
+
+def _draw_first_indices(it: Any) -> list[Any] | None:
+    """Single-process iterator: its first batch of indices, drawn now (a ``RandomSampler``
+    without a generator draws its seed at that point), to be put back in front. ``None`` for
+    worker processes: theirs were drawn when the iterator was created."""
+    if getattr(it, "_num_workers", 0) > 0 or not hasattr(it, "_sampler_iter"):
+        return None
+    if isinstance(getattr(it, "_dataset", None), IterableDataset):  # no sampler decides what comes next
+        return None
+    first = next(it._sampler_iter, None)
+    return [] if first is None else [first]
+
+
+def make_resumable(loader: DataLoader) -> DataLoader:
+    """Give ``loader`` (in place) ``state_dict``/``load_state_dict`` and a resumable ``iter()``."""
+    if hasattr(type(loader), "_resilient_base"):
+        return loader
+    cls = type(loader)
+    sub = _classes.get(cls)
+    if sub is None:
+        methods = {k: _Resumable.__dict__[k] for k in ("__iter__", "state_dict", "load_state_dict")}
+        sub = type(
+            f"Resumable{cls.__name__}",
+            (cls,),
+            {**methods, "_resilient_base": cls, "__module__": cls.__module__},
+        )
+        _classes[cls] = sub
+    object.__setattr__(loader, "_resilient_pos", _Position())
+    loader.__class__ = sub
+    return loader
