@@ -74,6 +74,17 @@ def certify(session: nox.Session) -> None:
         session.run("chaos", "stream", "configs/chaos/cpu.yaml", "--out", "chaos_out/stream", env=env)
 
 
+@nox.session(name="certify-stacks", python=PY)
+def certify_stacks(session: nox.Session) -> None:
+    """The user-style examples' certificates: the FSDP2 transformer and the DataLoader epoch loop,
+    every class they list, 3 trials each (chaos_fsdp2/, chaos_epochs/). Exit 1 on a failed SLO."""
+    _install(session, "dev", "chaos")
+    env = {"OMP_NUM_THREADS": "1"}
+    trials = session.posargs or ["--trials", "3"]
+    for cfg, out in (("fsdp2", "chaos_fsdp2"), ("ddp_epochs", "chaos_epochs")):
+        session.run("chaos", "certify", f"configs/chaos/{cfg}.yaml", "--out", out, *trials, env=env)
+
+
 @nox.session(python=PY)
 def soak(session: nox.Session) -> None:
     """200 faults of every CPU kind in one run (configs/chaos/soak.yaml, ~15 min)."""

@@ -5,6 +5,7 @@ AdamW, ``clip_grad_norm_``, bf16 autocast, dropout, a cosine schedule. The runti
 rank's local shards (model and optimizer) and restores them into the rebuilt sharded model.
 
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp2.py --steps 40
+    torchrun --standalone --nproc-per-node 4 examples/train_fsdp2.py --hsdp   # 2-D mesh (HSDP)
     resilient launch --standalone --nproc-per-node 2 examples/train_fsdp2.py --steps 40
 """
 
@@ -29,7 +30,9 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(dim)
         self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)
@@ -61,6 +64,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--hsdp", action="store_true", help="a 2-D mesh: replicas of 2-way shards (HSDP)")
     p.add_argument("--config", default=None, help="a resilient config file (configs/default.yaml)")
     p.add_argument("--hang-timeout", type=float, default=None)
     p.add_argument("--ckpt-dir", default=None, help="durable checkpoints (each rank's shards) here")
@@ -75,14 +79,20 @@ def main() -> None:
     @resilient.wrap(config=args.config, **overrides)
     def train(ctx: resilient.Context) -> None:
         torch.manual_seed(0)  # every rank builds the same initial weights, then keeps its shard
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        if args.hsdp:  # shard within groups of 2, replicate across them
+            mesh = init_device_mesh(
+                ctx.device.type, (ctx.world_size // 2, 2), mesh_dim_names=("replicate", "shard")
+            )
+        else:
+            mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         model = LM(args.dim, args.layers, 4, args.seq, dropout=0.1)
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
-        data = torch.Generator().manual_seed(1000 + ctx.rank)  # this rank's token stream
+        replica = ctx.rank // 2 if args.hsdp else ctx.rank  # ranks of one HSDP shard group read alike
+        data = torch.Generator().manual_seed(1000 + replica)  # this rank's token stream
         ctx.track(model=model, optimizer=opt, scheduler=sched, data=data)
         for step in ctx.steps(args.steps):
             tokens = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=data)

@@ -13,12 +13,14 @@ NCCL is aborted with ``_abort_process_group`` (it unblocks pending collectives f
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,6 +120,9 @@ class Group:
 
         ``abort`` first when peers may still be blocked in a collective of this group.
         """
+        global _current
+        if _current is self:
+            _current = None
         if abort:
             self.abort()
         if dist.is_initialized():
@@ -125,6 +130,33 @@ class Group:
                 dist.destroy_process_group()
             except Exception as e:
                 logger.warning("destroy_process_group failed after abort: {}", e)
+
+
+_current: Group | None = None  # the generation's group: process groups created meanwhile are its too
+
+
+def _record_subgroups() -> None:
+    """Have every process group created while a generation's group stands (a ``DeviceMesh``'s
+    dimensions, your own ``new_group``) record the connections it opens into that group: an abort
+    must reach a collective blocked on any of them, not only on the default group."""
+    c10d = dist.distributed_c10d
+    create = c10d._new_process_group_helper
+    if getattr(create, "_resilient", False):
+        return
+
+    @functools.wraps(create)
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        group = _current
+        before = _socket_inodes() if group is not None and group.backend == "gloo" else None
+        try:
+            return create(*args, **kwargs)
+        finally:
+            if group is not None and before is not None:
+                after = _socket_inodes()
+                group._sockets.update({fd: ino for fd, ino in after.items() if before.get(fd) != ino})
+
+    recording._resilient = True  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = recording
 
 
 def build_group(
@@ -165,4 +197,7 @@ def build_group(
     sys.excepthook = hook
     after = _socket_inodes()
     new = {fd: ino for fd, ino in after.items() if before.get(fd) != ino}
-    return Group(backend=backend, generation=generation, store_port=store_port, _sockets=new)
+    global _current
+    _current = Group(backend=backend, generation=generation, store_port=store_port, _sockets=new)
+    _record_subgroups()
+    return _current

@@ -63,3 +63,24 @@ def test_dataloader_epoch_loop_resumes_mid_epoch_bit_exact(tmp_path: Path, worke
     ref = _run(tmp_path, "ref", argv)
     hit = _run(tmp_path, "hit", [*argv, "--config", str(cfg)], plan="exception@23:1", restored=20)
     assert _same(ref, hit) >= 8
+
+
+def test_hsdp_on_a_2d_mesh_recovers_bit_exact_at_4_ranks(tmp_path: Path) -> None:
+    # the peers of the failing rank block in an all-gather on a mesh dimension's own group: the
+    # abort must reach that group too, or they wait out the collective timeout and die
+    argv = [FSDP2, "--steps", "16", "--hsdp"]
+
+    def run(name: str, plan: str = "") -> list[dict[str, Any]]:
+        cwd = tmp_path / name
+        cwd.mkdir()
+        env = {"CHAOS_FINAL_STATE": str(cwd / "state"), **({"CHAOS_PLAN": plan} if plan else {})}
+        res = run_ranks(argv, 4, cwd=cwd, run_id=name, env=env, timeout=240)
+        assert res.ok, res.describe()
+        assert len({e["pid"] for e in res.events if e["rank"] == 0}) == 1  # in-process
+        return [torch.load(cwd / "state" / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+    ref, hit = run("ref"), run("hit", "exception@9:3")
+    placements = next(iter(ref[0]["model"].values()))["__dtensor__"]["placements"]
+    assert placements == [["replicate"], ["shard", 0]]  # a 2-D (HSDP) layout was really kept
+    pairs = enumerate(zip(ref, hit, strict=True))
+    assert sum(assert_bit_exact(a, b, f"rank{r}") for r, (a, b) in pairs) > 400
