@@ -33,6 +33,9 @@ class Launch:
         self.cwd = cwd
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         env.pop("RESILIENT_RUN_ID", None)
+        self.tmp = cwd / "tmp"  # the launch's temporary files (torch's log dir) land in the test's dir
+        self.tmp.mkdir(exist_ok=True)
+        env["TMPDIR"] = str(self.tmp)
         self.log = open(cwd / "launch.log", "w+")  # noqa: SIM115 - closed in finish()
         self.p = subprocess.Popen(
             [sys.executable, "-m", "resilient.cli", "launch", *argv],
@@ -276,6 +279,7 @@ def test_fatal_exit_code_is_not_restarted(tmp_path: Path) -> None:
     run = Launch(tmp_path, "--standalone", "--nproc-per-node", "1", "--max-restarts", "3", EXIT_WITH, "3")
     assert run.finish() == ExitCode.FATAL
     assert not [e for e in run.events() if e["event"] == "relaunched"]
+    assert not list(run.tmp.glob("torchelastic_*"))  # torch's temporary log dir went with the job
 
 
 def test_restarts_exhausted_exit_fatal_with_a_summary(tmp_path: Path) -> None:
