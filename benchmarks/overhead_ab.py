@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 
-def worker(pairs: int, block: int, dim: int, seq: int) -> None:
+def worker(pairs: int, block: int, dim: int, seq: int, max_overhead: float | None) -> None:
     """One rank: warm up, then ABBA blocks; rank 0 prints one JSON line."""
     import torch
     import torch.distributed as dist
@@ -41,7 +41,9 @@ def worker(pairs: int, block: int, dim: int, seq: int) -> None:
 
     import resilient
 
-    @resilient.wrap
+    overrides = {"snapshot": {"max_overhead": max_overhead}} if max_overhead is not None else {}
+
+    @resilient.wrap(**overrides)
     def train(ctx: resilient.Context) -> dict[str, list[float]]:
         torch.manual_seed(0)
         model = DDP(TinyLM(dim=dim, seq=seq))
@@ -168,21 +170,27 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=160)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--launch", action="store_true", help="under `resilient launch` (else env:// ranks)")
+    ap.add_argument(
+        "--max-overhead", type=float, default=None, help="snapshot.max_overhead (default: the config's)"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plain-cpu", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "overhead_ab.json")
     a = ap.parse_args()
     if a.worker:
-        return worker(a.pairs, a.block, a.dim, a.seq)
+        return worker(a.pairs, a.block, a.dim, a.seq, a.max_overhead)
     if a.plain_cpu:
         return plain_cpu(a.block, a.dim, a.seq, a.pairs * a.block)
     common = ["--pairs", str(a.pairs), "--block", str(a.block), "--dim", str(a.dim), "--seq", str(a.seq)]
+    if a.max_overhead is not None:
+        common += ["--max-overhead", str(a.max_overhead)]
     ab = json.loads(_line(_run([*common, "--worker"], a.launch, a.nproc), "AB "))
     bare_cpu = json.loads(_line(_run([*common, "--plain-cpu"], False, a.nproc), "CPU "))
     ratios = [w / p - 1 for p, w in zip(ab["plain"], ab["wrapped"], strict=True)]
     q = statistics.quantiles(ratios, n=4)
     result = {
         "mode": "launch" if a.launch else "torchrun (env://)",
+        "max_overhead": a.max_overhead,
         "pairs": a.pairs,
         "block": a.block,
         "plain_ms": statistics.median(ab["plain_steps"]),

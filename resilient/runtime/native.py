@@ -316,8 +316,7 @@ class NativeEngine(EngineCore):
         try:
             restore = self._agree_restore_step(gen, primary)
         except SetupFailed as e:
-            with contextlib.suppress(Exception):  # every rank leaves now; the store's host last
-                self.coord.depart(gen, self.launch.endpoint.hosts_store)
+            self._depart(gen)
             if exc is None or self.rank not in e.ranks or isinstance(exc, StepInterrupted):
                 raise  # (a rank pulled out by the culprit: the error names it)
             self._ev.emit(Event.RUN_FAILED, generation=gen, step=step, error=str(e))
@@ -345,10 +344,18 @@ class NativeEngine(EngineCore):
         self._settle_before_restore()
         step = self._agree_restore_step(gen)
         if self.persist is None:
+            self._depart(gen)
             raise Preempted(f"preempted ({primary.message}); no checkpoint.dir, nothing saved", step)
         self.hard_timer.arm(self.cfg.checkpoint.commit_timeout_s + self.t.barrier)
         self.persist.final(step, self.snapshots.materialize(step), gen)
+        self._depart(gen)
         raise Preempted(f"preempted ({primary.message}); final checkpoint at step {step} committed", step)
+
+    def _depart(self, gen: int) -> None:
+        """Every rank leaves after this generation's last barrier: the store's host last, or it
+        resets its peers' connections while they still read."""
+        with contextlib.suppress(Exception):
+            self.coord.depart(gen, self.launch.endpoint.hosts_store)
 
     # -- the first entry: resume what a previous process left ---------------------------------------
     def _fresh_start(self, total: int) -> int:
