@@ -183,3 +183,26 @@ def test_run_id_from_env_or_agreed_through_the_store():
     a = agree_run_id(store, {"TORCHELASTIC_RUN_ID": "none"})
     b = agree_run_id(store, {})
     assert a == b and len(a) == 12
+
+
+def test_the_store_host_departs_last() -> None:
+    host, peer = ranks(2)
+    left = threading.Event()
+
+    def host_leaves() -> None:
+        host.depart(0, hosting=True, timeout=10.0)
+        left.set()
+
+    t = threading.Thread(target=host_leaves, daemon=True)
+    t.start()
+    assert not left.wait(0.3)  # the peer has not left: the host stays
+    peer.depart(0, hosting=False)  # a peer never waits
+    assert left.wait(5.0)
+    t.join()
+
+
+def test_the_store_host_stops_waiting_for_a_dead_peer() -> None:
+    host, _ = ranks(2)
+    t0 = time.monotonic()
+    host.depart(0, hosting=True, timeout=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 3.0
