@@ -102,9 +102,9 @@ class SetupFailed(ResilienceError):
 
     exit_code = ExitCode.FATAL
 
-    def __init__(self, message: str, ranks: list[int]) -> None:
-        super().__init__(message)
-        self.ranks = ranks  # the ranks that held no snapshot
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)  # (rebuilt from its message alone by frameworks that copy errors)
+        self.ranks = ranks or []  # the ranks that held no snapshot
 
 
 class StateRestoreError(ResilienceError):

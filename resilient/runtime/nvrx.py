@@ -46,7 +46,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from resilient.config import Config
-from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted
+from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted, SetupFailed
 from resilient.events import Event
 from resilient.launch_env import LaunchEnv
 from resilient.runtime.core import EngineCore, Wiring, common_restore_step, main_thread_where
@@ -253,7 +253,13 @@ class NvrxEngine(EngineCore):
             self._settle_before_restore()  # the failed iteration's counts, before they are replaced
         self._new_group(it)
         if it > 0:
-            self._restore_agreed(it, t0)
+            try:
+                self._restore_agreed(it, t0)
+            except SetupFailed as e:  # nothing to restore: not a fault to restart from
+                from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+
+                self._verdict = e
+                raise RestartAbort(str(e)) from e
         self._in_fn = it
         try:
             result = fn()

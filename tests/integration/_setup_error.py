@@ -1,5 +1,5 @@
 """A user script that fails before its first step, in one of several ways (argv[1]), on one rank
-(argv[2], or every rank with -1)."""
+(argv[2], or every rank with -1); argv[3], optional: the engine."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch.distributed as dist
 import resilient
 
 HOW, WHO = sys.argv[1], int(sys.argv[2])
+ENGINE = sys.argv[3] if len(sys.argv) > 3 else "resilient"
 
 
-@resilient.wrap(hang_timeout=10)
+@resilient.wrap(hang_timeout=10, engine=ENGINE)
 def train(ctx):
     culprit = WHO in (-1, ctx.rank)
     if culprit and HOW == "import":

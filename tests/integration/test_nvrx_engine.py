@@ -79,3 +79,19 @@ def test_skipped_gradient_sync_is_a_desync_never_a_silent_wrong_state_under_nvrx
     _check_same_processes_bit_exact(res, reference, tmp_path)
     kinds = {e["kind"] for e in res.of("fault_detected")}
     assert kinds == {"desync"}, res.of("fault_detected")
+
+
+def test_an_error_before_the_first_step_is_fatal_and_named_under_nvrx(tmp_path):
+    from pathlib import Path
+
+    from chaos.harness import run_ranks
+
+    script = str(Path(__file__).with_name("_setup_error.py"))
+    res = run_ranks([script, "import", "1", "nvrx"], 2, cwd=tmp_path, timeout=90)
+    assert not res.timed_out, res.describe()
+    for r in res.ranks:  # not restarted: exit FATAL on both, the culprit and its exception named
+        assert r.returncode == ExitCode.FATAL, res.describe()
+        assert (
+            "SetupFailed: rank 1 failed before the first step: ModuleNotFoundError: "
+            "No module named 'not_a_module_of_this_project'" in r.stderr
+        ), r.stderr
