@@ -99,11 +99,16 @@ def test_sigkilled_writer_never_loses_the_last_committed_checkpoint(tmp_path: Pa
     rng = random.Random(1234)
     root = tmp_path / "ck"
     mid_save = 0
-    for _ in range(8):
+
+    def kill_one(mid_write: bool) -> None:
+        nonlocal mid_save
         w = Worker("ckpt", str(root))
         try:
             w.wait_for(w.last + 1 if committed_steps(root) else 1)
-            time.sleep(rng.uniform(0.0, 0.25))  # the random point of the kill: saves run back to back
+            if mid_write:  # as soon as a save's uncommitted directory is there: a torn write
+                wait_until(lambda: tmp_dirs(root), 30, "a save in progress", interval=0.002)
+            else:  # a random point: saves run back to back
+                time.sleep(rng.uniform(0.0, 0.25))
             os.killpg(w.p.pid, signal.SIGKILL)
         finally:
             w.kill()
@@ -111,6 +116,13 @@ def test_sigkilled_writer_never_loses_the_last_committed_checkpoint(tmp_path: Pa
         loaded = load_latest(root)
         assert loaded is not None and loaded.step >= w.last
         _assert_state(loaded.state, loaded.step)
+
+    for _ in range(6):
+        kill_one(mid_write=False)
+    for _ in range(10):  # a loaded machine may have let every random kill fall between saves
+        if mid_save >= 2:
+            break
+        kill_one(mid_write=True)
     assert mid_save >= 1, "no kill landed inside a save; the test did not exercise a torn write"
 
 
