@@ -49,6 +49,7 @@ from resilient.config import Config
 from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted, SetupFailed
 from resilient.events import Event
 from resilient.launch_env import LaunchEnv
+from resilient.runtime import pg
 from resilient.runtime.core import EngineCore, Wiring, common_restore_step, main_thread_where
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.health import Check
@@ -113,6 +114,7 @@ class NvrxEngine(EngineCore):
         # NVRx's monitor thread runs the abort: it gets a store connection of its own
         self.monitor_store = w.side_store(self.t.barrier)
         self.nvrx_port = self._nvrx_store_port()
+        pg.protect_store_port(self.nvrx_port)  # NVRx's monitor opens store clients while groups are built
 
     def _nvrx_store_port(self) -> int:
         """NVRx keeps its barriers and records in a store of its own, with no namespace for the

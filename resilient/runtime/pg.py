@@ -105,7 +105,7 @@ class Group:
                     ports = (s.getpeername()[1], s.getsockname()[1])
                 except OSError:
                     continue  # not connected
-                if self.store_port in ports:
+                if self.store_port in ports or _store_ports.intersection(ports):
                     continue  # a store connection (ours, or a peer's accepted by the server we host)
                 s.shutdown(socket.SHUT_RDWR)
                 n += 1
@@ -133,6 +133,14 @@ class Group:
 
 
 _current: Group | None = None  # the generation's group: process groups created meanwhile are its too
+_store_ports: set[int] = set()  # other stores' ports (NVRx's): their connections are never shut down
+
+
+def protect_store_port(port: int) -> None:
+    """Connections to or from ``port`` belong to a store, never to a group: an abort leaves them
+    (a store client opened by another thread while a group is built would otherwise look like
+    one of the group's connections)."""
+    _store_ports.add(port)
 
 
 def _record_subgroups() -> None:
