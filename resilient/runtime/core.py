@@ -374,17 +374,8 @@ class EngineCore:
     def steps_over(self, batches: Iterable[Any]) -> Iterator[Any]:
         """Each item of ``batches`` is one step; the step count runs on across calls (epochs)."""
         step = self._ensure_begun()
-        hooks, hb = self.hooks, self.heartbeat
         for item in batches:
-            self.step = step
-            if hb is not None:
-                hb.beat(step)
-            if self.fp is not None:
-                self.fp.begin(step)
-            if hooks:
-                objects = self.registry.objects()
-                for h in hooks:
-                    h.before_step(step, objects)
+            self._step_begins(step)
             yield item
             self._complete(step, None)
             step += 1
@@ -399,19 +390,21 @@ class EngineCore:
 
     def steps(self, total: int) -> Iterator[int]:
         start = self._begin_steps(total)
-        hooks, hb = self.hooks, self.heartbeat
         for step in range(start, total):
-            self.step = step
-            if hb is not None:  # the step a hard fault hits, exactly, for the agent
-                hb.beat(step)
-            if self.fp is not None:
-                self.fp.begin(step)
-            if hooks:
-                objects = self.registry.objects()
-                for h in hooks:
-                    h.before_step(step, objects)
+            self._step_begins(step)
             yield step
             self._complete(step, total)
+
+    def _step_begins(self, step: int) -> None:
+        self.step = step
+        if self.heartbeat is not None:  # the step a hard fault hits, exactly, for the agent
+            self.heartbeat.beat(step)
+        if self.fp is not None:
+            self.fp.begin(step)
+        if self.hooks:
+            objects = self.registry.objects()
+            for h in self.hooks:
+                h.before_step(step, objects)
 
     def _begin_steps(self, total: int) -> int:
         if self._restore_state is None:
