@@ -39,6 +39,8 @@ class Loaded:
     path: Path
     rejected: list[str] = field(default_factory=list)  # newer checkpoints that did not verify, why
     rejected_steps: list[int] = field(default_factory=list)  # ... and their steps
+    resharded_from: int | None = None  # written at this other world size, resharded on load
+    per_rank_from: dict[str, int] = field(default_factory=dict)  # per-rank objects: name -> old rank
 
 
 def _read_into(path: Path, offset: int, out: memoryview) -> None:
@@ -90,18 +92,29 @@ def load_step(
     *,
     sharded: dict[str, Any] | None = None,
     collective: bool = True,
+    meshes: list[Any] | None = None,
 ) -> Loaded:
     """This rank's state in checkpoint ``step``; raises CheckpointError naming what failed.
 
     With ``sharded`` (a DTensor/FSDP2 state dict to load into, in place), every rank's DCP files are
     verified and, if ``collective``, loaded through DCP, resharding to the current world size. At a
     different world size the per-rank state cannot be restored: ``Loaded.state`` is then None.
+
+    With ``meshes`` (the device meshes today's objects live on), a checkpoint of another world size
+    is resharded instead (:mod:`resilient.checkpoint.reshard`): DTensor leaves onto those meshes,
+    replicated objects as they are, per-rank objects from old rank ``rank % old_world``.
     """
     path = root / step_name(step)
     manifest = read_manifest(path / MANIFEST)
     if manifest.step != step:
         raise CheckpointError(f"{path / MANIFEST}: says step {manifest.step}, directory says {step}")
     resharding = world_size is not None and manifest.world_size != world_size
+    if resharding and sharded is None and meshes is not None:
+        from resilient.checkpoint.reshard import reshard_rank
+
+        assert world_size is not None
+        state, per_rank = reshard_rank(root, path, manifest, rank, meshes)
+        return Loaded(step, state, manifest, path, resharded_from=manifest.world_size, per_rank_from=per_rank)
     if resharding and sharded is None:
         raise CheckpointError(
             f"{path}: written by {manifest.world_size} ranks, this job has {world_size}; per-rank state "
@@ -156,6 +169,7 @@ def load_latest(
     *,
     agree: Callable[[bool], bool] | None = None,
     sharded: dict[str, Any] | None = None,
+    meshes: list[Any] | None = None,
 ) -> Loaded | None:
     """The newest checkpoint that verifies (on every rank, when ``agree`` votes across ranks).
 
@@ -169,7 +183,7 @@ def load_latest(
     for step in committed_steps(root):
         loaded: Loaded | None = None
         try:
-            loaded = load_step(root, step, rank, world_size, sharded=sharded, collective=False)
+            loaded = load_step(root, step, rank, world_size, sharded=sharded, collective=False, meshes=meshes)
         except CheckpointError as e:
             if "cannot be split or merged" in str(e):
                 raise

@@ -22,6 +22,7 @@ import xxhash
 
 from resilient.checkpoint.codec import decode, dtype_from_name, encode
 from resilient.checkpoint.manifest import write_json_durable
+from resilient.checkpoint.reshard import skeleton_holds_dtensors
 from resilient.checkpoint.staging import Arena, extent
 from resilient.errors import CheckpointError
 
@@ -53,9 +54,10 @@ class ShmSnapshot:
         """Steps of the complete snapshots held (newest first): up to two."""
         return [int(m["step"]) for m in self.slots()]  # type: ignore[arg-type]
 
-    def slots(self) -> list[dict[str, int | None]]:
-        """The complete snapshots held, newest first: ``{"step", "rank", "world"}`` (the global
-        rank and world size that wrote it; None for both when the writer did not say)."""
+    def slots(self) -> list[dict[str, Any]]:
+        """The complete snapshots held, newest first: ``{"step", "rank", "world", "sharded"}`` (the
+        global rank and world size that wrote it, None for both when the writer did not say; whether
+        it holds DTensor shards, which only a mesh of the same size can take back from memory)."""
         held = []
         for slot in (0, 1):
             try:
@@ -63,11 +65,14 @@ class ShmSnapshot:
             except CheckpointError:
                 continue
             if meta is not None:
-                held.append({"step": int(meta["step"]), "rank": meta.get("rank"), "world": meta.get("world")})
+                held.append({
+                    "step": int(meta["step"]), "rank": meta.get("rank"), "world": meta.get("world"),
+                    "sharded": skeleton_holds_dtensors(meta["skeleton"]),
+                })  # fmt: skip
         return sorted(held, key=lambda m: -int(m["step"]))  # type: ignore[arg-type]
 
     def holds(self, step: int, rank: int, world: int) -> bool:
-        return any(m == {"step": step, "rank": rank, "world": world} for m in self.slots())
+        return any((m["step"], m["rank"], m["world"]) == (step, rank, world) for m in self.slots())
 
     def capture(
         self,

@@ -49,6 +49,7 @@ from resilient.runtime.hooks import StepHook
 from resilient.runtime.persist import Persistence
 from resilient.runtime.schedule import SnapshotSchedule
 from resilient.runtime.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
+from resilient.state.dtensor import live_meshes
 from resilient.state.registry import RNG, restore_rng
 
 
@@ -408,7 +409,7 @@ class NativeEngine(EngineCore):
                 )
         if self.persist is None:
             return 0
-        loaded = self.persist.resume()
+        loaded = self.persist.resume(list(live_meshes(self.registry.objects()).values()))
         if loaded is None:
             return 0
         return self._apply_restored(loaded.step, loaded.state, str(loaded.path), t0)

@@ -94,8 +94,9 @@ class Persistence:
         self.preempt_requested = signal.Signals(signum).name  # acted on at the next step boundary
 
     # ---- resume --------------------------------------------------------------------------------
-    def resume(self) -> Loaded | None:
-        """The newest checkpoint that verifies on every rank, or None."""
+    def resume(self, meshes: list[Any] | None = None) -> Loaded | None:
+        """The newest checkpoint that verifies on every rank, or None. One written at another world
+        size is resharded onto ``meshes`` (the device meshes the tracked objects live on)."""
         if not self.cfg.resume:
             return None
         rounds = iter(range(1 << 30))
@@ -109,7 +110,7 @@ class Persistence:
         t0 = time.time()
         local_error: NoValidCheckpoint | None = None
         try:
-            loaded = load_latest(self.ckpt.root, self.rank, self.ckpt.world_size, agree=agree)
+            loaded = load_latest(self.ckpt.root, self.rank, self.ckpt.world_size, agree=agree, meshes=meshes)
         except NoValidCheckpoint as e:
             loaded, local_error = None, e
         if loaded is None and (local_error is not None or self.ckpt.tier is not None):
@@ -126,12 +127,23 @@ class Persistence:
                     moved = quarantine(self.ckpt.root, step)
                     if moved is not None:
                         logger.warning(f"checkpoint step {step} does not verify: moved to {moved}")
+            resharded: dict[str, Any] = {}
+            if loaded.resharded_from is not None:
+                resharded = {"resharded_from": loaded.resharded_from, "per_rank_from": loaded.per_rank_from}
+                if loaded.per_rank_from:
+                    logger.warning(
+                        f"rank {self.rank}: checkpoint step {loaded.step} was written by "
+                        f"{loaded.resharded_from} ranks; per-rank objects {sorted(loaded.per_rank_from)} "
+                        f"(different on every old rank: RNG states, a data position) are old rank "
+                        f"{next(iter(loaded.per_rank_from.values()))}'s"
+                    )
             self.events.emit(
                 Event.CHECKPOINT_LOADED,
                 generation=0,
                 step=loaded.step,
                 path=str(loaded.path),
                 duration_s=time.time() - t0,
+                **resharded,
             )
         return loaded
 

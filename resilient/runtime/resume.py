@@ -141,8 +141,10 @@ class _Plan:
 
 
 def _owner_of(held: list[list[dict[str, Any]]], step: int, old_rank: int, world_from: int) -> int | None:
-    want = {"step": step, "rank": old_rank, "world": world_from}
-    found = [p for p, slots in enumerate(held) if want in slots]
+    want = (step, old_rank, world_from)
+    found = [
+        p for p, slots in enumerate(held) if any((m["step"], m["rank"], m["world"]) == want for m in slots)
+    ]
     if not found:
         return None
     return old_rank if old_rank in found else found[0]
@@ -166,6 +168,13 @@ class _Resume:
             worlds = {m["world"] for slots in held for m in slots if m["step"] == step}
             if len(worlds) != 1 or None in worlds:
                 continue  # unlabelled, or two launches' snapshots of one step: not ours to mix
+            sharded = any(m.get("sharded") for slots in held for m in slots if m["step"] == step)
+            if sharded and worlds != {self.world}:
+                logger.info(
+                    f"step {step}: DTensor shards of {worlds.pop()} ranks, {self.world} now: from the "
+                    "checkpoint, which reshards"
+                )
+                return None
             p = self._plan(step, int(worlds.pop()), held)
             if p is not None:
                 return self._execute(p)

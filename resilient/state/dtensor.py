@@ -28,7 +28,7 @@ def _dtensor_type() -> type | None:
     return getattr(mod, "DTensor", None) if mod is not None else None
 
 
-def _layout(mesh: Any) -> dict[str, Any]:
+def mesh_layout(mesh: Any) -> dict[str, Any]:
     return {
         "device_type": mesh.device_type,
         "shape": list(mesh.mesh.shape),
@@ -77,7 +77,7 @@ def to_portable(tree: Any) -> Any:
     def walk(obj: Any) -> Any:
         if isinstance(obj, dt):
             spec = {
-                "mesh": _layout(obj.device_mesh),
+                "mesh": mesh_layout(obj.device_mesh),
                 "placements": [_placement_to_json(p) for p in obj.placements],
                 "shape": list(obj.shape),
                 "stride": list(obj.stride()),
@@ -138,7 +138,7 @@ def live_meshes(objects: Iterable[Any]) -> dict[tuple[Any, ...], Any]:
         for t in tensors(obj):
             if isinstance(t, dt):
                 mesh = t.device_mesh
-                found.setdefault(_key(_layout(mesh)), mesh)
+                found.setdefault(_key(mesh_layout(mesh)), mesh)
                 # a 2-D mesh's 1-D parts (a tensor-parallel plan may keep state on one of them)
                 if mesh.ndim > 1 and mesh.mesh_dim_names:
                     for name in mesh.mesh_dim_names:
@@ -146,7 +146,7 @@ def live_meshes(objects: Iterable[Any]) -> dict[tuple[Any, ...], Any]:
                             sub = mesh[name]
                         except Exception:  # (a mesh that cannot be sliced by this name)
                             continue
-                        found.setdefault(_key(_layout(sub)), sub)
+                        found.setdefault(_key(mesh_layout(sub)), sub)
     return found
 
 

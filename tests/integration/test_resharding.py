@@ -90,3 +90,13 @@ def test_checkpointer_sharded_4_to_2_and_corrupt_shard_falls_back(tmp_path: Path
     _ckpt(tmp_path, "load", 2)  # every rank verifies every shard: all fall back to step 1 together
     assert json.loads((tmp_path / "load.json").read_text())["step"] == 1
     assert _assert_equal(torch.load(tmp_path / "save1.pt"), torch.load(tmp_path / "load.pt"), "s1") > 0
+
+
+# --- the runtime's own resharding reads shards by the indices their saved layout implies -------------
+def test_saved_layouts_name_the_indices_each_rank_holds_fsdp2_over_tp(tmp_path: Path) -> None:
+    # FSDP2 over tensor parallel on a 2x2 mesh: Shard (uneven), _StridedShard and Replicate leaves
+    worker = str(Path(__file__).with_name("_layouts_worker.py"))
+    res = run_ranks([worker], 4, cwd=tmp_path, run_id="layouts", timeout=120)
+    assert res.ok, res.describe()
+    for r in res.ranks:
+        assert "checked 18 kinds ['replicate', 'shard', 'strided']" in r.stdout, r.stdout

@@ -67,7 +67,11 @@ def test_shm_slots_carry_the_writing_rank_and_world(tmp_path: Path) -> None:
     shm = ShmSnapshot("job", 1, base=tmp_path)  # directory of local rank 1
     shm.capture(7, _state(7), checksum=False, owner=(5, 8))
     shm.capture(8, _state(8), checksum=False, owner=(5, 8))
-    assert shm.slots() == [{"step": 8, "rank": 5, "world": 8}, {"step": 7, "rank": 5, "world": 8}]
+    held = [
+        {"step": 8, "rank": 5, "world": 8, "sharded": False},
+        {"step": 7, "rank": 5, "world": 8, "sharded": False},
+    ]
+    assert shm.slots() == held
     assert shm.holds(8, 5, 8) and not shm.holds(8, 1, 8) and not shm.holds(8, 5, 4)
     shm.close()
 
@@ -140,5 +144,22 @@ def test_a_lost_rank_without_a_replica_or_verifiable_copy_falls_back(tmp_path: P
         rep = resume.StoreReplica(store, "r", rank, max_bytes=64)
         return resume.restore(shm=shm, rank=rank, world=2, names=names, exchange=exchange, replica=rep,
                               newest_checkpoint=-1)  # fmt: skip
+
+    assert _run_ranks(2, fn) == [None, None]
+
+
+def test_dtensor_shards_of_another_world_size_go_to_the_checkpoint(tmp_path: Path) -> None:
+    # 4 old ranks' FSDP shards, 2 ranks now: memory holds the wrong cut of every tensor
+    layout = {"mesh": {"device_type": "cpu", "shape": [4], "ranks": [0, 1, 2, 3], "dims": None},
+              "placements": [["shard", 0]], "shape": [8, 2], "stride": [2, 1]}  # fmt: skip
+    for r in range(2):
+        state = {**_state(r), "model": {"w": {"__dtensor__": layout, "local": torch.ones(2, 2) * r}}}
+        ShmSnapshot("job", r, base=tmp_path).capture(6, state, checksum=False, owner=(r, 4))
+    assert ShmSnapshot("job", 0, base=tmp_path).slots()[0]["sharded"] is True
+
+    def fn(rank, exchange, store):
+        shm = ShmSnapshot("job", rank, base=tmp_path)
+        return resume.restore(shm=shm, rank=rank, world=2, names=["model", "data", "__rng__"],
+                              exchange=exchange, replica=None, newest_checkpoint=-1)  # fmt: skip
 
     assert _run_ranks(2, fn) == [None, None]
