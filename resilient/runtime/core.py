@@ -50,7 +50,10 @@ from resilient.runtime.pg import Group, build_group, resolve_backend
 from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.schedule import SnapshotSchedule
 from resilient.state import Registry, SnapshotRing
+from resilient.state.ddp import BucketLayouts
 from resilient.state.registry import EPOCHS, RNG, restore_rng
+
+DDP_BUCKETS = "ddp-buckets.json"  # in the run directory: DDP's rebuilt layouts, for relaunched workers
 
 # Files whose frames, innermost on the main thread, mean "blocked waiting for peers".
 _COLLECTIVE_MODULES = (
@@ -201,6 +204,8 @@ class EngineCore:
         self.cost = Cost()
         self._restore_state: dict[str, Any] | None = None
         self._restored: set[str] = set()
+        self.ddp_layouts = BucketLayouts()
+        self._layouts_applied = contextlib.ExitStack()  # while the function re-enters after a fault
         self._fault_step: int | None = None
         self._fault_ts: float | None = None
         self._resume_pending = False
@@ -248,6 +253,9 @@ class EngineCore:
             collective_timeout=self.t.collective,
             engine=self.engine,
         )
+        if self.launch.restart_count > 0:  # relaunched: DDP starts with the buckets it had rebuilt
+            self.ddp_layouts.load(self.run_dir / DDP_BUCKETS)
+            self._layouts_applied.enter_context(self.ddp_layouts.applied())
         info = RunInfo(self.rank, self.world_size, self.engine, self.cfg, self.launch, self._ev, self.run_dir)
         for h in self.hooks:
             h.on_start(info)
@@ -255,6 +263,7 @@ class EngineCore:
 
     def _close_core(self) -> None:
         """Release what :meth:`_open` acquired, the event log last; safe after a partial start."""
+        self._layouts_applied.close()
         with contextlib.ExitStack() as stack:
             if self.events is not None:
                 stack.callback(self.events.close)
@@ -342,6 +351,10 @@ class EngineCore:
     def _prepare_restore(self, step: int, fault_step: int | None, fault_ts: float | None) -> None:
         """The agreed ``step``'s snapshot is loaded into each object as the function tracks it."""
         self.restore_step = step
+        self.ddp_layouts.observe(self.registry.objects())  # (the objects of the generation that ended)
+        self._layouts_applied.close()
+        if step > 0:  # DDP rebuilt its buckets after the first step: a rebuilt DDP resumes with them
+            self._layouts_applied.enter_context(self.ddp_layouts.applied())
         self.snapshots.drop_after(step)
         self._restore_state = self.snapshots.materialize(step)
         self._fault_step, self._fault_ts = fault_step, fault_ts
@@ -407,6 +420,7 @@ class EngineCore:
                 h.before_step(step, objects)
 
     def _begin_steps(self, total: int) -> int:
+        self._layouts_applied.close()  # (every tracked DDP is built by now)
         if self._restore_state is None:
             return self._fresh_start(total)
         return self._resume_restored()
@@ -420,6 +434,7 @@ class EngineCore:
         """At ``ctx.steps`` after a restart: every object of the snapshot was tracked again and
         loaded; the RNGs are restored last, and the step to resume at is returned."""
         assert self._restore_state is not None
+        self._layouts_applied.close()
         missing = [n for n in self._restore_state if n != RNG and n not in self._restored]
         if missing:
             raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
@@ -457,6 +472,9 @@ class EngineCore:
                 # state that leaves the process is verified first; the ring's, at the next step
                 self._verified(fp.check if leaves else fp.close_window, step)
             state = self.registry.capture()
+            if self.ddp_layouts.observe(self.registry.objects()) and self.run_dir is not None:
+                with contextlib.suppress(OSError):  # (a relaunched worker then starts as DDP did)
+                    self.ddp_layouts.dump(self.run_dir / DDP_BUCKETS)
             if ring_due:
                 self.snapshots.capture(nxt, state)
                 capture_s = self.clock() - now

@@ -299,11 +299,14 @@ class NativeEngine(EngineCore):
         try:
             delay = self.policy.admit(primary)
         except RestartBudgetExhausted as e:
-            try:  # diagnosis only: the store's host may already have exited with the same verdict
+            try:  # diagnosis only
                 seen = "; ".join(f"rank {o['rank']}: {o['message']}" for o in self.coord.observations(gen))
             except Exception as store_gone:
                 seen = f"unavailable ({type(store_gone).__name__}: {store_gone})"
             logger.error("rank {}: giving up: {} (last fault as each rank saw it: {})", self.rank, e, seen)
+            # every rank reaches the same verdict from the same agreed faults, some later than
+            # others: the store's host must not leave while a slower peer still posts its fault
+            self._depart(gen)
             raise
         self._check_health(gen, step)
         if delay > 0:

@@ -80,18 +80,18 @@ class Launch:
             self.log.close()
 
 
-def _example(cwd: Path, *extra: str) -> Launch:
+def _example(cwd: Path, *extra: str, nproc: int = 2) -> Launch:
     return Launch(
         cwd,
-        "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
+        "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "3", "--monitor-interval", "0.2",
         "--heartbeat-timeout", "3", "--startup-timeout", "60", "--backoff-initial", "0",
         EXAMPLE, "--steps", str(STEPS), "--step-ms", "40", "--ckpt-dir", str(cwd / "ck"),
         "--ckpt-every", "4", "--out", str(cwd / "state"), *extra,
     )  # fmt: skip
 
 
-def _final_states(cwd: Path) -> list[dict[str, Any]]:
-    return [torch.load(cwd / "state" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+def _final_states(cwd: Path, nproc: int = 2) -> list[dict[str, Any]]:
+    return [torch.load(cwd / "state" / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
 
 
 def _worker_pid(launch: Launch, rank: int) -> int:
@@ -129,6 +129,27 @@ def test_hard_fault_relaunches_and_ends_bit_exact(
     assert [e["source"] for e in restored] == ["shm", "shm"], restored
     assert restored[0]["step"] == restored[1]["step"] >= 8 and not loaded, restored
     assert_bit_exact(reference[2], _final_states(tmp_path))
+
+
+def test_sigkill_at_3_ranks_relaunches_bit_exact(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # the relaunched workers' DDP must start with the buckets the dead ones had rebuilt (the
+    # layout the run directory keeps): with 3 ranks the ring's sums depend on it
+    run = _example(tmp_path, nproc=3)
+    try:
+        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 2)
+        os.kill(_worker_pid(run, 2), signal.SIGKILL)
+        rc = run.finish()
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    assert rc == 0, run.output()
+    events = run.events()
+    assert len([e for e in events if e["event"] == "relaunched"]) == 1
+    restored = [e for e in events if e["event"] == "state_restored" and e["generation"] == 0]
+    assert len(restored) == 3 and restored[0]["step"] >= 8, restored
+    assert_bit_exact(reference[3], _final_states(tmp_path, 3))
 
 
 def test_gil_holding_hang_is_caught_by_the_missing_heartbeat(

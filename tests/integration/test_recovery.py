@@ -40,6 +40,13 @@ def test_exception_on_rank1(tmp_path, reference):
     assert load_states(tmp_path, 2)[1]["fired"] == {"exception@9:1": 1}
 
 
+def test_ddp_at_3_ranks_recovers_bit_exact(tmp_path, reference):
+    # with 3 ranks the ring adds the ranks' gradients in an order that depends on where each sits in
+    # DDP's bucket: the rebuilt DDP must start with the buckets the interrupted one had rebuilt
+    res = run_example(tmp_path, 3, "--fault", "exception@9:2")
+    _check_recovered(res, reference, 3, tmp_path)
+
+
 def test_sleep_hang_on_rank0_is_interrupted_in_process(tmp_path, reference):
     res = run_example(tmp_path, 2, "--fault", "hang@7:0", "--hang-timeout", "2")
     _check_recovered(res, reference, 2, tmp_path)
