@@ -410,6 +410,7 @@ class EngineCore:
 
     def _step_begins(self, step: int) -> None:
         self.step = step
+        self.registry.step_begins()
         if self.heartbeat is not None:  # the step a hard fault hits, exactly, for the agent
             self.heartbeat.beat(step)
         if self.fp is not None:

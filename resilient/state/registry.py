@@ -3,11 +3,17 @@
 Objects are tracked by name. ``torch.Generator`` (a common data-order source) is supported through
 its ``get_state``/``set_state``. RNG state covers Python ``random``, NumPy's global generator, torch
 CPU and, when CUDA is initialized, every CUDA device.
+
+Gradients are not part of a ``state_dict``. A step that ends inside a gradient-accumulation window
+(each micro-batch a step; the optimizer steps every few) leaves gradients that the next steps add
+to, so a tracked module's state then also holds its ``.grad`` tensors (under :data:`GRAD`): kept
+when a tracked optimizer did not step during the step just completed and some gradient exists.
 """
 
 from __future__ import annotations
 
 import random
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -20,6 +26,7 @@ from resilient.state.loader import make_resumable
 from resilient.state.snapshot import Frozen
 
 RNG = "__rng__"
+GRAD = "__grad__"  # in a module's state: its gradients, when a step ended inside an accumulation window
 EPOCHS = "__epochs__"  # ctx.epochs' position (the runtime tracks it)
 
 
@@ -55,6 +62,9 @@ class Registry:
 
     def __init__(self) -> None:
         self._objects: dict[str, Any] = {}
+        self._optimizer_steps = 0  # by tracked optimizers (a hook counts them)
+        self._steps_at_start: int | None = None  # ... when the current step began
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     def __contains__(self, name: str) -> bool:
         return name in self._objects
@@ -75,7 +85,24 @@ class Registry:
                 f"cannot track {name}={type(obj).__name__}: it needs state_dict()/load_state_dict() "
                 "(or be a torch.Generator)"
             )
+        if isinstance(obj, torch.optim.Optimizer) and obj not in self._hooked:
+            obj.register_step_post_hook(self._optimizer_stepped)
+            self._hooked.add(obj)
         self._objects[name] = obj
+
+    def _optimizer_stepped(self, *_: Any) -> None:
+        self._optimizer_steps += 1
+
+    def step_begins(self) -> None:
+        self._steps_at_start = self._optimizer_steps
+
+    def _accumulating(self) -> bool:
+        """The step just completed ran no tracked optimizer's step (its gradients are pending)."""
+        return (
+            self._steps_at_start is not None
+            and self._optimizer_steps == self._steps_at_start
+            and any(isinstance(o, torch.optim.Optimizer) for o in self._objects.values())
+        )
 
     def clear(self) -> None:
         self._objects.clear()
@@ -83,13 +110,18 @@ class Registry:
     def capture(self) -> dict[str, Any]:
         """The current state of every tracked object plus the RNGs (tensors are not copied here)."""
         out: dict[str, Any] = {}
+        accumulating = self._accumulating()
         for name, obj in self._objects.items():
             try:
-                out[name] = (
-                    {"generator": obj.get_state()}
-                    if isinstance(obj, torch.Generator)
-                    else dtensor.to_portable(obj.state_dict())
-                )
+                if isinstance(obj, torch.Generator):
+                    out[name] = {"generator": obj.get_state()}
+                    continue
+                state = obj.state_dict()
+                if accumulating and isinstance(obj, torch.nn.Module):
+                    grads = {n: p.grad for n, p in obj.named_parameters() if p.grad is not None}
+                    if grads:
+                        state = {**state, GRAD: grads}
+                out[name] = dtensor.to_portable(state)
             except Exception as e:
                 what = f"tracked object {name!r} ({type(obj).__name__})"
                 raise SnapshotError(f"{what}: state_dict() failed: {type(e).__name__}: {e}") from e
@@ -100,11 +132,19 @@ class Registry:
         obj = self._objects[name]
         if dtensor.holds_dtensors(state):  # back onto the mesh the rebuilt objects live on
             state = dtensor.from_portable(state, dtensor.live_meshes(self._objects.values()), name)
+        grads = None
+        if isinstance(state, dict) and GRAD in state:
+            state = dict(state)
+            grads = state.pop(GRAD)
         try:
             if isinstance(obj, torch.Generator):
                 obj.set_state(state["generator"])
             else:
                 obj.load_state_dict(state)
+                if grads is not None:
+                    for n, p in obj.named_parameters():
+                        g = grads.get(n)
+                        p.grad = None if g is None else g.detach().clone().to(p.device)
         except Exception as e:
             raise StateRestoreError(
                 f"restoring tracked object {name!r} ({type(obj).__name__}) failed: {e}"
