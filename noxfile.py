@@ -38,6 +38,14 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PY)
+def slow(session: nox.Session) -> None:
+    """The integration tests too long for CI (a torch.compile'd model re-entered after a fault)."""
+    _install(session, "dev", "chaos")
+    args = ["tests/integration", "-q", "-p", "no:cacheprovider", "-m", "slow", *session.posargs]
+    session.run("pytest", *args, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(python=PY)
 def demo(session: nox.Session) -> None:
     """The bundled example under injected faults, checked against a fault-free run."""
     _install(session, "dev")
