@@ -112,9 +112,8 @@ def load_step(
     if resharding and sharded is None and meshes is not None:
         from resilient.checkpoint.reshard import reshard_rank
 
-        assert world_size is not None
-        state, per_rank = reshard_rank(root, path, manifest, rank, meshes)
-        return Loaded(step, state, manifest, path, resharded_from=manifest.world_size, per_rank_from=per_rank)
+        moved, per_rank = reshard_rank(root, path, manifest, rank, meshes)
+        return Loaded(step, moved, manifest, path, resharded_from=manifest.world_size, per_rank_from=per_rank)
     if resharding and sharded is None:
         raise CheckpointError(
             f"{path}: written by {manifest.world_size} ranks, this job has {world_size}; per-rank state "
@@ -126,7 +125,7 @@ def load_step(
             raise CheckpointError(f"{path}: holds no sharded (DCP) state")
         for f in dcp_files:
             verify_file(root, f)
-    state = None
+    state: Any = None
     if resharding:
         logger.warning(
             f"{path}: written by {manifest.world_size} ranks, loading on {world_size}: sharded state "

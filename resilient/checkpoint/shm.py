@@ -52,7 +52,7 @@ class ShmSnapshot:
 
     def steps(self) -> list[int]:
         """Steps of the complete snapshots held (newest first): up to two."""
-        return [int(m["step"]) for m in self.slots()]  # type: ignore[arg-type]
+        return [int(m["step"]) for m in self.slots()]
 
     def slots(self) -> list[dict[str, Any]]:
         """The complete snapshots held, newest first: ``{"step", "rank", "world", "sharded"}`` (the
@@ -69,7 +69,7 @@ class ShmSnapshot:
                     "step": int(meta["step"]), "rank": meta.get("rank"), "world": meta.get("world"),
                     "sharded": skeleton_holds_dtensors(meta["skeleton"]),
                 })  # fmt: skip
-        return sorted(held, key=lambda m: -int(m["step"]))  # type: ignore[arg-type]
+        return sorted(held, key=lambda m: -int(m["step"]))
 
     def holds(self, step: int, rank: int, world: int) -> bool:
         return any((m["step"], m["rank"], m["world"]) == (step, rank, world) for m in self.slots())

@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         if hb_dir.exists():
             hb_dir.rmdir()
         ShmSnapshot(shm_name).unlink()  # the job is over: its snapshots go
-        if not args.logs_specs and not args.log_dir:  # torch's own temporary log dir (torchrun leaves it)
-            shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)
+        if not args.logs_specs and not args.log_dir and config.logs_specs is not None:
+            shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)  # torch's temporary one
     if agent.verdict is not None:
         if agent.verdict == int(ExitCode.FATAL) and agent.failures:
             print(f"resilient launch: giving up: {agent.failures[-1]['cause']}", file=sys.stderr)

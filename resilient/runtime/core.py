@@ -420,13 +420,13 @@ class EngineCore:
             for h in self.hooks:
                 h.before_step(step, objects)
 
-    def _begin_steps(self, total: int) -> int:
+    def _begin_steps(self, total: int | None) -> int:
         self._layouts_applied.close()  # (every tracked DDP is built by now)
         if self._restore_state is None:
             return self._fresh_start(total)
         return self._resume_restored()
 
-    def _fresh_start(self, total: int) -> int:
+    def _fresh_start(self, total: int | None) -> int:
         """The first entry: snapshot the initial state as step 0."""
         self.snapshots.capture(0, self.registry.capture())
         return 0
@@ -455,7 +455,7 @@ class EngineCore:
         self.step = step
         return step
 
-    def _complete(self, step: int, total: int) -> None:
+    def _complete(self, step: int, total: int | None) -> None:
         now = self.clock()
         step_s = now - self._progress if self._stepped else None
         self._progress, self._stepped = now, True
@@ -549,11 +549,17 @@ class EngineCore:
     def _on_step(self, step: int) -> None:
         """``step`` completed (before anything is captured)."""
 
-    def _mirror_due(self, nxt: int, total: int) -> bool:
+    def _mirror_due(self, nxt: int, total: int | None) -> bool:
         """Whether the engine keeps the state after ``nxt`` steps somewhere besides the ring."""
         return False
 
     def _after_snapshot(
-        self, step: int, nxt: int, total: int, state: dict[str, Any] | None, step_s: float | None, now: float
+        self,
+        step: int,
+        nxt: int,
+        total: int | None,
+        state: dict[str, Any] | None,
+        step_s: float | None,
+        now: float,
     ) -> None:
         """After the ring's snapshot (``state``: what was captured, if anything was)."""

@@ -317,6 +317,7 @@ class NativeEngine(EngineCore):
             self.hard_timer.arm(self.cfg.checkpoint.commit_timeout_s + self.t.barrier + 10.0)
             self.persist.settle(gen, step)
         self._settle_before_restore()
+        own: BaseException | None = None
         try:
             restore = self._agree_restore_step(gen, primary)
         except SetupFailed as e:
@@ -325,8 +326,6 @@ class NativeEngine(EngineCore):
                 raise  # (a rank pulled out by the culprit: the error names it)
             self._ev.emit(Event.RUN_FAILED, generation=gen, step=step, error=str(e))
             own = exc
-        else:
-            own = None
         if own is not None:  # raised outside the handler: the user's exception keeps its own chain
             raise self._own_setup_error(own)
         self._prepare_restore(restore, step, fault_ts)
@@ -362,7 +361,7 @@ class NativeEngine(EngineCore):
             self.coord.depart(gen, self.launch.endpoint.hosts_store)
 
     # -- the first entry: resume what a previous process left ---------------------------------------
-    def _fresh_start(self, total: int) -> int:
+    def _fresh_start(self, total: int | None) -> int:
         start = self._resume_at_start() if self.generation == 0 and self.step is None else 0
         shm = self.shm
         if shm is not None and self._adoptable == start:
@@ -443,7 +442,7 @@ class NativeEngine(EngineCore):
     def _on_step(self, step: int) -> None:
         self.hard_timer.arm(self.t.hard)
 
-    def _mirror_due(self, nxt: int, total: int) -> bool:
+    def _mirror_due(self, nxt: int, total: int | None) -> bool:
         p = self.persist
         self._ckpt_due = p is not None and (p.due(nxt) or nxt == total)  # once a step: due() times it
         return (self.shm is not None and self.mirror_schedule.due(nxt, total)) or (
@@ -451,7 +450,13 @@ class NativeEngine(EngineCore):
         )
 
     def _after_snapshot(
-        self, step: int, nxt: int, total: int, state: dict[str, Any] | None, step_s: float | None, now: float
+        self,
+        step: int,
+        nxt: int,
+        total: int | None,
+        state: dict[str, Any] | None,
+        step_s: float | None,
+        now: float,
     ) -> None:
         p = self.persist
         if self.shm is not None:

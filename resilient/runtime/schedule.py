@@ -42,7 +42,7 @@ class SnapshotSchedule:
         """Calibrate relative to ``step``: a run resumed from a checkpoint starts there."""
         self.base = step
 
-    def due(self, nxt: int, total: int) -> bool:
+    def due(self, nxt: int, total: int | None) -> bool:
         """Whether the state after ``nxt`` completed steps is kept."""
         if nxt == total:
             return True

@@ -22,7 +22,7 @@ from resilient.errors import StateRestoreError
 MARK = "__dtensor__"
 
 
-def _dtensor_type() -> type | None:
+def _dtensor_type() -> Any:
     """``DTensor``, if anything imported it (no model can hold one otherwise)."""
     mod = sys.modules.get("torch.distributed.tensor")
     return getattr(mod, "DTensor", None) if mod is not None else None

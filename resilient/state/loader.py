@@ -93,11 +93,11 @@ class _Resumable:
             pos.iterators += 1
             pos.rng = _get_states(self)
             pos.consumed = 0
-            return _Counting(self._resilient_base.__iter__(self), pos)  # type: ignore[arg-type]
+            return _Counting(self._resilient_base.__iter__(self), pos)  # type: ignore[attr-defined]
         restored = _get_states(self)
         _set_states(self, pending["rng"])
         try:  # the draws the original pass made, from the states it made them in
-            it = self._resilient_base.__iter__(self)  # type: ignore[arg-type]
+            it = self._resilient_base.__iter__(self)  # type: ignore[attr-defined]
             first = _draw_first_indices(it)
         finally:
             _set_states(self, restored)
