@@ -84,12 +84,13 @@ def certify(session: nox.Session) -> None:
 
 @nox.session(name="certify-stacks", python=PY)
 def certify_stacks(session: nox.Session) -> None:
-    """The user-style examples' certificates: the FSDP2 transformer and the DataLoader epoch loop,
-    every class they list, 3 trials each (chaos_fsdp2/, chaos_epochs/). Exit 1 on a failed SLO."""
+    """The user-style examples' certificates: the FSDP2 transformer, the DataLoader epoch loop and
+    the accumulation loop, every class they list, 3 trials each (chaos_fsdp2/, chaos_epochs/,
+    chaos_accum/). Exit 1 on a failed SLO."""
     _install(session, "dev", "chaos")
     env = {"OMP_NUM_THREADS": "1"}
     trials = session.posargs or ["--trials", "3"]
-    for cfg, out in (("fsdp2", "chaos_fsdp2"), ("ddp_epochs", "chaos_epochs")):
+    for cfg, out in (("fsdp2", "chaos_fsdp2"), ("ddp_epochs", "chaos_epochs"), ("accum", "chaos_accum")):
         session.run("chaos", "certify", f"configs/chaos/{cfg}.yaml", "--out", out, *trials, env=env)
 
 

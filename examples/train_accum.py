@@ -61,14 +61,22 @@ def main() -> None:
     p.add_argument("--amp", choices=["fp16", "bf16", "off"], default="fp16")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--config", default=None, help="a resilient config file (configs/default.yaml)")
+    p.add_argument("--hang-timeout", type=float, default=None)
+    p.add_argument("--ckpt-dir", default=None, help="durable checkpoints here (resume from them)")
+    p.add_argument("--ckpt-every", type=int, default=10)
     args = p.parse_args()
+    overrides: dict[str, object] = {}
+    if args.hang_timeout is not None:
+        overrides["hang_timeout"] = args.hang_timeout
+    if args.ckpt_dir:
+        overrides["checkpoint"] = {"dir": args.ckpt_dir, "interval": args.ckpt_every}
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.samples, 16, generator=g)
     y = (x[:, :4].sum(1) > 0).long() + (x[:, 4:8].sum(1) > 0).long()
     dataset = TensorDataset(x, y)
 
-    @resilient.wrap(config=args.config)
+    @resilient.wrap(config=args.config, **overrides)
     def train(ctx: resilient.Context) -> None:
         torch.manual_seed(0)
         model = DDP(Net(args.dim, args.depth, classes=3).to(ctx.device))
