@@ -70,17 +70,11 @@ def _portable_leaves(node: Any, path: str, out: dict[str, tuple[dict[str, Any], 
         for k, x in v.items():
             _portable_leaves(x, f"{path}/{k}", out)
     elif tag == "D":
-        for k, x in v:
-            _portable_leaves(x, f"{path}/{json.dumps(k)}", out)
+        for k, x in v:  # (a non-str key, e.g. an optimizer's parameter index, as JSON)
+            _portable_leaves(x, f"{path}/{k if isinstance(k, str) else json.dumps(k)}", out)
     elif tag in ("l", "t"):
         for i, x in enumerate(v):
             _portable_leaves(x, f"{path}/{i}", out)
-
-
-def skeleton_holds_dtensors(skeleton: Any) -> bool:
-    found: dict[str, tuple[dict[str, Any], int]] = {}
-    _portable_leaves(skeleton, "", found)
-    return bool(found)
 
 
 def _is_range(pos: torch.Tensor) -> bool:

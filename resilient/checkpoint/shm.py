@@ -22,9 +22,9 @@ import xxhash
 
 from resilient.checkpoint.codec import decode, dtype_from_name, encode
 from resilient.checkpoint.manifest import write_json_durable
-from resilient.checkpoint.reshard import skeleton_holds_dtensors
 from resilient.checkpoint.staging import Arena, extent
 from resilient.errors import CheckpointError
+from resilient.state.dtensor import holds_dtensors
 
 SHM = Path("/dev/shm")
 
@@ -67,7 +67,7 @@ class ShmSnapshot:
             if meta is not None:
                 held.append({
                     "step": int(meta["step"]), "rank": meta.get("rank"), "world": meta.get("world"),
-                    "sharded": skeleton_holds_dtensors(meta["skeleton"]),
+                    "sharded": bool(meta.get("sharded", False)),
                 })  # fmt: skip
         return sorted(held, key=lambda m: -int(m["step"]))
 
@@ -101,6 +101,7 @@ class ShmSnapshot:
             "world": owner[1] if owner else None,
             "size": size,
             "xxh3": digest,
+            "sharded": holds_dtensors(state),  # (only a mesh of the same size takes them back)
             "skeleton": skeleton,
             "layout": [[s.key, s.dtype, list(s.shape), s.offset, s.nbytes] for s in slots],
         }
