@@ -32,6 +32,7 @@ def tests(session: nox.Session) -> None:
         "no:cacheprovider",
         "-m",
         "not slow",
+        "--durations=12",  # (the suite's time budget: where it goes)
         *session.posargs,
         env=env,
     )
