@@ -253,13 +253,21 @@ class EngineCore:
             collective_timeout=self.t.collective,
             engine=self.engine,
         )
-        if self.launch.restart_count > 0:  # relaunched: DDP starts with the buckets it had rebuilt
-            self.ddp_layouts.load(self.run_dir / DDP_BUCKETS)
+        # relaunched: DDP starts with the buckets it had rebuilt, if every rank has the same ones
+        self.ddp_layouts.load(self.run_dir / DDP_BUCKETS)
+        if self._all_hold("ddp_layout/start", self.ddp_layouts.digest()) and len(self.ddp_layouts):
             self._layouts_applied.enter_context(self.ddp_layouts.applied())
         info = RunInfo(self.rank, self.world_size, self.engine, self.cfg, self.launch, self._ev, self.run_dir)
         for h in self.hooks:
             h.on_start(info)
         return w
+
+    def _all_hold(self, name: str, value: str) -> bool:
+        """Whether every rank holds ``value`` (each posts its own; a small all-gather, store)."""
+        keys = [f"{self.ns}/{name}/{r}" for r in range(self.world_size)]
+        self.store.set(keys[self.rank], value)
+        self.store.wait(keys)
+        return all(v.decode() == value for v in self.store.multi_get(keys))
 
     def _close_core(self) -> None:
         """Release what :meth:`_open` acquired, the event log last; safe after a partial start."""
@@ -353,7 +361,10 @@ class EngineCore:
         self.restore_step = step
         self.ddp_layouts.observe(self.registry.objects())  # (the objects of the generation that ended)
         self._layouts_applied.close()
-        if step > 0:  # DDP rebuilt its buckets after the first step: a rebuilt DDP resumes with them
+        # DDP rebuilt its buckets after the first step: a rebuilt DDP resumes with them, on every
+        # rank or on none (ranks whose buckets differ would add up unrelated gradients)
+        same = self._all_hold(f"ddp_layout/g{self.generation}", self.ddp_layouts.digest())
+        if step > 0 and same and len(self.ddp_layouts):
             self._layouts_applied.enter_context(self.ddp_layouts.applied())
         self.snapshots.drop_after(step)
         self._restore_state = self.snapshots.materialize(step)

@@ -12,12 +12,14 @@ function re-enters after a restart to a step past the first, DDP's own bucket as
 that layout for a parameter list of the same shapes and dtypes. The resumed step reduces the
 buffer the uninterrupted run reduced; DDP's own rebuild after it arrives at the same layout again.
 The layouts are also written to the run's directory, so a worker relaunched by ``resilient
-launch`` starts its DDP the same way.
+launch`` starts its DDP the same way. Every rank must build its buckets alike (DDP pairs them by
+position), so the runtime hands a layout over only when every rank holds the same one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import weakref
@@ -85,6 +87,13 @@ class BucketLayouts:
                 new |= self._known.setdefault(_signature(params), layout) is layout
                 self._done.add(obj)
         return new
+
+    def digest(self) -> str:
+        """The same on ranks that know the same layouts ('' when none is known)."""
+        if not self._known:
+            return ""
+        doc = sorted((repr(sig), buckets) for sig, buckets in self._known.items())
+        return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
     def dump(self, path: Path) -> None:
         """Write the known layouts to ``path`` (atomically: ranks of a node may write at once)."""
