@@ -29,6 +29,7 @@ import time
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -255,18 +256,19 @@ class EngineCore:
         )
         # relaunched: DDP starts with the buckets it had rebuilt, if every rank has the same ones
         self.ddp_layouts.load(self.run_dir / DDP_BUCKETS)
-        if self._all_hold("ddp_layout/start", self.ddp_layouts.digest()) and len(self.ddp_layouts):
+        same = self._all_hold("ddp_layout/start", self.ddp_layouts.digest(), self.t.startup + self.t.barrier)
+        if same and len(self.ddp_layouts):
             self._layouts_applied.enter_context(self.ddp_layouts.applied())
         info = RunInfo(self.rank, self.world_size, self.engine, self.cfg, self.launch, self._ev, self.run_dir)
         for h in self.hooks:
             h.on_start(info)
         return w
 
-    def _all_hold(self, name: str, value: str) -> bool:
+    def _all_hold(self, name: str, value: str, timeout: float) -> bool:
         """Whether every rank holds ``value`` (each posts its own; a small all-gather, store)."""
         keys = [f"{self.ns}/{name}/{r}" for r in range(self.world_size)]
         self.store.set(keys[self.rank], value)
-        self.store.wait(keys)
+        self.store.wait(keys, timedelta(seconds=timeout))
         return all(v.decode() == value for v in self.store.multi_get(keys))
 
     def _close_core(self) -> None:
@@ -363,7 +365,7 @@ class EngineCore:
         self._layouts_applied.close()
         # DDP rebuilt its buckets after the first step: a rebuilt DDP resumes with them, on every
         # rank or on none (ranks whose buckets differ would add up unrelated gradients)
-        same = self._all_hold(f"ddp_layout/g{self.generation}", self.ddp_layouts.digest())
+        same = self._all_hold(f"ddp_layout/g{self.generation}", self.ddp_layouts.digest(), self.t.barrier)
         if step > 0 and same and len(self.ddp_layouts):
             self._layouts_applied.enter_context(self.ddp_layouts.applied())
         self.snapshots.drop_after(step)
