@@ -5,13 +5,13 @@ One run, 2 gloo ranks on CPU, side by side:
   rank's local shards copied once into buffers it reuses: the floor of any blocking save), the
   runtime's ``Checkpointer.save`` of the tracked state (local shards, as the runtime saves them;
   steady state: staging buffers reused) and ``dcp.async_save`` of ``get_state_dict`` (the time
-  the caller is blocked; after a warm-up call). Minimum over ``--repeat`` saves per rank, the
-  slower rank counted.
+  the caller is blocked; after a warm-up call). The copy and the runtime's save alternate, both
+  ranks at once; minimum over ``--repeat`` of each per rank, the slower rank counted.
 - snapshot cost: ``examples/train_fsdp2.py`` under the runtime with ``snapshot.interval: auto``;
   the runtime's own time per step (snapshots included, from ``run_finished``) against the mean
   step time.
 
-    python benchmarks/fsdp2.py [--mb 256] [--repeat 3] [--out benchmarks/results/fsdp2.json]
+    python benchmarks/fsdp2.py [--mb 256] [--repeat 8] [--out benchmarks/results/fsdp2.json]
 """
 
 from __future__ import annotations
@@ -64,23 +64,21 @@ def _rank_main(out: Path, mb: float, repeat: int) -> None:
     leaves = [leaf.tensor for leaf in encode(tracked())[1]]
     nbytes = sum(t.numel() * t.element_size() for t in leaves)
     buffers = [torch.empty_like(t) for t in leaves]
-    copies = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for b, t in zip(buffers, leaves, strict=True):
-            b.copy_(t)
-        copies.append(time.perf_counter() - t0)
-
-    ours = []
+    copies, ours = [], []
     kw: dict[str, Any] = {"rank": rank, "world_size": world, "token": "bench", "keep": 1}
     with Checkpointer(out / "ours", incremental=False, **kw) as ck:
-        for i in range(repeat + 1):
+        for i in range(repeat + 1):  # the copy limit and a save, alternately, in the same conditions
+            dist.barrier()
+            t0 = time.perf_counter()
+            for b, t in zip(buffers, leaves, strict=True):
+                b.copy_(t)
+            copies.append(time.perf_counter() - t0)
+            dist.barrier()
             fut = ck.save(i + 1, tracked())
             if i:  # the first save allocates the staging buffers
                 ours.append(ck.last_block_s)
             assert fut is not None
             fut.result()
-            dist.barrier()
 
     sd_model, sd_opt = get_state_dict(model, opt)
     state = {"model": sd_model, "optimizer": sd_opt}
@@ -151,7 +149,7 @@ def snapshot_cost(steps: int, dim: int, layers: int) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mb", type=float, default=256.0, help="state per rank (model + AdamW moments)")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=8)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
