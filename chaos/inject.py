@@ -37,8 +37,18 @@ import psutil
 from resilient.events import read_events
 
 KINDS = ("exception", "hang", "stall", "oom", "cuda_oom", "kernel_oom", "gil_hang", "desync")
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                "reduce", "all_to_all_single", "barrier")  # fmt: skip
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce",
+    "all_to_all_single",
+    "barrier",
+    "all_gather_single",
+    "reduce_scatter_single",
+)  # fmt: skip  (FSDP2 calls the last two)
 _SPEC = re.compile(
     r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?$"
 )
@@ -186,7 +196,7 @@ def _desync(objects: Iterable[object]) -> list[Any]:
         return [lambda m=m: setattr(m, "require_backward_grad_sync", True) for m in ddp]
     import torch.distributed as dist
 
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
 
     def restore() -> None:
         for name, fn in originals.items():
@@ -196,7 +206,7 @@ def _desync(objects: Iterable[object]) -> list[Any]:
         restore()
         return _Skipped() if kwargs.get("async_op") else None
 
-    for name in _COLLECTIVES:
+    for name in originals:
         setattr(dist, name, skipped)
     return [restore]
 
