@@ -35,7 +35,7 @@ import torch
 from chaos import netns
 from chaos.cgroup import memory_cgroup, remove_cgroup
 from chaos.compare import assert_bit_exact
-from chaos.job import Job, events, jsonl
+from chaos.job import Job, events, fresh, jsonl
 from chaos.netns import VethLink
 from chaos.runner import HARNESS, Runner
 from chaos.schedule import IN_PROCESS, LINK, Certification, Planned
@@ -112,7 +112,7 @@ def _finals(cwd: Path, nproc: int) -> list[dict[str, Any]] | None:
 # ---- certify -------------------------------------------------------------------------------------------
 def reference(cert: Certification, cwd: Path) -> tuple[list[dict[str, Any]], float]:
     """A fault-free run of the same job: its final state and median step time."""
-    job = Job(cert, cwd)
+    job = Job(cert, fresh(cwd))
     rc = job.stop(cert.job.timeout_s)
     finals = _finals(cwd, cert.job.nproc)
     if rc != 0 or finals is None:
@@ -201,7 +201,7 @@ def _run_trial(
 def run_trial(
     cert: Certification, name: str, trial: int, cwd: Path, ref: list[dict[str, Any]], ref_step_s: float
 ) -> Trial:
-    t = _run_trial(cert, name, trial, cwd, ref, ref_step_s)
+    t = _run_trial(cert, name, trial, fresh(cwd), ref, ref_step_s)
     if t.error and not t.skipped and not t.failed_slos:  # no figures at all: that is a failure too
         t.failed_slos = ["ran"]
     return t

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,14 @@ from resilient.events import read_events, read_run_events
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_tiny.py"
+
+
+def fresh(cwd: Path) -> Path:
+    """An empty directory for one job: a previous certificate's files there (its checkpoints, its
+    injection record) would be resumed from, and its faults counted as already fired."""
+    shutil.rmtree(cwd, ignore_errors=True)
+    cwd.mkdir(parents=True)
+    return cwd
 
 
 class Job:

@@ -27,7 +27,7 @@ from typing import Any
 from chaos.certify import DETECTION, SLOW_STORAGE, _finals, measure, reference, unloadable_checkpoints
 from chaos.cgroup import memory_cgroup, remove_cgroup
 from chaos.compare import assert_bit_exact
-from chaos.job import events, jsonl
+from chaos.job import events, fresh, jsonl
 from chaos.netns import VethLink, capability
 from chaos.runner import HARNESS, Runner
 from chaos.schedule import IN_PROCESS, LINK, Certification, Planned
@@ -76,7 +76,7 @@ def run_schedule(
     ref, ref_step_s = reference(long, out / "reference")
     kinds = {f.fault for _, f in placed}
     in_process = ",".join(f.spec(s) for s, f in placed if f.fault in IN_PROCESS)
-    cwd = out / "run"
+    cwd = fresh(out / "run")
     link: VethLink | None = None
     skipped: list[str] = []
     if kinds & set(LINK):
