@@ -265,11 +265,15 @@ class EngineCore:
         return w
 
     def _all_hold(self, name: str, value: str, timeout: float) -> bool:
-        """Whether every rank holds ``value`` (each posts its own; a small all-gather, store)."""
-        keys = [f"{self.ns}/{name}/{r}" for r in range(self.world_size)]
-        self.store.set(keys[self.rank], value)
-        self.store.wait(keys, timedelta(seconds=timeout))
-        return all(v.decode() == value for v in self.store.multi_get(keys))
+        """Whether every rank holds ``value``: each counts itself under its value, then under the
+        arrivals; the last to arrive releases the others. A few store calls per rank at any size."""
+        base = f"{self.ns}/{name}"
+        mine = f"{base}/v/{value or '-'}"
+        self.store.add(mine, 1)  # before the arrival: once all arrived, every count is final
+        if self.store.add(f"{base}/n", 1) == self.world_size:
+            self.store.set(f"{base}/done", "1")
+        self.store.wait([f"{base}/done"], timedelta(seconds=timeout))
+        return self.store.add(mine, 0) == self.world_size
 
     def _close_core(self) -> None:
         """Release what :meth:`_open` acquired, the event log last; safe after a partial start."""

@@ -60,3 +60,30 @@ def test_a_bad_layout_file_is_ignored(tmp_path: Path) -> None:
     layouts.load(path)
     layouts.load(tmp_path / "missing.json")
     assert len(layouts) == 0
+
+
+def _all_hold(values: list[str]) -> list[bool]:
+    import threading
+    from types import SimpleNamespace
+
+    from resilient.runtime.core import EngineCore
+
+    store = dist.HashStore()
+    out: list[bool] = [False] * len(values)
+
+    def rank(r: int) -> None:
+        me = SimpleNamespace(ns="job/a0", store=store, world_size=len(values))
+        out[r] = EngineCore._all_hold(me, "ddp_layout/g0", values[r], 30.0)  # type: ignore[arg-type]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(values))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_a_layout_is_used_on_every_rank_or_on_none() -> None:
+    assert _all_hold(["ab", "ab", "ab"]) == [True, True, True]
+    assert _all_hold(["ab", "", "ab"]) == [False, False, False]  # one rank knows none: nobody uses it
+    assert _all_hold(["", "", ""]) == [True, True, True]  # (the caller also needs a layout to use)
