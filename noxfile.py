@@ -85,13 +85,14 @@ def certify(session: nox.Session) -> None:
 
 @nox.session(name="certify-stacks", python=PY)
 def certify_stacks(session: nox.Session) -> None:
-    """The user-style examples' certificates: the FSDP2 transformer, the DataLoader epoch loop and
-    the accumulation loop, every class they list, 3 trials each (chaos_fsdp2/, chaos_epochs/,
-    chaos_accum/). Exit 1 on a failed SLO."""
+    """The user-style examples' certificates: the FSDP2 transformer (1-D, and FSDP + TP on a 2-D
+    mesh at 4 ranks), the DataLoader epoch loop and the accumulation loop, every class they list,
+    3 trials each (chaos_fsdp2/, chaos_mesh2d/, chaos_epochs/, chaos_accum/). Exit 1 on a failed SLO."""
     _install(session, "dev", "chaos")
     env = {"OMP_NUM_THREADS": "1"}
     trials = session.posargs or ["--trials", "3"]
-    for cfg, out in (("fsdp2", "chaos_fsdp2"), ("ddp_epochs", "chaos_epochs"), ("accum", "chaos_accum")):
+    jobs = (("fsdp2", "chaos_fsdp2"), ("mesh2d", "chaos_mesh2d"), ("ddp_epochs", "chaos_epochs"), ("accum", "chaos_accum"))
+    for cfg, out in jobs:
         session.run("chaos", "certify", f"configs/chaos/{cfg}.yaml", "--out", out, *trials, env=env)
 
 

@@ -6,6 +6,7 @@ rank's local shards (model and optimizer) and restores them into the rebuilt sha
 
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp2.py --steps 40
     torchrun --standalone --nproc-per-node 4 examples/train_fsdp2.py --hsdp   # 2-D mesh (HSDP)
+    torchrun --standalone --nproc-per-node 4 examples/train_fsdp2.py --tp     # 2-D mesh (FSDP + TP)
     resilient launch --standalone --nproc-per-node 2 examples/train_fsdp2.py --steps 40
 """
 
@@ -18,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import resilient
 
@@ -57,6 +60,18 @@ class LM(nn.Module):
         return self.head(self.norm(x))
 
 
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> None:
+    """clip_grad_norm_ for FSDP + TP: its gradients live on two meshes, which torch's refuses to stack."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = torch.linalg.vector_norm(
+        torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
+    )
+    coef = min(1.0, max_norm / (total.item() + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
@@ -65,6 +80,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--hsdp", action="store_true", help="a 2-D mesh: replicas of 2-way shards (HSDP)")
+    p.add_argument("--tp", action="store_true", help="a 2-D mesh: 2-way tensor parallel MLPs, FSDP across")
     p.add_argument("--config", default=None, help="a resilient config file (configs/default.yaml)")
     p.add_argument("--hang-timeout", type=float, default=None)
     p.add_argument("--ckpt-dir", default=None, help="durable checkpoints (each rank's shards) here")
@@ -83,15 +99,22 @@ def main() -> None:
             mesh = init_device_mesh(
                 ctx.device.type, (ctx.world_size // 2, 2), mesh_dim_names=("replicate", "shard")
             )
+        elif args.tp:  # FSDP across the first dimension, tensor parallel within pairs
+            mesh2d = init_device_mesh(ctx.device.type, (ctx.world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+            mesh = mesh2d["dp"]
         else:
             mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         model = LM(args.dim, args.layers, 4, args.seq, dropout=0.1)
         for block in model.blocks:
+            if args.tp:
+                plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+                parallelize_module(block, mesh2d["tp"], plan)
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
-        replica = ctx.rank // 2 if args.hsdp else ctx.rank  # ranks of one HSDP shard group read alike
+        # ranks of one HSDP shard group, or of one tensor-parallel pair, read the same tokens
+        replica = ctx.rank // 2 if args.hsdp or args.tp else ctx.rank
         data = torch.Generator().manual_seed(1000 + replica)  # this rank's token stream
         ctx.track(model=model, optimizer=opt, scheduler=sched, data=data)
         for step in ctx.steps(args.steps):
@@ -101,7 +124,10 @@ def main() -> None:
             loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
             opt.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if args.tp:
+                clip_grad_norm(list(model.parameters()), 1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
             if ctx.rank == 0 and step % 10 == 0:

@@ -89,10 +89,12 @@ def test_a_compiled_model_reentered_after_a_fault_recovers_bit_exact(tmp_path: P
     assert _same(ref, hit) >= 10
 
 
-def test_hsdp_on_a_2d_mesh_recovers_bit_exact_at_4_ranks(tmp_path: Path) -> None:
-    # the peers of the failing rank block in an all-gather on a mesh dimension's own group: the
-    # abort must reach that group too, or they wait out the collective timeout and die
-    argv = [FSDP2, "--steps", "16", "--hsdp"]
+@pytest.mark.parametrize("mesh", ["--hsdp", "--tp"])
+def test_a_2d_mesh_recovers_bit_exact_at_4_ranks(tmp_path: Path, mesh: str) -> None:
+    # HSDP (replicas of 2-way shards) and FSDP + TP (FSDP across pairs that split the MLPs): the
+    # peers of the failing rank block in a collective on a mesh dimension's own group, so the abort
+    # must reach that group too, or they wait out the collective timeout and die
+    argv = [FSDP2, "--steps", "16", mesh]
 
     def run(name: str, plan: str = "") -> list[dict[str, Any]]:
         cwd = tmp_path / name
@@ -101,11 +103,16 @@ def test_hsdp_on_a_2d_mesh_recovers_bit_exact_at_4_ranks(tmp_path: Path) -> None
         res = run_ranks(argv, 4, cwd=cwd, run_id=name, env=env, timeout=240)
         assert res.ok, res.describe()
         assert len({e["pid"] for e in res.events if e["rank"] == 0}) == 1  # in-process
+        if plan:
+            assert res.of("state_restored"), res.describe()
         return [torch.load(cwd / "state" / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
     ref, hit = run("ref"), run("hit", "exception@9:3")
-    placements = next(iter(ref[0]["model"].values()))["__dtensor__"]["placements"]
-    assert placements == [["replicate"], ["shard", 0]]  # a 2-D (HSDP) layout was really kept
+    layouts = [leaf["__dtensor__"]["placements"] for leaf in ref[0]["model"].values()]
+    if mesh == "--hsdp":  # every parameter on the 2-D mesh: replicated across, sharded within
+        assert all(p == [["replicate"], ["shard", 0]] for p in layouts), layouts
+    else:  # the MLPs' weights on (dp, tp); the rest FSDP-sharded on dp alone
+        assert {len(p) for p in layouts} == {1, 2}, layouts
     pairs = enumerate(zip(ref, hit, strict=True))
     assert sum(assert_bit_exact(a, b, f"rank{r}") for r, (a, b) in pairs) > 400
 
