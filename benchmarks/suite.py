@@ -93,7 +93,9 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 # ---- one job ----------------------------------------------------------------------------------------
-def command(engine: str, nproc: int, work: list[str], ckpt: Path) -> list[str]:
+def command(
+    engine: str, nproc: int, work: list[str], ckpt: Path, launch_args: tuple[str, ...] = ()
+) -> list[str]:
     common = [
         "--standalone",
         "--nproc-per-node",
@@ -104,7 +106,7 @@ def command(engine: str, nproc: int, work: list[str], ckpt: Path) -> list[str]:
         "0.1",
     ]
     if engine == "resilient":
-        return [sys.executable, "-m", "resilient.cli", "launch", *common, *work]
+        return [sys.executable, "-m", "resilient.cli", "launch", *common, *launch_args, *work]
     run = [sys.executable, "-m", "torch.distributed.run", *common]
     if engine == "nvrx":
         return [*run, *work, "--engine", "nvrx"]
@@ -134,8 +136,11 @@ def job(
     step_ms: float = 50.0,
     extra: tuple[str, ...] = (),
     timeout: float = 240.0,
+    launch_args: tuple[str, ...] = (),
+    kill_signal: signal.Signals = signal.SIGKILL,
 ) -> dict[str, Any]:
-    """Run the example once; SIGKILL rank 1 when it first completes each step in ``kills``."""
+    """Run the example once; send ``kill_signal`` (SIGKILL) to rank 1 when it first completes each
+    step in ``kills``."""
     d = Path(tempfile.mkdtemp(prefix=f"suite-{engine}-", dir="/var/tmp"))
     progress, injections = d / "progress.jsonl", d / "injections.jsonl"
     work = [
@@ -163,7 +168,7 @@ def job(
     t_start = time.time()
     with open(d / "launch.log", "w") as log:
         p = subprocess.Popen(
-            command(engine, nproc, work, d / "ckpt"),
+            command(engine, nproc, work, d / "ckpt", launch_args),
             cwd=d,
             env=env,
             stdout=log,
@@ -179,8 +184,9 @@ def job(
                 hit = [x for x in _lines(progress) if x["rank"] == 1 and x["step"] >= pending[0]]
                 if hit:
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(hit[-1]["pid"], signal.SIGKILL)
-                    killed.append({"ts": time.time(), "kind": "sigkill", "step": pending.pop(0), "rank": 1})
+                        os.kill(hit[-1]["pid"], kill_signal)
+                    kind = kill_signal.name.lower()
+                    killed.append({"ts": time.time(), "kind": kind, "step": pending.pop(0), "rank": 1})
             time.sleep(0.02)  # polling files other processes append to
         rc, timed_out = p.poll(), p.poll() is None
     finally:

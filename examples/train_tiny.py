@@ -102,7 +102,8 @@ def parse() -> argparse.Namespace:
         "--fault-attempt",
         type=int,
         default=None,
-        help="inject only in this launch attempt (relaunches: 1, 2...)",
+        help="inject only in this launch attempt (relaunches: 1, 2...; a process that replaced a "
+        "dead rank counts as the next attempt)",
     )
     p.add_argument("--ckpt-dir", type=Path, default=None, help="durable checkpoints here (resume from them)")
     p.add_argument("--ckpt-every", default="10", help="checkpoint every N steps, or 'auto'")
@@ -115,6 +116,8 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if os.environ.get("RESILIENT_JOIN_GENERATION"):  # `resilient launch` replaced a dead rank with us
+        attempt += 1
     planned = args.fault if args.fault_attempt is None or args.fault_attempt == attempt else ""
     injector = Injector.parse(planned)  # outlives restarts: each fault fires as often as planned
     overrides: dict[str, object] = {}

@@ -38,6 +38,7 @@ class Var(str, enum.Enum):
     HEARTBEAT_INTERVAL = "RESILIENT_HEARTBEAT_INTERVAL"
     LAUNCHER_PID = "RESILIENT_LAUNCHER_PID"
     PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"
+    JOIN_GENERATION = "RESILIENT_JOIN_GENERATION"  # a replacement: the generation its survivors left
 
     def __str__(self) -> str:
         return self.value
@@ -68,6 +69,7 @@ class LaunchEnv:
     heartbeat_interval: float
     launcher_pid: int | None  # `resilient launch`: this worker dies with it
     preempt_signals: tuple[str, ...] | None  # None: the checkpoint config's own list
+    join_generation: int | None = None  # a replacement for a dead rank: joins its survivors' recovery
 
     @property
     def under_launcher(self) -> bool:
@@ -90,6 +92,8 @@ class LaunchEnv:
             interval = float(get(Var.HEARTBEAT_INTERVAL) or 1.0)
             launcher = get(Var.LAUNCHER_PID)
             launcher_pid = int(launcher) if launcher else None
+            join = get(Var.JOIN_GENERATION)
+            join_generation = int(join) if join else None
         except ValueError as e:
             raise CoordinationError(f"malformed launch environment: {e}") from e
         if not 0 <= rank < world:
@@ -121,4 +125,5 @@ class LaunchEnv:
             heartbeat_interval=interval,
             launcher_pid=launcher_pid,
             preempt_signals=tuple(s for s in signals.split(",") if s) if signals else None,
+            join_generation=join_generation,
         )

@@ -15,6 +15,16 @@ rendezvous. On top of it:
 - **Lost nodes.** A member of the running round whose rendezvous keep-alive expired (its agent
   is gone with its node) restarts the group at once, instead of when the survivors' collectives
   time out.
+- **Replacement** (``replace="rank"``, the default). A worker that dies while training (exit,
+  signal, kernel OOM-kill, or killed after a missed heartbeat) is replaced alone: the agent posts
+  the death to the job's store as the fault of the generation the worker was in (its heartbeat
+  says which), so the surviving ranks leave their step at once and recover in their own processes;
+  then it starts one process with the dead rank's identity (a warm standby if one waits, see
+  :mod:`resilient.launcher.standby`), which restores that rank's snapshot from this node's shared
+  memory and joins the survivors' recovery. Whole-group restart remains the fallback: a worker
+  that dies before its first step or asks for it (exit 75), a failed health check, a fault that
+  repeats, an exhausted budget, a replacement that dies before its first step; and survivors that
+  cannot recover exit 75, which restarts the group.
 - **Spares.** A node that joins a running job waits (torchrun instead restarts the healthy group
   at once to admit it). It joins at the next restart: in place of a lost node, or growing the
   world up to ``--nnodes``' maximum. A *member* of the running round that re-joins (its worker
@@ -48,7 +58,8 @@ from resilient.backoff import Backoff
 from resilient.errors import ExitCode
 from resilient.events import Event, EventLog
 from resilient.launch_env import Var
-from resilient.launcher.heartbeat import beat_path, read_beat, unhealthy_path
+from resilient.launcher.heartbeat import Beat, beat_path, read_beat, unhealthy_path
+from resilient.launcher.standby import Standby, target
 
 _STOP_CODES = {int(ExitCode.FATAL): "fatal", int(ExitCode.REQUEUE): "requeue"}
 
@@ -131,10 +142,19 @@ class ResilientAgent(LocalElasticAgent):
         max_health_failures: int = 2,
         restart_window_s: float | None = None,
         max_repeats: int = 3,
+        replace: str = "rank",
+        standby: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.max_repeats = max_repeats
+        self.replace = replace
+        self.standby_count = standby
+        self._standbys: list[Standby] = []
+        self._worker_started: dict[int, float] = {}  # local rank -> when its current process started
+        self._store_client: Any = None  # the workers' store, where a death is posted as a fault
+        self.replacements = 0
+        self._group_reason: str | None = None  # why the last death restarts the group, not one rank
         self._deaths: list[tuple[int, str]] = []  # (global rank, where: "step N" or "start-up ...")
         self.restart_window_s = restart_window_s
         self.window_max_restarts = self._worker_group.spec.max_restarts
@@ -226,6 +246,7 @@ class ResilientAgent(LocalElasticAgent):
             os.environ[Var.LAUNCH_ROUND] = str(round_no)  # inherited by the workers started now
         pids = super()._start_workers(worker_group)
         self._started = time.monotonic()
+        self._worker_started = {w.local_rank: self._started for w in worker_group.workers}
         if self.forward_signals is not None:  # starting workers installed torch's own SIGTERM handler
             for sig in (signal.SIGUSR1, signal.SIGTERM):
                 signal.signal(sig, self.forward_signals)
@@ -241,11 +262,31 @@ class ResilientAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._emit(Event.GROUP_STOPPED, restart=self._restarts)
+        reason, self._group_reason = self._group_reason, None
+        self._emit(Event.GROUP_STOPPED, restart=self._restarts, **({"reason": reason} if reason else {}))
         super()._stop_workers(worker_group)
 
     # ---- monitoring -------------------------------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self.replace == "rank" and self._pcontext is not None and self.verdict is None:
+            silent = self._check_heartbeats(worker_group)
+            if silent is not None:
+                ((global_rank, failure),) = silent.failures.items()
+                w = next(w for w in worker_group.workers if w.global_rank == global_rank)
+                handler = self._pcontext.subprocess_handlers.get(w.local_rank)  # type: ignore[attr-defined]
+                if handler is not None:
+                    with contextlib.suppress(Exception):
+                        handler.proc.wait(timeout=10)  # SIGKILLed just now
+                cause = self.failures[-1]["cause"]
+                if not self._replace(worker_group, w.local_rank, failure.exitcode, cause, reported=True):
+                    self._check_repeats(worker_group, silent)
+                    if self.verdict is not None:
+                        self._remaining_restarts = 0
+                    return silent
+            for local_rank, code in self._exited(worker_group):
+                if not self._replace(worker_group, local_rank, code, None, reported=False):
+                    break  # torch's monitor sees the death: the whole group restarts
+            self._keep_standbys(worker_group)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED:
             self._on_failed(worker_group, result)
@@ -297,8 +338,8 @@ class ResilientAgent(LocalElasticAgent):
         for global_rank in sorted(result.failures):
             w = by_global.get(global_rank)
             beat = read_beat(beat_path(self.heartbeat_dir, w.local_rank)) if w is not None else None
-            if beat is not None and beat[1] >= 0:
-                self._deaths.append((global_rank, f"step {beat[1]}"))
+            if beat is not None and beat.step >= 0:
+                self._deaths.append((global_rank, f"step {beat.step}"))
             else:  # before its first step: the same exit code each time is the same failure (an
                 # import error, a bad argument); 75 (a peer or the store unreachable) and signals
                 # come from outside and may pass
@@ -340,9 +381,10 @@ class ResilientAgent(LocalElasticAgent):
         for w in worker_group.workers:
             beat = read_beat(beat_path(self.heartbeat_dir, w.local_rank))
             if beat is None:
-                age, limit, step = now - self._started, self.startup_timeout, None
+                started = self._worker_started.get(w.local_rank, self._started)
+                age, limit, step = now - started, self.startup_timeout, None
             else:
-                (age, step), limit = beat, self.heartbeat_timeout
+                age, step, limit = beat.age_s, beat.step, self.heartbeat_timeout
             if age <= limit:
                 continue
             record = {"global_rank": w.global_rank, "local_rank": w.local_rank, "pid": w.id,
@@ -361,3 +403,160 @@ class ResilientAgent(LocalElasticAgent):
                                      error_file="")  # fmt: skip
             return RunResult(state=WorkerState.FAILED, failures={w.global_rank: failure})
         return None
+
+    # ---- replacing one rank -----------------------------------------------------------------------
+    def _exited(self, worker_group: WorkerGroup) -> list[tuple[int, int]]:
+        """(local rank, exit code) of the workers that ended with an error since the last look."""
+        pc: Any = self._pcontext
+        out = []
+        for local_rank in sorted(pc._running_local_ranks):
+            code = pc.subprocess_handlers[local_rank].proc.poll()
+            if code is not None and code != 0:
+                out.append((local_rank, code))
+        return out
+
+    def _replaceable(self, worker_group: WorkerGroup, local_rank: int, code: int) -> tuple[Beat | None, str]:
+        """The dead worker's last beat, and why it cannot be replaced alone ('' if it can)."""
+        beat = read_beat(beat_path(self.heartbeat_dir, local_rank))
+        w = worker_group.workers[local_rank]
+        if code in _STOP_CODES:
+            return beat, f"its exit code {code} is a verdict"
+        if code == int(ExitCode.HARD_FAULT):
+            return beat, "it asked for a restart of the group (exit code 75)"
+        if unhealthy_path(self.heartbeat_dir, local_rank).exists():
+            return beat, "it failed a health check"
+        if beat is None or beat.step < 0:
+            return beat, "it died before its first step"
+        if self._remaining_restarts <= 0:
+            return beat, "the restart budget is spent"
+        if self.restart_window_s is not None:
+            now = time.monotonic()
+            if (
+                len([t for t in self._failure_times if now - t <= self.restart_window_s])
+                >= self.window_max_restarts
+            ):
+                return beat, "the restart budget of the window is spent"
+        last = [*self._deaths[-(self.max_repeats - 1) :], (w.global_rank, f"step {beat.step}")]
+        if self.max_repeats > 1 and len(last) == self.max_repeats and len(set(last)) == 1:
+            return beat, "the fault repeats"
+        return beat, ""
+
+    def _replace(
+        self, worker_group: WorkerGroup, local_rank: int, code: int, cause: str | None, *, reported: bool
+    ) -> bool:
+        """Replace the dead worker of ``local_rank`` alone; False: the whole group must restart."""
+        pc: Any = self._pcontext
+        w = worker_group.workers[local_rank]
+        old = pc.subprocess_handlers[local_rank]
+        beat, why_not = self._replaceable(worker_group, local_rank, code)
+        if cause is None:
+            cause = describe_exit(code, old.proc.pid, self._oom, oom_kills())
+        if why_not:
+            self._group_reason = f"rank {w.global_rank} not replaced alone: {why_not}"
+            logger.info(f"rank {w.global_rank} is not replaced alone ({why_not}): restarting the group")
+            return False
+        assert beat is not None
+        self._oom = oom_kills()
+        record = {"global_rank": w.global_rank, "local_rank": local_rank, "pid": old.proc.pid,
+                  "exitcode": code, "cause": cause, "ts": time.time()}  # fmt: skip
+        if not reported:
+            self.failures.append(record)
+            self._emit(Event.WORKER_DIED, **record)
+            logger.error(f"worker rank {w.global_rank} (pid {old.proc.pid}) died: {cause}")
+        self._deaths.append((w.global_rank, f"step {beat.step}"))
+        self._failure_times.append(time.monotonic())
+        self._remaining_restarts -= 1
+        self.replacements += 1
+        t0 = time.time()
+        env = {**pc.envs[local_rank], Var.JOIN_GENERATION.value: str(beat.generation)}
+        posted = self._post_death(env, w.global_rank, beat, f"rank {w.global_rank} {cause}")
+        beat_path(self.heartbeat_dir, local_rank).unlink(missing_ok=True)
+        new, warm = self._spawn(local_rank, env)
+        old_pid = old.proc.pid
+        with contextlib.suppress(Exception):
+            for f in (getattr(old, "_stdout", None), getattr(old, "_stderr", None)):
+                if f is not None:
+                    f.close()
+        pc.subprocess_handlers[local_rank] = new
+        w.id = new.proc.pid
+        self._worker_started[local_rank] = time.monotonic()
+        self._emit(Event.RANK_REPLACED, global_rank=w.global_rank, local_rank=local_rank, old_pid=old_pid,
+                   new_pid=new.proc.pid, standby=warm, join_generation=beat.generation, last_step=beat.step,
+                   fault_posted=posted, duration_s=time.time() - t0, cause=cause)  # fmt: skip
+        logger.info(
+            f"rank {w.global_rank} replaced by pid {new.proc.pid} "
+            f"({'warm standby' if warm else 'new process'}); "
+            f"survivors stay in generation {beat.generation}"
+        )
+        return True
+
+    def _post_death(self, env: dict[str, str], global_rank: int, beat: Beat, message: str) -> bool:
+        """The dead rank's fault in the workers' store: its survivors' listeners wake at once."""
+        from resilient.runtime.coordinator import Coordinator, client
+        from resilient.runtime.faults import FaultKind, FaultRecord, Severity, signature
+
+        try:
+            if self._store_client is None:
+                self._store_client = client(env["MASTER_ADDR"], int(env["MASTER_PORT"]), 10.0)
+            run_id = os.environ.get(Var.RUN_ID.value) or env.get(Var.ELASTIC_RUN_ID.value, "")
+            attempt = os.environ.get(Var.LAUNCH_ROUND.value) or env.get(Var.RESTART_COUNT.value, "0")
+            coord = Coordinator(self._store_client, f"resilient/{run_id}/a{attempt}", -1, 0, 10.0)
+            rec = FaultRecord(
+                rank=global_rank,
+                generation=beat.generation,
+                step=beat.step,
+                kind=FaultKind.DIED.value,
+                severity=Severity.SOFT.value,
+                signature=signature(FaultKind.DIED, RuntimeError(message.split(" ", 2)[-1])),
+                message=f"worker process of {message}",
+            )
+            coord.post_fault(rec)
+            return True
+        except Exception as e:  # the survivors still notice: their collectives with it fail
+            logger.warning(f"could not post rank {global_rank}'s death to the store: {e}")
+            self._store_client = None
+            return False
+
+    def _spawn(self, local_rank: int, env: dict[str, str]) -> tuple[Any, bool]:
+        """A process for ``local_rank`` with ``env``: a promoted standby if one waits, else a new one."""
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+        pc: Any = self._pcontext
+        spec = self._worker_group.spec
+        tgt = target(spec.entrypoint, pc.args[local_rank]) if isinstance(spec.entrypoint, str) else None
+        stdout, stderr = pc.stdouts.get(local_rank) or None, pc.stderrs.get(local_rank) or None
+        while self._standbys and tgt is not None:
+            sb = self._standbys.pop(0)
+            if sb.alive():
+                sb.promote(local_rank, {**os.environ, **env}, tgt, stdout, stderr)
+                return sb, True
+        handler = SubprocessHandler(
+            entrypoint=str(spec.entrypoint), args=pc.args[local_rank], env=env, stdout=stdout, stderr=stderr,
+            local_rank_id=local_rank, numa_options=None,
+        )  # fmt: skip
+        return handler, False
+
+    def _keep_standbys(self, worker_group: WorkerGroup) -> None:
+        """Start a standby when fewer than asked wait, once every worker is stepping (not while
+        they start: a standby's imports would compete with theirs)."""
+        self._standbys = [s for s in self._standbys if s.alive()]
+        for sb in self._standbys:
+            if not sb.announced and sb.ready():
+                sb.announced = True
+                self._emit(Event.STANDBY_READY, standby_pid=sb.proc.pid, standbys=len(self._standbys))
+        if len(self._standbys) >= self.standby_count:
+            return
+        for w in worker_group.workers:
+            beat = read_beat(beat_path(self.heartbeat_dir, w.local_rank))
+            if beat is None or beat.step < 0:
+                return
+        pc: Any = self._pcontext
+        self._standbys.append(Standby({**os.environ, **pc.envs[0]}, self.heartbeat_dir))
+
+    def close_standbys(self) -> None:
+        for s in self._standbys:
+            s.close()
+        for s in self._standbys:
+            with contextlib.suppress(Exception):
+                s.proc.wait(timeout=10)
+        self._standbys = []

@@ -77,6 +77,21 @@ def parser() -> Any:
         help="restarts caused by a failed health check on this node before it leaves the job (exit 75)",
     )
     p.add_argument(
+        "--replace",
+        choices=("rank", "group"),
+        default="rank",
+        help="a worker that dies while training: 'rank' replaces it alone and its survivors recover "
+        "in their processes (the whole group restarts where that cannot work); 'group' restarts "
+        "every worker, as torchrun",
+    )
+    p.add_argument(
+        "--standby",
+        type=int,
+        default=1,
+        help="warm standby processes per node (torch and the runtime imported) that take a dead "
+        "rank's place with --replace rank; 0: a new process each time",
+    )
+    p.add_argument(
         "--events-dir", type=Path, default=Path("resilient_runs"), help="<dir>/<run_id>/events.jsonl"
     )
     return p
@@ -160,20 +175,20 @@ def main(argv: list[str] | None = None) -> int:
         max_health_failures=args.max_health_failures,
         restart_window_s=args.restart_window,
         max_repeats=args.max_repeats,
+        replace=args.replace,
+        standby=max(0, args.standby) if args.replace == "rank" else 0,
     )
     _forward_preemption(agent)
     try:
         result = agent.run()
     finally:
+        agent.close_standbys()
         if agent.excluded:
             leave_rendezvous(spec.rdzv_handler)  # the others go on without this node
         else:
             spec.rdzv_handler.shutdown()
         events.close()
-        for f in hb_dir.glob("rank*"):
-            f.unlink(missing_ok=True)
-        if hb_dir.exists():
-            hb_dir.rmdir()
+        shutil.rmtree(hb_dir, ignore_errors=True)  # heartbeats, standbys' ready marks
         ShmSnapshot(shm_name).unlink()  # the job is over: its snapshots go
         if not args.logs_specs and not args.log_dir and config.logs_specs is not None:
             shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)  # torch's temporary one

@@ -1,6 +1,6 @@
-"""Worker → agent heartbeats through a 16-byte shared-memory file per local rank.
+"""Worker → agent heartbeats through a 24-byte shared-memory file per local rank.
 
-The worker's step loop stores (CLOCK_MONOTONIC ns, step) into a mapped page: no syscall, no lock,
+The worker's step loop stores (CLOCK_MONOTONIC ns, step, generation) into a mapped page: no syscall, no lock,
 nothing the training loop can block on. The agent maps the same files and reads them at every
 monitor interval. CLOCK_MONOTONIC is system-wide on Linux, so the two processes' clocks agree. A
 frozen worker (SIGSTOP, a hang holding the GIL) simply stops storing.
@@ -16,10 +16,17 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from resilient.launch_env import LaunchEnv
 
-_FMT = struct.Struct("<qq")  # monotonic ns of the last beat, step
+_FMT = struct.Struct("<qqq")  # monotonic ns of the last beat, step, in-process generation
+
+
+class Beat(NamedTuple):
+    age_s: float  # seconds since the last beat
+    step: int  # the step it beat at (-1: before the first)
+    generation: int  # the worker's in-process generation then (a replacement joins it)
 
 
 def die_with_launcher(launcher: int | None) -> None:
@@ -53,6 +60,7 @@ class Heartbeat:
 
     def __init__(self, path: Path, interval: float = 1.0) -> None:
         self.interval = interval
+        self.generation = 0  # set by the engine as it enters each generation
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -69,7 +77,7 @@ class Heartbeat:
         return cls(beat_path(launch.heartbeat_dir, launch.endpoint.local_rank), launch.heartbeat_interval)
 
     def beat(self, step: int) -> None:
-        _FMT.pack_into(self._mm, 0, time.monotonic_ns(), step)
+        _FMT.pack_into(self._mm, 0, time.monotonic_ns(), step, self.generation)
 
     def start(self, step: Callable[[], int | None], interval: float | None = None) -> None:
         """Beat from a daemon thread every ``interval`` s. A thread, not the step loop: a Python-level
@@ -95,8 +103,8 @@ class Heartbeat:
         self._mm.close()
 
 
-def read_beat(path: Path) -> tuple[float, int] | None:
-    """(seconds since the last beat, its step), or None if this worker never beat."""
+def read_beat(path: Path) -> Beat | None:
+    """The last beat of a worker, or None if it never beat."""
     try:
         with open(path, "rb") as f:
             raw = f.read(_FMT.size)
@@ -104,7 +112,7 @@ def read_beat(path: Path) -> tuple[float, int] | None:
         return None
     if len(raw) < _FMT.size:
         return None
-    ns, step = _FMT.unpack(raw)
+    ns, step, generation = _FMT.unpack(raw)
     if ns == 0:
         return None
-    return (time.monotonic_ns() - ns) / 1e9, step
+    return Beat((time.monotonic_ns() - ns) / 1e9, step, generation)

@@ -255,10 +255,14 @@ class EngineCore:
             engine=self.engine,
         )
         # relaunched: DDP starts with the buckets it had rebuilt, if every rank has the same ones
+        # (a replacement for one rank agrees with its survivors at their recovery instead)
         self.ddp_layouts.load(self.run_dir / DDP_BUCKETS)
-        same = self._all_hold("ddp_layout/start", self.ddp_layouts.digest(), self.t.startup + self.t.barrier)
-        if same and len(self.ddp_layouts):
-            self._layouts_applied.enter_context(self.ddp_layouts.applied())
+        if self.launch.join_generation is None:
+            same = self._all_hold(
+                "ddp_layout/start", self.ddp_layouts.digest(), self.t.startup + self.t.barrier
+            )
+            if same and len(self.ddp_layouts):
+                self._layouts_applied.enter_context(self.ddp_layouts.applied())
         info = RunInfo(self.rank, self.world_size, self.engine, self.cfg, self.launch, self._ev, self.run_dir)
         for h in self.hooks:
             h.on_start(info)
@@ -311,6 +315,8 @@ class EngineCore:
     def _new_group(self, generation: int) -> Group:
         """Build ``generation``'s group; the function's next entry tracks its objects afresh."""
         self.group = self.wiring.build_group(generation, self.ns)
+        if self.heartbeat is not None:  # the generation a replacement for this rank would join
+            self.heartbeat.generation = generation
         self.registry.clear()
         self._restored = set()
         self._begun = False  # (the entry's first ctx.epochs / ctx.steps over batches begins it)
@@ -372,8 +378,8 @@ class EngineCore:
         same = self._all_hold(f"ddp_layout/g{self.generation}", self.ddp_layouts.digest(), self.t.barrier)
         if step > 0 and same and len(self.ddp_layouts):
             self._layouts_applied.enter_context(self.ddp_layouts.applied())
+        self._restore_state = self._materialize(step)
         self.snapshots.drop_after(step)
-        self._restore_state = self.snapshots.materialize(step)
         self._fault_step, self._fault_ts = fault_step, fault_ts
         self._resume_pending = True
 
@@ -558,6 +564,10 @@ class EngineCore:
         except Exception as e:  # the store may be what failed: no proof either way
             logger.debug("rank {}: collective count not compared: {}", self.rank, e)
         self.snapshots.drop_after(end)
+
+    def _materialize(self, step: int) -> dict[str, Any]:
+        """A fresh copy of the state of ``step``, one of the steps this rank offered to restore."""
+        return self.snapshots.materialize(step)
 
     def _ring_share(self) -> float:
         """The in-memory ring's part of the snapshot budget (the rest: the engine's mirror)."""

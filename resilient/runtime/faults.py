@@ -28,6 +28,7 @@ class FaultKind(str, enum.Enum):
     PREEMPT = "preempt"  # a preemption signal: save a final checkpoint and exit for requeue
     CUDA = "cuda"  # a sticky CUDA error: the context is unusable, in-process recovery is impossible
     DESYNC = "desync"  # ranks issued different collectives in one step (runtime/collective_check.py)
+    DIED = "died"  # a rank's process died (posted by the launcher's agent, which replaces it)
 
 
 class Severity(str, enum.Enum):
@@ -82,7 +83,7 @@ def signature(kind: FaultKind, exc: BaseException) -> str:
     first = _VOLATILE.sub("N", first)[:160]
     if kind is FaultKind.DESYNC:  # the counts differ run to run; the place does not
         return "desync: ranks issued different collectives in a step"
-    if kind in (FaultKind.HANG, FaultKind.PEER):
+    if kind in (FaultKind.HANG, FaultKind.PEER, FaultKind.DIED):
         return f"{kind.value}: {first}"
     return f"{kind.value}: {type(exc).__name__}: {first}"
 

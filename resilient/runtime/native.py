@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import gc
 import os
 import sys
@@ -182,6 +183,8 @@ class NativeEngine(EngineCore):
                 # under `resilient launch` a (re)started worker checks its node before it joins:
                 # a node that fails here again and again is excluded by its agent
                 self._check_health(0, None)
+            if self.launch.join_generation is not None:
+                self._join_survivors(self.launch.join_generation)
             while True:
                 pulled = self._enter_generation()
                 try:
@@ -334,7 +337,49 @@ class NativeEngine(EngineCore):
         self.generation = gen + 1
 
     def _agree_restore_step(self, gen: int, primary: FaultRecord | None = None) -> int:
-        return common_restore_step(self.coord.recovery_barrier(gen, self.snapshots.steps()), primary)
+        return common_restore_step(self.coord.recovery_barrier(gen, self._held_steps()), primary)
+
+    def _own_mirror_steps(self) -> list[int]:
+        """Steps of this rank's own snapshots in this node's shared memory (at this world size)."""
+        if self.shm is None:
+            return []
+        return [
+            m["step"] for m in self.shm.slots() if (m["rank"], m["world"]) == (self.rank, self.world_size)
+        ]
+
+    def _held_steps(self) -> list[int]:
+        """The steps this rank can restore: its ring's and its shared-memory mirror's, which a
+        replacement for a dead peer holds too (the ring's own schedule may not have kept them)."""
+        return sorted({*self.snapshots.steps(), *self._own_mirror_steps()}, reverse=True)
+
+    def _materialize(self, step: int) -> dict[str, Any]:
+        if step in self.snapshots.steps() or self.shm is None:
+            return self.snapshots.materialize(step)
+        got = self.shm.load(step)
+        assert got is not None
+        return dict(got[1])
+
+    def _join_survivors(self, gen: int) -> None:
+        """A replacement for a dead rank (started by ``resilient launch`` with the dead rank's
+        identity): its survivors are in generation ``gen``'s recovery, waiting for this rank. It
+        offers the snapshots its predecessor left in this node's shared memory, agrees on the
+        step to resume with them, and enters generation ``gen + 1`` as they do."""
+        self.generation = gen
+        if self.heartbeat is not None:
+            self.heartbeat.generation = gen
+        base = f"{self.ns}/schedule_base"
+        if self.store.check([base]):  # the survivors' schedules count from where their attempt began
+            step0 = int(self.store.get(base))
+            self.schedule.rebase(step0)
+            self.mirror_schedule.rebase(step0)
+        if self.persist is not None:
+            self.persist.abandon_predecessor()
+        shm = self.shm
+        if shm is not None:
+            for step in self._own_mirror_steps():
+                self.snapshots.adopt(step, functools.partial(_shm_state, shm, step))
+        self.phase = Phase.RECOVERING
+        self._recover(StepInterrupted(f"peer: rank {self.rank} replaced, joins generation {gen}"))
 
     def _tell_peers(self, gen: int, reason: str) -> None:
         try:
@@ -427,6 +472,8 @@ class NativeEngine(EngineCore):
         restore_rng(state[RNG])
         if self.persist is not None:
             self.persist.rebase(step)
+        with contextlib.suppress(Exception):  # (every rank of this attempt writes the same step)
+            self.store.set(f"{self.ns}/schedule_base", str(step))
         self.schedule.rebase(step)
         self.mirror_schedule.rebase(step)
         self._ev.emit(
@@ -558,6 +605,13 @@ class NativeEngine(EngineCore):
         if now - self._last_nudge > 0.5:
             self._last_nudge = now
             self.interrupter.resend(generation)
+
+
+def _shm_state(shm: ShmSnapshot, step: int) -> dict[str, Any]:
+    got = shm.load(step)
+    if got is None:
+        raise StateRestoreError(f"{shm.dir}: the snapshot of step {step} is gone")
+    return dict(got[1])
 
 
 def excepthook_exit_codes() -> None:

@@ -27,7 +27,9 @@ from typing import Any
 from loguru import logger
 
 from resilient.checkpoint.manager import Checkpointer
+from resilient.checkpoint.manifest import tmp_dirs
 from resilient.checkpoint.reader import Loaded
+from resilient.checkpoint.writer import part_name, report_failure
 from resilient.config import CheckpointConfig
 from resilient.errors import CheckpointError, NoValidCheckpoint
 from resilient.events import Event, EventLog
@@ -175,6 +177,17 @@ class Persistence:
             self.ckpt.wait()
         except CheckpointError as e:
             self._failed(e, generation, step if step is not None else -1)
+
+    def abandon_predecessor(self) -> None:
+        """A replacement for a dead rank: the saves its predecessor had not finished never will be;
+        say so where the committing rank waits, so that it gives them up now, not at its timeout."""
+        if self.rank == 0:
+            return
+        for step, token, path in tmp_dirs(self.ckpt.root):
+            if token == self.ckpt.token and not (path / part_name(self.rank)).exists():
+                report_failure(
+                    self.ckpt.root, step, token, self.rank, RuntimeError("the rank's process died")
+                )
 
     def rebase(self, step: int) -> None:
         """Resumed at ``step`` (the same on every rank): the next save is counted from there, so

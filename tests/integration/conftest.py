@@ -57,3 +57,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[s
             return self[nproc]
 
     return Ref(cache)
+
+
+@pytest.fixture
+def memory_cgroup() -> Any:
+    """A real cgroup v1 memory limit of 700 MiB (root only); removed even if the test fails."""
+    from chaos.cgroup import memory_cgroup as make
+    from chaos.cgroup import remove_cgroup
+
+    cg, why = make(700)
+    if cg is None:
+        pytest.skip(why)
+    try:
+        yield cg
+    finally:
+        remove_cgroup(cg, strict=True)

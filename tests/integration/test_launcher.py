@@ -80,10 +80,13 @@ class Launch:
             self.log.close()
 
 
-def _example(cwd: Path, *extra: str, nproc: int = 2) -> Launch:
+def _example(cwd: Path, *extra: str, nproc: int = 2, replace: str = "group") -> Launch:
+    """The example under `resilient launch`; ``replace="group"`` (the whole group restarts after a
+    hard fault) unless a test asks for rank replacement (tests/integration/test_replace.py)."""
     return Launch(
         cwd,
         "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "3", "--monitor-interval", "0.2",
+        "--replace", replace,
         "--heartbeat-timeout", "3", "--startup-timeout", "60", "--backoff-initial", "0",
         EXAMPLE, "--steps", str(STEPS), "--step-ms", "40", "--ckpt-dir", str(cwd / "ck"),
         "--ckpt-every", "4", "--out", str(cwd / "state"), *extra,
@@ -166,21 +169,6 @@ def test_gil_holding_hang_is_caught_by_the_missing_heartbeat(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
-@pytest.fixture
-def memory_cgroup() -> Any:
-    """A real cgroup v1 memory limit of 700 MiB (root only); removed even if the test fails."""
-    from chaos.cgroup import memory_cgroup as make
-    from chaos.cgroup import remove_cgroup
-
-    cg, why = make(700)
-    if cg is None:
-        pytest.skip(why)
-    try:
-        yield cg
-    finally:
-        remove_cgroup(cg, strict=True)
-
-
 def test_kernel_oom_kill_is_named_and_recovered(
     tmp_path: Path, memory_cgroup: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
@@ -253,13 +241,17 @@ def test_two_agents_on_one_machine_form_one_job(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
-def test_worker_killed_on_one_of_two_nodes_relaunches_both_bit_exact(
-    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+@pytest.mark.parametrize("replace", ["group", "rank"])
+def test_worker_killed_on_one_of_two_nodes_recovers_bit_exact(
+    tmp_path: Path, replace: str, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
-    # The node whose worker died restarts and re-rendezvouses; the other node restarts because of
-    # the membership change, without counting a restart: the launch must still be one for both.
+    # group: the node whose worker died restarts and re-rendezvouses; the other node restarts
+    # because of the membership change, without counting a restart: the launch must still be one
+    # for both. rank: the dead rank is replaced on its node alone; the other node's worker stays
+    # in its process and no rendezvous happens
     nodes = _two_nodes(
         tmp_path, "kill-one", "--max-restarts", "2", "--monitor-interval", "0.2", "--heartbeat-timeout", "5",
+        "--replace", replace,
         EXAMPLE, "--steps", str(STEPS), "--step-ms", "40", "--hang-timeout", "5",
         "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "4", "--out", str(tmp_path / "state"),
     )  # fmt: skip
@@ -272,6 +264,12 @@ def test_worker_killed_on_one_of_two_nodes_relaunches_both_bit_exact(
     assert rcs == [0, 0], [node.output() for node in nodes]
     restored = [e for node in nodes for e in node.events() if e["event"] == "state_restored"]
     assert len({e["step"] for e in restored}) == 1 and len(restored) == 2, restored
+    if replace == "rank":
+        kinds = [[e["event"] for e in node.events() if e["rank"] == -1] for node in nodes]
+        assert "rank_replaced" in kinds[1] and "rank_replaced" not in kinds[0], kinds
+        assert "relaunched" not in kinds[0] + kinds[1], kinds
+        survivor = [e for e in nodes[0].events() if e["event"] == "run_started" and e["rank"] >= 0]
+        assert len({e["pid"] for e in survivor}) == 1, survivor  # the other node's worker stayed
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
@@ -331,14 +329,16 @@ def test_restart_window_counts_only_recent_failures(tmp_path: Path, window: str 
         assert rc == 0 and relaunched == 3, run.output()
 
 
-def test_hard_fault_at_the_same_step_every_launch_stops_fatal(tmp_path: Path) -> None:
-    # rank 1 holds the GIL at step 10 in every launch (no --fault-attempt): the runtime's own repeat
-    # guard dies with each process, so the agent must see the repetition and stop, not loop
-    run = _example(tmp_path, "--fault", "gil_hang@10:1")
+@pytest.mark.parametrize("replace", ["group", "rank"])
+def test_hard_fault_at_the_same_step_every_launch_stops_fatal(tmp_path: Path, replace: str) -> None:
+    # rank 1 holds the GIL at step 10 in every process (no --fault-attempt): the runtime's own repeat
+    # guard dies with each process, so the agent must see the repetition and stop, not loop, whether
+    # it restarts the group or replaces the rank
+    run = _example(tmp_path, "--fault", "gil_hang@10:1", replace=replace)
     rc = run.finish()
-    events = run.events()
+    events = [e["event"] for e in run.events()]
     assert rc == ExitCode.FATAL, run.output()
-    assert [e["event"] for e in events].count("relaunched") == 2, run.output()
+    assert events.count("relaunched" if replace == "group" else "rank_replaced") == 2, run.output()
     assert "rank 1 died at step 10 3 times in a row" in run.output()
 
 

@@ -14,20 +14,21 @@ from resilient.launcher.agent import describe_exit
 from resilient.launcher.heartbeat import beat_path, read_beat
 
 
-def test_beat_is_read_by_another_process_with_its_age_and_step(tmp_path: Path) -> None:
+def test_beat_is_read_by_another_process_with_its_age_step_and_generation(tmp_path: Path) -> None:
     path = beat_path(tmp_path, 3)
     code = (
         "import sys; from pathlib import Path; from resilient.launcher.heartbeat import Heartbeat;"
-        f"h = Heartbeat(Path({str(path)!r})); h.beat(41); h.close()"
+        f"h = Heartbeat(Path({str(path)!r})); h.generation = 5; h.beat(41); h.close()"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     got = read_beat(path)
-    assert got is not None and got[1] == 41 and 0 <= got[0] < 30
+    # the generation is the one a replacement for this worker joins
+    assert got is not None and got.step == 41 and got.generation == 5 and 0 <= got.age_s < 30
 
 
 def test_no_file_or_no_beat_reads_as_none(tmp_path: Path) -> None:
     assert read_beat(tmp_path / "missing.hb") is None
-    (tmp_path / "empty.hb").write_bytes(bytes(16))
+    (tmp_path / "empty.hb").write_bytes(bytes(24))
     assert read_beat(tmp_path / "empty.hb") is None
 
 

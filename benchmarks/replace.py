@@ -1,0 +1,97 @@
+"""A dead rank replaced alone vs the whole group relaunched vs torchrun, side by side in one run.
+
+The bundled example (examples/train_tiny.py: DDP over gloo, 2 ranks, steps padded to 50 ms) under
+
+- **rank**: ``resilient launch --replace rank --standby 1`` (the default): the survivor stays in
+  its process; a warm standby takes the dead rank's place and restores its shared-memory snapshot;
+- **group**: ``resilient launch --replace group``: every worker is relaunched and restores from
+  the shared-memory snapshots (the behaviour before replacement);
+- **torchrun**: ``torchrun --max-restarts``, the script without the runtime, torch.save + fsync
+  every 10 steps, resume from the newest step every rank wrote (SIGKILL only: it has no heartbeat,
+  a stopped worker is waited for until the collective timeout).
+
+Rank 1 is sent the signal when it completes step ``--at`` (late enough that the standby finished
+its imports); recovery = the driver's time from the signal until every rank completed a step
+again (per-step progress lines, same host clock). SIGSTOP: the launcher's heartbeat timeout
+(``--heartbeat-timeout``, 3 s) is part of the figure, and is also reported subtracted. Modes and
+signals alternate trial by trial.
+
+    python benchmarks/replace.py [--trials 10] [--at 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.suite import RESULTS, job, recoveries
+
+HEARTBEAT_S = 3.0
+MODES = {
+    "rank": ("resilient", ("--replace", "rank", "--standby", "1")),
+    "group": ("resilient", ("--replace", "group")),
+    "torchrun": ("torchrun", ()),
+}
+LAUNCH = ("--heartbeat-timeout", str(HEARTBEAT_S), "--backoff-initial", "0")
+
+
+def trial(mode: str, sig: signal.Signals, at: int, steps: int) -> dict[str, Any]:
+    engine, args = MODES[mode]
+    launch = (*args, *LAUNCH) if engine == "resilient" else ()
+    r = job(engine, 2, steps, kills=(at,), launch_args=launch, kill_signal=sig, timeout=180)
+    got = recoveries(r)
+    out: dict[str, Any] = {"mode": mode, "signal": sig.name, "finished": r["finished"]}
+    if r["finished"] and got and got[0]["recover_s"] == got[0]["recover_s"]:
+        out.update(recover_s=got[0]["recover_s"], steps_lost=got[0]["lost"])
+    else:
+        out["log"] = r.get("log_tail", "")[-1500:]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--at", type=int, default=100, help="the step after which rank 1 is signalled")
+    ap.add_argument("--steps", type=int, default=140)
+    ap.add_argument("--out", type=Path, default=RESULTS / "replace.json")
+    args = ap.parse_args()
+    runs: list[dict[str, Any]] = []
+    plan = [(m, signal.SIGKILL) for m in MODES] + [(m, signal.SIGSTOP) for m in ("rank", "group")]
+    for t in range(args.trials):
+        for mode, sig in plan:
+            r = trial(mode, sig, args.at, args.steps)
+            r["trial"] = t
+            runs.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
+    summary: dict[str, Any] = {}
+    for mode, sig in plan:
+        mine = [r for r in runs if (r["mode"], r["signal"]) == (mode, sig.name)]
+        xs = sorted(r["recover_s"] for r in mine if "recover_s" in r)
+        n = len(mine)
+        key = f"{sig.name}/{mode}"
+        if not xs:
+            summary[key] = {"recovered": 0, "trials": n}
+            continue
+        med = statistics.median(xs)
+        summary[key] = {"recovered": len(xs), "trials": n, "median_s": med, "max_s": xs[-1]}
+        above = f"  (above the heartbeat timeout: {med - HEARTBEAT_S:.2f} s)" if sig is signal.SIGSTOP else ""
+        print(f"{key:18s} {len(xs)}/{n}  median {med:.2f} s  max {xs[-1]:.2f} s{above}")
+    k = summary.get("SIGKILL/rank", {}).get("median_s")
+    for other in ("group", "torchrun"):
+        o = summary.get(f"SIGKILL/{other}", {}).get("median_s")
+        if k and o:
+            print(f"SIGKILL: {other} / rank (medians) {o / k:.2f}x")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

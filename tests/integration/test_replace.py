@@ -1,0 +1,147 @@
+"""`resilient launch --replace rank`: a dead worker is replaced alone, its survivors stay in their
+processes, and the run ends bit for bit where the fault-free run ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import assert_bit_exact
+from tests.integration.test_launcher import Launch, _example, _final_states, _worker_pid
+
+pytestmark = pytest.mark.integration
+
+
+def _pids(events: list[dict[str, Any]], rank: int) -> list[int]:
+    seen: list[int] = []
+    for e in events:
+        if e["event"] == "run_started" and e["rank"] == rank and e["pid"] not in seen:
+            seen.append(e["pid"])
+    return seen
+
+
+def _bit_exact(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
+    """The training state equals the fault-free run's (what the injector fired is not state: a
+    survivor still holds the plan its first process was given, the replacement none)."""
+    for r, (a, b) in enumerate(zip(ref, got, strict=True)):
+        a, b = dict(a), dict(b)
+        a.pop("fired", None), b.pop("fired", None)
+        assert_bit_exact(a, b, f"rank{r}")
+
+
+def _kill_after_checkpoint(run: Launch, fault: str) -> int:
+    try:
+        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 1)
+        victim = _worker_pid(run, 1)
+        os.kill(victim, getattr(signal, fault))  # a real kill / a real freeze of rank 1
+        rc = run.finish()
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    assert rc == 0, run.output()
+    return victim
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_dead_rank_is_replaced_and_its_survivor_stays_bit_exact(
+    tmp_path: Path, fault: str, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    run = _example(tmp_path, replace="rank")
+    victim = _kill_after_checkpoint(run, fault)
+    events = run.events()
+    replaced = [e for e in events if e["event"] == "rank_replaced"]
+    assert len(replaced) == 1 and replaced[0]["old_pid"] == victim, replaced
+    assert replaced[0]["fault_posted"] and replaced[0]["standby"], replaced
+    assert not [e for e in events if e["event"] == "relaunched"], "the whole group was restarted"
+    assert len(_pids(events, 0)) == 1, "the survivor's process changed"
+    assert _pids(events, 1) == [victim, replaced[0]["new_pid"]]
+    # the survivor recovered in-process; the replacement restored from the dead rank's shm snapshot
+    restored = [e for e in events if e["event"] == "state_restored"]
+    assert {e["rank"] for e in restored} == {0, 1} and len({e["step"] for e in restored}) == 1, restored
+    _bit_exact(reference[2], _final_states(tmp_path))
+
+
+def _replaced_alone(run: Launch, victim_rank: int, nproc: int = 2) -> dict[str, Any]:
+    """The run's one replacement: only ``victim_rank``'s process is new, the survivors' are not."""
+    events = run.events()
+    replaced = [e for e in events if e["event"] == "rank_replaced"]
+    assert len(replaced) == 1 and replaced[0]["global_rank"] == victim_rank, replaced
+    assert not [e for e in events if e["event"] == "relaunched"], "the whole group was restarted"
+    for r in range(nproc):
+        assert len(_pids(events, r)) == (2 if r == victim_rank else 1), (r, _pids(events, r))
+    return replaced[0]
+
+
+def test_gil_holding_hang_is_replaced_alone(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # rank 1 enters a C-level regex backtrack that never releases the GIL (its first process only):
+    # its heartbeat stops, the agent kills and replaces it
+    run = _example(tmp_path, "--fault", "gil_hang@10:1", "--fault-attempt", "0", replace="rank")
+    assert run.finish() == 0, run.output()
+    replaced = _replaced_alone(run, 1)
+    assert "no heartbeat" in replaced["cause"], replaced
+    _bit_exact(reference[2], _final_states(tmp_path))
+
+
+def test_kernel_oom_kill_is_replaced_alone(
+    tmp_path: Path, memory_cgroup: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # rank 1's first process runs in a 700 MiB cgroup and touches memory until the kernel kills it
+    run = _example(tmp_path, "--fault", "kernel_oom@10:1", "--fault-attempt", "0", replace="rank")
+    try:
+        victim = _worker_pid(run, 1)
+        (memory_cgroup / "cgroup.procs").write_text(str(victim))
+        rc = run.finish()
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    assert rc == 0, run.output()
+    replaced = _replaced_alone(run, 1)
+    assert replaced["cause"] == "killed by SIGKILL (OOM-killed by the kernel)", replaced
+    _bit_exact(reference[2], _final_states(tmp_path))
+
+
+def test_a_replacement_at_3_ranks_keeps_ddp_buckets_bit_exact(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # with 3 ranks gloo's ring sums depend on DDP's bucket layout: the replacement's new DDP and
+    # the survivors' rebuilt ones must all start from the layout the dead generation had
+    run = _example(tmp_path, nproc=3, replace="rank")
+    try:
+        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 2)
+        os.kill(_worker_pid(run, 2), signal.SIGKILL)
+        rc = run.finish()
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    assert rc == 0, run.output()
+    _replaced_alone(run, 2, nproc=3)
+    _bit_exact(reference[3], _final_states(tmp_path, 3))
+
+
+def test_a_replacement_killed_in_its_restore_falls_back_to_the_group(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # a double fault: the replacement dies before its first step; the agent restarts the group
+    # (the reason in its log) and the run still ends bit-exact
+    run = _example(tmp_path, replace="rank")
+    try:
+        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 1)
+        os.kill(_worker_pid(run, 1), signal.SIGKILL)
+        replaced = run.wait_event("rank_replaced")
+        os.kill(replaced["new_pid"], signal.SIGKILL)  # while it starts, restores or joins
+        rc = run.finish()
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    assert rc == 0, run.output()
+    events = run.events()
+    assert [e["event"] for e in events].count("relaunched") == 1, run.output()
+    stopped = [e for e in events if e["event"] == "group_stopped"]
+    assert "rank 1 not replaced alone: it died before its first step" in stopped[0]["reason"], stopped
+    _bit_exact(reference[2], _final_states(tmp_path))
