@@ -71,6 +71,20 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/suite.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
+@nox.session(name="bench-replace", python=PY)
+def bench_replace(session: nox.Session) -> None:
+    """A dead rank replaced alone vs the whole group relaunched vs torchrun, NVRx ft_launcher and
+    torchft 0.2.0, side by side (benchmarks/replace.py: the example, SIGKILL and SIGSTOP); then
+    the ~1 GB state (benchmarks/relaunch.py). About 25 min."""
+    _install(session, "dev", "bench")
+    # torchft's own pins would replace torch: its wheel alone, and the small packages it imports
+    session.install("--no-deps", "torchft==0.2.0")
+    session.install("opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http")
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run("python", "benchmarks/replace.py", "--trials", "8", *session.posargs, env=env)
+    session.run("python", "benchmarks/relaunch.py", "--trials", "5", env=env)
+
+
 @nox.session(python=PY)
 def certify(session: nox.Session) -> None:
     """The CPU recovery certificate (5 trials per fault class: table, certificate.json,

@@ -1,16 +1,20 @@
-"""SIGKILL of a worker → first step completed after the relaunch, with a ~1 GB state, side by side:
+"""SIGKILL of a worker → first step completed after it came back, with a ~1 GB state, side by side:
 
-- ours: `resilient launch`; the relaunched worker restores from the shared-memory snapshot the
-  launcher kept (snapshot every 5 steps);
+- replace: `resilient launch` (``--replace rank --standby 1``, the default): a warm standby takes
+  the dead rank's place and restores the shared-memory snapshot its predecessor left;
+- ours: `resilient launch --replace group`; the relaunched worker restores from the shared-memory
+  snapshot the launcher kept (snapshot every 5 steps);
 - peer: `torchrun --max-restarts 1`; the worker torch.save+fsyncs every 5 steps and torch.loads
   the file when it starts (the usual path);
 - floor: `torchrun --max-restarts 1` with no state at all: the relaunched worker starts over at
   step 0. What every path pays (detection, process start, imports, the worker building its model
   and taking a warm-up step); each path's own restore cost is its time minus this floor.
 
-Same worker (benchmarks/relaunch_worker.py), same kill point (attempt 0 after step 7), alternating
-trials. Recovery = the driver's time of the first step the relaunched worker completes minus the
-time it sent SIGKILL. A trial with no step within --timeout counts as never recovered.
+Same worker (benchmarks/relaunch_worker.py), same kill point (the first process, after step
+--kill-after), alternating trials. Recovery = the driver's time of the first step a new process
+completes minus the time it sent SIGKILL; ``restore_s`` = that first step's time minus the time the
+new process had built its model, minus a steady step: what bringing the state back costs. A trial
+with no step within --timeout counts as never recovered.
 
     python benchmarks/relaunch.py [--trials 20] [--gb 1.0] [--cold]
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -33,8 +38,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "benchmarks" / "relaunch_worker.py")
-KILL_AFTER = 7
-MODES = ("resilient", "torchrun", "floor")
+MODES = ("replace", "resilient", "torchrun", "floor")
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -43,13 +47,16 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def trial(mode: str, cwd: Path, gb: float, timeout: float, cold: bool = False) -> dict[str, Any]:
+def trial(
+    mode: str, cwd: Path, gb: float, timeout: float, kill_after: int, cold: bool = False
+) -> dict[str, Any]:
     cwd.mkdir(parents=True)
     progress = cwd / "progress.jsonl"
     common = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.1"]
     work = [WORKER, "--gb", str(gb), "--progress", str(progress)]
-    if mode == "resilient":
-        cmd = [sys.executable, "-m", "resilient.cli", "launch", *common, *work, "--mode", "resilient"]
+    if mode in ("resilient", "replace"):
+        how = ["--replace", "group"] if mode == "resilient" else ["--replace", "rank", "--standby", "1"]
+        cmd = [sys.executable, "-m", "resilient.cli", "launch", *common, *how, *work, "--mode", "resilient"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", *common, *work, "--mode", "plain"]
         if mode == "torchrun":
@@ -64,7 +71,9 @@ def trial(mode: str, cwd: Path, gb: float, timeout: float, cold: bool = False) -
         deadline = time.monotonic() + timeout
         victim = None
         while time.monotonic() < deadline and victim is None:  # polls a file another process appends
-            done = [x for x in _lines(progress) if x["attempt"] == 0 and x["step"] >= KILL_AFTER]
+            lines = _lines(progress)
+            first = lines[0]["pid"] if lines else None
+            done = [x for x in lines if x["pid"] == first and x.get("step", -1) >= kill_after]
             victim = done[0] if done else None
             time.sleep(0.01)
         if victim is None:
@@ -77,10 +86,15 @@ def trial(mode: str, cwd: Path, gb: float, timeout: float, cold: bool = False) -
             Path("/proc/sys/vm/drop_caches").write_text("3\n")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            after = [x for x in _lines(progress) if x["attempt"] == 1]
+            lines = _lines(progress)
+            after = [x for x in lines if x["pid"] != victim["pid"] and "step" in x]
             if after:
+                built = [x["t"] for x in lines if x["pid"] == after[0]["pid"] and x.get("built")]
+                mine = sorted(x["t"] for x in lines if x["pid"] == victim["pid"] and "step" in x)
+                step_s = statistics.median(b - a for a, b in itertools.pairwise(mine))
                 out.update(recovered=True, recovery_s=after[0]["t"] - t_kill, resumed_at=after[0]["step"],
-                           killed_after=victim["step"])  # fmt: skip
+                           killed_after=victim["step"], step_s=step_s,
+                           restore_s=after[0]["t"] - built[0] - step_s if built else None)  # fmt: skip
                 break
             time.sleep(0.01)
         return out  # measured: the rest of the run does not matter (the job is killed below)
@@ -102,6 +116,12 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument(
+        "--kill-after",
+        type=int,
+        default=15,
+        help="the step after which the first process is killed (late enough for the standby to be warm)",
+    )
+    ap.add_argument(
         "--cold",
         action="store_true",
         help="drop the page cache right after the kill (root): the checkpoint file must come from "
@@ -113,7 +133,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
         for t in range(args.trials):
             for mode in MODES:
-                r = trial(mode, Path(d) / f"{mode}{t}", args.gb, args.timeout, args.cold)
+                r = trial(mode, Path(d) / f"{mode}{t}", args.gb, args.timeout, args.kill_after, args.cold)
                 results.append(r)
                 print(json.dumps(r), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -128,10 +148,13 @@ def main() -> None:
         medians[mode] = statistics.median(rec)
         p99 = rec[min(len(rec) - 1, round(0.99 * (len(rec) - 1)))]
         print(f"{mode:10s} recovered {len(rec)}/{n}  median {medians[mode]:.2f} s  p99 {p99:.2f} s")
-    if len(medians) == 3:
-        print(f"torchrun / ours (medians): {medians['torchrun'] / medians['resilient']:.2f}x")
-        ours, theirs = medians["resilient"] - medians["floor"], medians["torchrun"] - medians["floor"]
-        print(f"restore cost above the floor (medians): ours {ours:.2f} s, torchrun {theirs:.2f} s")
+    if len(medians) == len(MODES):
+        for ours in ("replace", "resilient"):
+            print(f"torchrun / {ours} (medians): {medians['torchrun'] / medians[ours]:.2f}x")
+        for mode in MODES:
+            rs = [r["restore_s"] for r in results if r["mode"] == mode and r.get("restore_s") is not None]
+            if rs:
+                print(f"{mode:10s} restore after its model was built (median): {statistics.median(rs):.2f} s")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
     --mode plain       under `torchrun --max-restarts`: torch.save + fsync every --every steps,
                        torch.load of that file at start (the usual disk path)
 
-Each completed step appends {"attempt", "step", "t"} to --progress (the driver's clock).
+Each completed step appends {"attempt", "step", "t", "pid"} to --progress (the driver's clock);
+the built model appends {"built": true, "t", "pid"} (what the restore costs is measured after it).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main() -> None:
 
     model, opt = build(args.gb)
     step(model, opt)  # Adam's moments exist: the state is its full size from the start
+    with open(args.progress, "a") as f:
+        f.write(json.dumps({"built": True, "t": time.time(), "pid": os.getpid()}) + "\n")
     if args.mode == "resilient":
         import resilient
 

@@ -10,6 +10,17 @@ The bundled example (examples/train_tiny.py: DDP over gloo, 2 ranks, steps padde
   every 10 steps, resume from the newest step every rank wrote (SIGKILL only: it has no heartbeat,
   a stopped worker is waited for until the collective timeout).
 
+and the peers that keep survivors or relaunch on their own terms (SIGKILL):
+
+- **ft_launcher**: NVRx 0.4.1's launcher (rank monitors, heartbeats, relaunch) on its own small
+  DDP worker with torch.save checkpoints (benchmarks/peers/nvrx_ft_launcher.py);
+- **torchft**: torchft 0.2.0, two replica groups of one rank under its Lighthouse; one group's
+  worker is killed, the survivor goes on, the killed group is relaunched and heals from it; the
+  figure is kill → both groups committing again (benchmarks/peers/torchft_peer.py).
+
+The resilient modes keep a durable checkpoint every 10 steps too (``--ckpt-dir``), which also
+refreshes the shared-memory mirror: the steps a hard fault re-runs are bounded alike.
+
 Rank 1 is sent the signal when it completes step ``--at`` (late enough that the standby finished
 its imports); recovery = the driver's time from the signal until every rank completed a step
 again (per-step progress lines, same host clock). SIGSTOP: the launcher's heartbeat timeout
@@ -39,17 +50,40 @@ MODES = {
     "group": ("resilient", ("--replace", "group")),
     "torchrun": ("torchrun", ()),
 }
+PEERS = ("ft_launcher", "torchft")
 LAUNCH = ("--heartbeat-timeout", str(HEARTBEAT_S), "--backoff-initial", "0")
 
 
+def peer_trial(mode: str) -> dict[str, Any]:
+    if mode == "torchft":
+        from benchmarks.peers import torchft_peer
+
+        why = torchft_peer.available()
+        r = {"recovered": False, "error": why} if why else torchft_peer.trial()
+    else:
+        from benchmarks.peers import nvrx_ft_launcher
+
+        r = nvrx_ft_launcher.trial("sigkill")
+        r["recovered"] = r.get("finished", False) and r.get("recover_s") is not None
+    out = {"mode": mode, "signal": "SIGKILL", "finished": bool(r.get("recovered"))}
+    if out["finished"]:
+        out["recover_s"] = r["recover_s"]
+    else:
+        out["log"] = str(r.get("error") or r.get("log_tail") or r.get("dir"))[-1500:]
+    return out
+
+
 def trial(mode: str, sig: signal.Signals, at: int, steps: int) -> dict[str, Any]:
+    if mode in PEERS:
+        return peer_trial(mode)
     engine, args = MODES[mode]
     launch = (*args, *LAUNCH) if engine == "resilient" else ()
-    r = job(engine, 2, steps, kills=(at,), launch_args=launch, kill_signal=sig, timeout=180)
+    extra = ("--ckpt-dir", "ckpt", "--ckpt-every", "10") if engine == "resilient" else ()
+    r = job(engine, 2, steps, kills=(at,), launch_args=launch, extra=extra, kill_signal=sig, timeout=180)
     got = recoveries(r)
     out: dict[str, Any] = {"mode": mode, "signal": sig.name, "finished": r["finished"]}
     if r["finished"] and got and got[0]["recover_s"] == got[0]["recover_s"]:
-        out.update(recover_s=got[0]["recover_s"], steps_lost=got[0]["lost"])
+        out.update(recover_s=got[0]["recover_s"], catchup_s=got[0]["catchup_s"], steps_lost=got[0]["lost"])
     else:
         out["log"] = r.get("log_tail", "")[-1500:]
     return out
@@ -63,7 +97,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "replace.json")
     args = ap.parse_args()
     runs: list[dict[str, Any]] = []
-    plan = [(m, signal.SIGKILL) for m in MODES] + [(m, signal.SIGSTOP) for m in ("rank", "group")]
+    plan = [(m, signal.SIGKILL) for m in (*MODES, *PEERS)] + [(m, signal.SIGSTOP) for m in ("rank", "group")]
     for t in range(args.trials):
         for mode, sig in plan:
             r = trial(mode, sig, args.at, args.steps)
@@ -80,11 +114,20 @@ def main() -> None:
             summary[key] = {"recovered": 0, "trials": n}
             continue
         med = statistics.median(xs)
-        summary[key] = {"recovered": len(xs), "trials": n, "median_s": med, "max_s": xs[-1]}
+        cs = [r["catchup_s"] for r in mine if "catchup_s" in r]
+        ls = [r["steps_lost"] for r in mine if "steps_lost" in r]
+        catchup = statistics.median(cs) if cs else None
+        lost = statistics.median(ls) if ls else None
+        summary[key] = {"recovered": len(xs), "trials": n, "median_s": med, "max_s": xs[-1],
+                        "catchup_median_s": catchup, "steps_lost_median": lost}  # fmt: skip
         above = f"  (above the heartbeat timeout: {med - HEARTBEAT_S:.2f} s)" if sig is signal.SIGSTOP else ""
-        print(f"{key:18s} {len(xs)}/{n}  median {med:.2f} s  max {xs[-1]:.2f} s{above}")
+        print(
+            f"{key:18s} {len(xs)}/{n}  median {med:.2f} s  max {xs[-1]:.2f} s  back at the step hit "
+            + (f"{catchup:.2f} s  steps re-run {lost:g}" if catchup is not None else "n/a")
+            + above
+        )
     k = summary.get("SIGKILL/rank", {}).get("median_s")
-    for other in ("group", "torchrun"):
+    for other in ("group", "torchrun", *PEERS):
         o = summary.get(f"SIGKILL/{other}", {}).get("median_s")
         if k and o:
             print(f"SIGKILL: {other} / rank (medians) {o / k:.2f}x")

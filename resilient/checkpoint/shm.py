@@ -107,8 +107,10 @@ class ShmSnapshot:
         }
         write_json_durable(self.dir / f"slot{spare}.json", meta, durable=False)  # RAM: nothing to sync
 
-    def load(self, step: int | None = None) -> tuple[int, Any] | None:
-        """(step, state) of the newest snapshot (or of ``step``), or None; tensors are copies."""
+    def load(self, step: int | None = None, *, mapped: bool = False) -> tuple[int, Any] | None:
+        """(step, state) of the newest snapshot (or of ``step``), or None; tensors are copies, or
+        with ``mapped`` views of a private mapping of the slot (no copy: the caller copies what it
+        keeps, once, e.g. a module's ``load_state_dict``; the slot must not be rewritten meanwhile)."""
         held = {int(m["step"]): (i, m) for i in (0, 1) if (m := self._meta(i)) is not None}
         if not held:
             return None
@@ -125,6 +127,11 @@ class ShmSnapshot:
         with f:
             if os.fstat(f.fileno()).st_size < size:
                 raise CheckpointError(f"{path}: shorter than the {size} bytes its snapshot needs")
+            if mapped and size:  # copy-on-write: nothing done to the views reaches the file
+                cow = mmap.mmap(
+                    f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
+                return want, self._views(cow, meta)
             mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
         try:
             view = memoryview(mm) if mm is not None else memoryview(b"")
@@ -142,6 +149,20 @@ class ShmSnapshot:
             if mm is not None:
                 mm.close()
         return want, decode(meta["skeleton"], tensors)
+
+    @staticmethod
+    def _views(mm: mmap.mmap, meta: dict[str, Any]) -> Any:
+        if meta["xxh3"] is not None and xxhash.xxh3_128_hexdigest(mm) != meta["xxh3"]:
+            raise CheckpointError("checksum mismatch (corrupt snapshot)")
+        tensors = []
+        for _key, dtype, shape, offset, nbytes in meta["layout"]:
+            dt = dtype_from_name(dtype)
+            if nbytes:  # (the tensor keeps the mapping alive; offsets are 64-byte aligned)
+                raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
+                tensors.append(raw.view(dt).reshape(tuple(shape)))
+            else:
+                tensors.append(torch.empty(tuple(shape), dtype=dt))
+        return decode(meta["skeleton"], tensors)
 
     def close(self) -> None:
         """Unmap this process's slots; the snapshot stays in shared memory."""

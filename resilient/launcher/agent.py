@@ -62,6 +62,7 @@ from resilient.launcher.heartbeat import Beat, beat_path, read_beat, unhealthy_p
 from resilient.launcher.standby import Standby, target
 
 _STOP_CODES = {int(ExitCode.FATAL): "fatal", int(ExitCode.REQUEUE): "requeue"}
+STANDBY_DELAY_S = 2.0
 
 
 def oom_kills() -> int | None:
@@ -268,12 +269,16 @@ class ResilientAgent(LocalElasticAgent):
 
     # ---- monitoring -------------------------------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        if self.replace == "rank" and self._pcontext is not None and self.verdict is None:
+        # (workers started as binaries, which `resilient launch` always does: torch's
+        # SubprocessContext, whose handlers a replacement takes the place of)
+        replaceable = hasattr(self._pcontext, "subprocess_handlers")
+        if self.replace == "rank" and replaceable and self.verdict is None:
             silent = self._check_heartbeats(worker_group)
             if silent is not None:
                 ((global_rank, failure),) = silent.failures.items()
                 w = next(w for w in worker_group.workers if w.global_rank == global_rank)
-                handler = self._pcontext.subprocess_handlers.get(w.local_rank)  # type: ignore[attr-defined]
+                pc: Any = self._pcontext
+                handler = pc.subprocess_handlers.get(w.local_rank)
                 if handler is not None:
                     with contextlib.suppress(Exception):
                         handler.proc.wait(timeout=10)  # SIGKILLed just now
@@ -537,14 +542,17 @@ class ResilientAgent(LocalElasticAgent):
         return handler, False
 
     def _keep_standbys(self, worker_group: WorkerGroup) -> None:
-        """Start a standby when fewer than asked wait, once every worker is stepping (not while
-        they start: a standby's imports would compete with theirs)."""
+        """Start a standby when fewer than asked wait, once every worker is stepping and the
+        newest has been for ``STANDBY_DELAY_S`` (a standby's imports would compete with a starting
+        worker's, or slow a replacement's first steps on a node with few cores)."""
         self._standbys = [s for s in self._standbys if s.alive()]
         for sb in self._standbys:
             if not sb.announced and sb.ready():
                 sb.announced = True
                 self._emit(Event.STANDBY_READY, standby_pid=sb.proc.pid, standbys=len(self._standbys))
         if len(self._standbys) >= self.standby_count:
+            return
+        if time.monotonic() - max(self._worker_started.values(), default=0.0) < STANDBY_DELAY_S:
             return
         for w in worker_group.workers:
             beat = read_beat(beat_path(self.heartbeat_dir, w.local_rank))

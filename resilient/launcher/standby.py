@@ -110,6 +110,25 @@ def _redirect(path: str | None, fd: int) -> None:
         os.close(f)
 
 
+def _warm_up() -> None:
+    """What torch imports lazily the first time a script builds a model and steps an optimizer
+    (torch._dynamo and sympy among them: most of a fresh worker's first second). The RNG comes
+    back as a fresh interpreter has it: the script's top level must run as it would under torchrun."""
+    import torch
+
+    rng = torch.get_rng_state()
+    try:
+        m = torch.nn.Sequential(torch.nn.Embedding(8, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        for opt in (torch.optim.AdamW(m.parameters()), torch.optim.SGD(m.parameters(), lr=0.1)):
+            m(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception:  # warming is an optimisation; the promoted script runs either way
+        pass
+    finally:
+        torch.set_rng_state(rng)
+
+
 def main() -> None:
     from resilient.launch_env import Var
     from resilient.launcher.heartbeat import die_with_launcher
@@ -123,6 +142,7 @@ def main() -> None:
             importlib.import_module(name)
         except Exception:  # a module this torch lacks: nothing to warm
             continue
+    _warm_up()
     ready = Path(sys.argv[1]) / f"standby-{os.getpid()}.ready"
     ready.touch()
     line = sys.stdin.buffer.readline()

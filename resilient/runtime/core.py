@@ -204,6 +204,7 @@ class EngineCore:
         self.fp: CollectiveCount | None = None  # this generation's per-step collective counts
         self.cost = Cost()
         self._restore_state: dict[str, Any] | None = None
+        self._restore_owned = True  # False: its tensors are views of a mapped snapshot, copied on load
         self._restored: set[str] = set()
         self.ddp_layouts = BucketLayouts()
         self._layouts_applied = contextlib.ExitStack()  # while the function re-enters after a fault
@@ -393,7 +394,7 @@ class EngineCore:
                         f"{name!r} is tracked now but was not in the snapshot of step {self.restore_step} "
                         f"(snapshot holds {sorted(k for k in self._restore_state if k != RNG)})"
                     )
-                self.registry.load(name, self._restore_state[name])
+                self.registry.load(name, self._restore_state[name], owned=self._restore_owned)
                 self._restored.add(name)
 
     def epochs(self, total: int) -> Iterator[int]:
@@ -567,6 +568,7 @@ class EngineCore:
 
     def _materialize(self, step: int) -> dict[str, Any]:
         """A fresh copy of the state of ``step``, one of the steps this rank offered to restore."""
+        self._restore_owned = True
         return self.snapshots.materialize(step)
 
     def _ring_share(self) -> float:

@@ -329,6 +329,13 @@ class NativeEngine(EngineCore):
                 raise  # (a rank pulled out by the culprit: the error names it)
             self._ev.emit(Event.RUN_FAILED, generation=gen, step=step, error=str(e))
             own = exc
+        except StateRestoreError as e:
+            if not self.launch.under_launcher:
+                raise
+            # (a replacement whose predecessor's snapshots no survivor holds any more): the whole
+            # group restarts, and resumes from shared memory or the checkpoint
+            self._depart(gen)
+            raise HardFault(f"rank {self.rank}: {e}; the launcher restarts the group") from e
         if own is not None:  # raised outside the handler: the user's exception keeps its own chain
             raise self._own_setup_error(own)
         self._prepare_restore(restore, step, fault_ts)
@@ -354,7 +361,10 @@ class NativeEngine(EngineCore):
 
     def _materialize(self, step: int) -> dict[str, Any]:
         if step in self.snapshots.steps() or self.shm is None:
-            return self.snapshots.materialize(step)
+            state = self.snapshots.materialize(step)
+            self._restore_owned = not isinstance(state, MappedState)
+            return state
+        self._restore_owned = True
         got = self.shm.load(step)
         assert got is not None
         return dict(got[1])
@@ -607,11 +617,16 @@ class NativeEngine(EngineCore):
             self.interrupter.resend(generation)
 
 
+class MappedState(dict[str, Any]):
+    """A snapshot whose tensors are views of a shared-memory slot, not copies: each object copies
+    what it keeps as it is tracked (see ``Registry.load(owned=False)``)."""
+
+
 def _shm_state(shm: ShmSnapshot, step: int) -> dict[str, Any]:
-    got = shm.load(step)
+    got = shm.load(step, mapped=True)
     if got is None:
         raise StateRestoreError(f"{shm.dir}: the snapshot of step {step} is gone")
-    return dict(got[1])
+    return MappedState(got[1])
 
 
 def excepthook_exit_codes() -> None:

@@ -128,8 +128,16 @@ class Registry:
         out[RNG] = capture_rng()
         return out
 
-    def load(self, name: str, state: Any) -> None:
+    def load(self, name: str, state: Any, *, owned: bool = True) -> None:
+        """Load ``state`` into the object tracked as ``name``. ``owned=False``: its tensors are views
+        of memory that is not the object's to keep (a mapped snapshot): a module and a generator
+        copy them as they load; anything else (an optimizer keeps the tensors it is given) gets
+        copies, made here: one copy either way."""
         obj = self._objects[name]
+        if not owned and isinstance(obj, torch.optim.Optimizer) and not dtensor.holds_dtensors(state):
+            state = _into_optimizer_state(obj, state)
+        elif not owned and not isinstance(obj, torch.nn.Module | torch.Generator):
+            state = _owned_copy(state)
         if dtensor.holds_dtensors(state):  # back onto the mesh the rebuilt objects live on
             state = dtensor.from_portable(state, dtensor.live_meshes(self._objects.values()), name)
         grads = None
@@ -149,3 +157,42 @@ class Registry:
             raise StateRestoreError(
                 f"restoring tracked object {name!r} ({type(obj).__name__}) failed: {e}"
             ) from e
+
+
+def _owned_copy(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _owned_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_owned_copy(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_owned_copy(v) for v in obj)
+    return obj
+
+
+def _into_optimizer_state(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict whose tensors are the optimizer's own where it already holds state
+    of the same shape (a warm-up step, or states initialised eagerly for loading): the snapshot is
+    copied into them, no new memory; the rest are copies. ``load_state_dict`` then keeps them."""
+    current = opt.state_dict()["state"]
+    out = dict(state)
+    entries = {}
+    for idx, entry in state.get("state", {}).items():
+        mine = current.get(idx, {})
+        fresh = {}
+        for key, value in entry.items():
+            have = mine.get(key)
+            if (
+                isinstance(value, torch.Tensor)
+                and isinstance(have, torch.Tensor)
+                and (have.shape, have.dtype) == (value.shape, value.dtype)
+                and have.is_contiguous()
+            ):
+                fresh[key] = have.copy_(value)
+            else:
+                fresh[key] = _owned_copy(value)
+        entries[idx] = fresh
+    out["state"] = entries
+    out["param_groups"] = _owned_copy(state.get("param_groups", []))
+    return out

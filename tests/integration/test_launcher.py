@@ -80,13 +80,16 @@ class Launch:
             self.log.close()
 
 
-def _example(cwd: Path, *extra: str, nproc: int = 2, replace: str = "group") -> Launch:
-    """The example under `resilient launch`; ``replace="group"`` (the whole group restarts after a
-    hard fault) unless a test asks for rank replacement (tests/integration/test_replace.py)."""
+def _example(
+    cwd: Path, *extra: str, nproc: int = 2, replace: str = "group", launch: tuple[str, ...] = ()
+) -> Launch:
+    """The example under `resilient launch` (``launch``: more launcher flags; ``extra``: the
+    example's); ``replace="group"`` (the whole group restarts after a hard fault) unless a test asks
+    for rank replacement (tests/integration/test_replace.py)."""
     return Launch(
         cwd,
         "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "3", "--monitor-interval", "0.2",
-        "--replace", replace,
+        "--replace", replace, *launch,
         "--heartbeat-timeout", "3", "--startup-timeout", "60", "--backoff-initial", "0",
         EXAMPLE, "--steps", str(STEPS), "--step-ms", "40", "--ckpt-dir", str(cwd / "ck"),
         "--ckpt-every", "4", "--out", str(cwd / "state"), *extra,

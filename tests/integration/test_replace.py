@@ -33,8 +33,10 @@ def _bit_exact(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
         assert_bit_exact(a, b, f"rank{r}")
 
 
-def _kill_after_checkpoint(run: Launch, fault: str) -> int:
+def _kill_after_checkpoint(run: Launch, fault: str, standby: bool = False) -> int:
     try:
+        if standby:  # a warm one: it finished its imports and waits
+            run.wait_event("standby_ready")
         run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 1)
         victim = _worker_pid(run, 1)
         os.kill(victim, getattr(signal, fault))  # a real kill / a real freeze of rank 1
@@ -46,16 +48,18 @@ def _kill_after_checkpoint(run: Launch, fault: str) -> int:
     return victim
 
 
-@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize(("fault", "standby"), [("SIGKILL", 1), ("SIGSTOP", 1), ("SIGKILL", 0)])
 def test_a_dead_rank_is_replaced_and_its_survivor_stays_bit_exact(
-    tmp_path: Path, fault: str, reference: dict[int, list[dict[str, Any]]]
+    tmp_path: Path, fault: str, standby: int, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
-    run = _example(tmp_path, replace="rank")
-    victim = _kill_after_checkpoint(run, fault)
+    # with a standby it is promoted; without one, a new process is started (slower steps here:
+    # the standby starts once the workers step, and must have finished its imports)
+    run = _example(tmp_path, "--step-ms", "250", replace="rank", launch=("--standby", str(standby)))
+    victim = _kill_after_checkpoint(run, fault, standby=bool(standby))
     events = run.events()
     replaced = [e for e in events if e["event"] == "rank_replaced"]
     assert len(replaced) == 1 and replaced[0]["old_pid"] == victim, replaced
-    assert replaced[0]["fault_posted"] and replaced[0]["standby"], replaced
+    assert replaced[0]["fault_posted"] and replaced[0]["standby"] == bool(standby), replaced
     assert not [e for e in events if e["event"] == "relaunched"], "the whole group was restarted"
     assert len(_pids(events, 0)) == 1, "the survivor's process changed"
     assert _pids(events, 1) == [victim, replaced[0]["new_pid"]]

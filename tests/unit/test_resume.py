@@ -163,3 +163,43 @@ def test_dtensor_shards_of_another_world_size_go_to_the_checkpoint(tmp_path: Pat
                               exchange=exchange, replica=None, newest_checkpoint=-1)  # fmt: skip
 
     assert _run_ranks(2, fn) == [None, None]
+
+
+def test_a_mapped_load_copies_nothing_and_keeps_the_slot_intact(tmp_path: Path) -> None:
+    # a replacement restores from its predecessor's slot with views of a private mapping: a module
+    # copies them as it loads, an optimizer gets copies (Registry.load owned=False): one copy in all
+    from resilient.state.registry import Registry
+
+    shm = ShmSnapshot("job", 0, base=tmp_path)
+    model, other = torch.nn.Linear(33, 7), torch.nn.Linear(33, 7)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 33)).sum().backward()
+    opt.step()
+    shm.capture(5, {"model": model.state_dict(), "opt": opt.state_dict()}, checksum=True)
+    step, view = shm.load(5, mapped=True)
+    assert step == 5
+    copy = shm.load(5)[1]
+    assert_bit_exact(copy, view)
+    reg = Registry()
+    opt2 = torch.optim.Adam(other.parameters())
+    reg.add("model", other)
+    reg.add("opt", opt2)
+    reg.load("model", view["model"], owned=False)
+    reg.load("opt", view["opt"], owned=False)
+    assert_bit_exact(copy["model"], other.state_dict())
+    moment = opt2.state[other.weight]["exp_avg"]
+    assert moment.data_ptr() != view["opt"]["state"][0]["exp_avg"].data_ptr()  # the optimizer's own
+    moment.add_(1.0)
+    view["model"]["weight"].add_(1.0)  # the views are copy-on-write: the slot does not change
+    assert_bit_exact(copy, shm.load(5)[1])
+    # an optimizer that already holds state of the same shapes (a warm-up step, states initialised
+    # for loading) gets the snapshot copied into its own tensors: no new memory
+    warm = torch.nn.Linear(33, 7)
+    opt3 = torch.optim.Adam(warm.parameters())
+    warm(torch.randn(2, 33)).sum().backward()
+    opt3.step()
+    before = opt3.state[warm.weight]["exp_avg_sq"].data_ptr()
+    reg.add("opt3", opt3)
+    reg.load("opt3", shm.load(5, mapped=True)[1]["opt"], owned=False)
+    assert opt3.state[warm.weight]["exp_avg_sq"].data_ptr() == before
+    assert_bit_exact(copy["opt"], opt3.state_dict())
