@@ -461,6 +461,8 @@ class ResilientAgent(LocalElasticAgent):
             logger.info(f"rank {w.global_rank} is not replaced alone ({why_not}): restarting the group")
             return False
         assert beat is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(old.proc.pid, signal.SIGKILL)  # what it left in its session (loader workers)
         self._oom = oom_kills()
         record = {"global_rank": w.global_rank, "local_rank": local_rank, "pid": old.proc.pid,
                   "exitcode": code, "cause": cause, "ts": time.time()}  # fmt: skip
