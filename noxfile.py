@@ -40,7 +40,8 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PY)
 def slow(session: nox.Session) -> None:
-    """The integration tests too long for CI (a torch.compile'd model re-entered after a fault)."""
+    """The integration tests too long for CI: a torch.compile'd model re-entered after a fault, the
+    whole-group variants of SIGSTOP and of a repeating hard fault, a replacement with no standby."""
     _install(session, "dev", "chaos")
     args = ["tests/integration", "-q", "-p", "no:cacheprovider", "-m", "slow", *session.posargs]
     session.run("pytest", *args, env={"OMP_NUM_THREADS": "1"})

@@ -104,7 +104,8 @@ def _worker_pid(launch: Launch, rank: int) -> int:
     return int(launch.wait_event("run_started", lambda e: e["rank"] == rank)["pid"])
 
 
-@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+# (SIGSTOP with a whole-group relaunch: the slow session; rank replacement covers it in CI)
+@pytest.mark.parametrize("fault", ["SIGKILL", pytest.param("SIGSTOP", marks=pytest.mark.slow)])
 def test_hard_fault_relaunches_and_ends_bit_exact(
     tmp_path: Path, fault: str, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
@@ -332,7 +333,8 @@ def test_restart_window_counts_only_recent_failures(tmp_path: Path, window: str 
         assert rc == 0 and relaunched == 3, run.output()
 
 
-@pytest.mark.parametrize("replace", ["group", "rank"])
+# (the whole-group variant runs in the slow session, to keep CI within its budget)
+@pytest.mark.parametrize("replace", [pytest.param("group", marks=pytest.mark.slow), "rank"])
 def test_hard_fault_at_the_same_step_every_launch_stops_fatal(tmp_path: Path, replace: str) -> None:
     # rank 1 holds the GIL at step 10 in every process (no --fault-attempt): the runtime's own repeat
     # guard dies with each process, so the agent must see the repetition and stop, not loop, whether

@@ -48,7 +48,11 @@ def _kill_after_checkpoint(run: Launch, fault: str, standby: bool = False) -> in
     return victim
 
 
-@pytest.mark.parametrize(("fault", "standby"), [("SIGKILL", 1), ("SIGSTOP", 1), ("SIGKILL", 0)])
+@pytest.mark.parametrize(
+    ("fault", "standby"),
+    # (a new process instead of a standby: the slow session, to keep CI within its budget)
+    [("SIGKILL", 1), ("SIGSTOP", 1), pytest.param("SIGKILL", 0, marks=pytest.mark.slow)],
+)
 def test_a_dead_rank_is_replaced_and_its_survivor_stays_bit_exact(
     tmp_path: Path, fault: str, standby: int, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
