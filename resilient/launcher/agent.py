@@ -154,7 +154,6 @@ class ResilientAgent(LocalElasticAgent):
         self._standbys: list[Standby] = []
         self._worker_started: dict[int, float] = {}  # local rank -> when its current process started
         self._store_client: Any = None  # the workers' store, where a death is posted as a fault
-        self.replacements = 0
         self._group_reason: str | None = None  # why the last death restarts the group, not one rank
         self._deaths: list[tuple[int, str]] = []  # (global rank, where: "step N" or "start-up ...")
         self.restart_window_s = restart_window_s
@@ -473,7 +472,6 @@ class ResilientAgent(LocalElasticAgent):
         self._deaths.append((w.global_rank, f"step {beat.step}"))
         self._failure_times.append(time.monotonic())
         self._remaining_restarts -= 1
-        self.replacements += 1
         t0 = time.time()
         env = {**pc.envs[local_rank], Var.JOIN_GENERATION.value: str(beat.generation)}
         posted = self._post_death(env, w.global_rank, beat, f"rank {w.global_rank} {cause}")

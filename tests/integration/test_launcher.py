@@ -104,22 +104,31 @@ def _worker_pid(launch: Launch, rank: int) -> int:
     return int(launch.wait_event("run_started", lambda e: e["rank"] == rank)["pid"])
 
 
+def _signal_after_checkpoint(run: Launch, rank: int, fault: str = "SIGKILL", standby: bool = False) -> int:
+    """Once ``rank`` saved a checkpoint of step 8 or later (and, with ``standby``, a warm standby
+    waits), send its worker ``fault`` for real; the run must then finish with 0. Returns the pid."""
+    try:
+        if standby:  # a warm one: it finished its imports and waits
+            run.wait_event("standby_ready")
+        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == rank)
+        victim = _worker_pid(run, rank)
+        os.kill(victim, getattr(signal, fault))  # a real kill / a real freeze
+        rc = run.finish()
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    assert rc == 0, run.output()
+    return victim
+
+
 # (SIGSTOP with a whole-group relaunch: the slow session; rank replacement covers it in CI)
 @pytest.mark.parametrize("fault", ["SIGKILL", pytest.param("SIGSTOP", marks=pytest.mark.slow)])
 def test_hard_fault_relaunches_and_ends_bit_exact(
     tmp_path: Path, fault: str, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
     run = _example(tmp_path)
-    try:
-        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 1)
-        victim = _worker_pid(run, 1)
-        os.kill(victim, getattr(signal, fault))  # a real kill / a real freeze of rank 1
-        rc = run.finish()
-    finally:
-        if run.p.poll() is None:
-            run.finish(timeout=1)
+    victim = _signal_after_checkpoint(run, 1, fault)
     events = run.events()
-    assert rc == 0, run.output()
     if fault == "SIGKILL":
         died = [e for e in events if e["event"] == "worker_died"]
         assert any(e["pid"] == victim and "SIGKILL" in e["cause"] for e in died), died
@@ -144,14 +153,7 @@ def test_sigkill_at_3_ranks_relaunches_bit_exact(
     # the relaunched workers' DDP must start with the buckets the dead ones had rebuilt (the
     # layout the run directory keeps): with 3 ranks the ring's sums depend on it
     run = _example(tmp_path, nproc=3)
-    try:
-        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 2)
-        os.kill(_worker_pid(run, 2), signal.SIGKILL)
-        rc = run.finish()
-    finally:
-        if run.p.poll() is None:
-            run.finish(timeout=1)
-    assert rc == 0, run.output()
+    _signal_after_checkpoint(run, 2)
     events = run.events()
     assert len([e for e in events if e["event"] == "relaunched"]) == 1
     restored = [e for e in events if e["event"] == "state_restored" and e["generation"] == 0]

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import assert_bit_exact
-from tests.integration.test_launcher import Launch, _example, _final_states, _worker_pid
+from tests.integration.test_launcher import (
+    Launch,
+    _example,
+    _final_states,
+    _signal_after_checkpoint,
+    _worker_pid,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -33,21 +39,6 @@ def _bit_exact(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
         assert_bit_exact(a, b, f"rank{r}")
 
 
-def _kill_after_checkpoint(run: Launch, fault: str, standby: bool = False) -> int:
-    try:
-        if standby:  # a warm one: it finished its imports and waits
-            run.wait_event("standby_ready")
-        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 1)
-        victim = _worker_pid(run, 1)
-        os.kill(victim, getattr(signal, fault))  # a real kill / a real freeze of rank 1
-        rc = run.finish()
-    finally:
-        if run.p.poll() is None:
-            run.finish(timeout=1)
-    assert rc == 0, run.output()
-    return victim
-
-
 @pytest.mark.parametrize(
     ("fault", "standby"),
     # (a new process instead of a standby: the slow session, to keep CI within its budget)
@@ -59,7 +50,7 @@ def test_a_dead_rank_is_replaced_and_its_survivor_stays_bit_exact(
     # with a standby it is promoted; without one, a new process is started (slower steps here:
     # the standby starts once the workers step, and must have finished its imports)
     run = _example(tmp_path, "--step-ms", "250", replace="rank", launch=("--standby", str(standby)))
-    victim = _kill_after_checkpoint(run, fault, standby=bool(standby))
+    victim = _signal_after_checkpoint(run, 1, fault, standby=bool(standby))
     events = run.events()
     replaced = [e for e in events if e["event"] == "rank_replaced"]
     assert len(replaced) == 1 and replaced[0]["old_pid"] == victim, replaced
@@ -120,14 +111,7 @@ def test_a_replacement_at_3_ranks_keeps_ddp_buckets_bit_exact(
     # with 3 ranks gloo's ring sums depend on DDP's bucket layout: the replacement's new DDP and
     # the survivors' rebuilt ones must all start from the layout the dead generation had
     run = _example(tmp_path, nproc=3, replace="rank")
-    try:
-        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 2)
-        os.kill(_worker_pid(run, 2), signal.SIGKILL)
-        rc = run.finish()
-    finally:
-        if run.p.poll() is None:
-            run.finish(timeout=1)
-    assert rc == 0, run.output()
+    _signal_after_checkpoint(run, 2)
     _replaced_alone(run, 2, nproc=3)
     _bit_exact(reference[3], _final_states(tmp_path, 3))
 
