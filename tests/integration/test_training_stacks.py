@@ -20,7 +20,12 @@ ACCUM = str(ROOT / "examples" / "train_accum.py")
 
 
 def _run(
-    tmp: Path, name: str, argv: list[str], plan: str = "", restored: int | None = None, timeout: float = 180
+    tmp: Path,
+    name: str,
+    argv: list[str],
+    plan: str = "",
+    restored: int | tuple[int, ...] | None = None,
+    timeout: float = 180,
 ) -> list[dict[str, Any]]:
     cwd = tmp / name
     cwd.mkdir(parents=True)
@@ -31,8 +36,10 @@ def _run(
     assert res.ok, res.describe()
     fired = res.of("fault_detected")
     assert bool(fired) == bool(plan), fired
-    if restored is not None:
-        assert {e["step"] for e in res.of("state_restored")} == {restored}, res.of("state_restored")
+    if restored is not None:  # every rank restored the same step: that one, or one of those
+        allowed = restored if isinstance(restored, tuple) else (restored,)
+        steps = {e["step"] for e in res.of("state_restored")}
+        assert len(steps) == 1 and steps <= set(allowed), res.of("state_restored")
     return [torch.load(cwd / "state" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
@@ -69,12 +76,14 @@ def test_dataloader_epoch_loop_resumes_mid_epoch_bit_exact(tmp_path: Path, worke
 def test_fault_inside_an_accumulation_window_recovers_bit_exact(tmp_path: Path) -> None:
     # each micro-batch a step, the optimizer every 4th (no_sync between), fp16 autocast with a
     # GradScaler, activation checkpointing over dropout: snapshots every 5 steps, so the fault at
-    # step 11 restores step 10, two micro-batches into a window, gradients and all
+    # step 11 restores step 10, two micro-batches into a window, gradients and all. (Step 5, one
+    # micro-batch into its window, when the fault came before the neighbour's collective count
+    # for step 10 arrived: a snapshot not yet verified is dropped, by design.)
     cfg = tmp_path / "every5.yaml"
     cfg.write_text("snapshot:\n  interval: 5\n")
     argv = [ACCUM, "--epochs", "1", "--config", str(cfg)]
     ref = _run(tmp_path, "ref", argv)
-    hit = _run(tmp_path, "hit", argv, plan="exception@11:1", restored=10)
+    hit = _run(tmp_path, "hit", argv, plan="exception@11:1", restored=(10, 5))
     assert ref[0]["scaler"]["scale"] != 65536.0 or ref[0]["scaler"]["_growth_tracker"] > 0  # it ran
     assert _same(ref, hit) >= 10
 
