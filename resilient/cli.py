@@ -7,14 +7,18 @@
 - ``resilient plan``: Young's and Daly's checkpoint intervals, goodput, and a Monte-Carlo check.
 - ``resilient launch [torchrun flags] script.py ...``: torchrun plus heartbeats and fault causes.
 - ``resilient checkpoints DIR [--verify]``: the committed checkpoints, and whether every file verifies.
+- ``resilient report RUN_DIR``: goodput accounting by cause (table and PNG), from the event log.
+- ``resilient status RUN_DIR [--follow]``: ranks, steps, step time, heartbeats, faults, goodput, live.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -88,6 +92,12 @@ def cmd_events(args: argparse.Namespace) -> int:
         print(f"resilient events: no event log at {path}", file=sys.stderr)
         return 2
     events = read_events(path)
+    if args.faults:
+        from resilient.metrics.report import fault_blocks
+
+        blocks = fault_blocks(events)
+        print("\n\n".join(blocks) if blocks else f"{path}: no faults")
+        return 0
     rows = summarize(events)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -108,6 +118,101 @@ def cmd_events(args: argparse.Namespace) -> int:
         )
     Console().print(t)
     return 0
+
+
+def _log_or_exit(cmd: str, path: str) -> Path | None:
+    from resilient.metrics.report import find_log
+
+    log = find_log(path)
+    if log is None:
+        print(f"resilient {cmd}: no event log at {path} (a run directory, its events.jsonl, or the "
+              "events directory holding runs)", file=sys.stderr)  # fmt: skip
+    return log
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from resilient.metrics import account
+    from resilient.metrics.report import fault_blocks, write_png
+
+    log = _log_or_exit("report", args.path)
+    if log is None:
+        return 2
+    events = read_events(log)
+    acc = account(events)
+    if args.json:
+        faults = [
+            {k: getattr(i, k) for k in ("kind", "rank", "step", "mode", "detect_s", "recover_s",
+                                        "steps_rerun", "noticed_by", "signature")}
+            for i in acc.incidents
+        ]  # fmt: skip
+        print(json.dumps({"log": str(log), "wall_s": acc.wall_s, "goodput": acc.goodput, "steps": acc.steps,
+                          "exact_steps": acc.exact_steps, "seconds": acc.seconds, "faults": faults},
+                         indent=2))  # fmt: skip
+    else:
+        gp = "—" if acc.goodput is None else f"{acc.goodput:.2%}"
+        t = Table(title=f"{log.parent.name}: {acc.wall_s:.1f} s, {acc.steps} steps, "
+                  f"{len(acc.incidents)} faults, goodput {gp}")  # fmt: skip
+        for col in ("cause", "seconds", "share"):
+            t.add_column(col, justify="right" if col != "cause" else "left")
+        for cause, sec, share in acc.table():
+            t.add_row(cause, f"{sec:.3f}", f"{share:.2%}")
+        Console().print(t)
+        if not acc.exact_steps:
+            print("steps: from progress records (events.steps: true gives every step)")
+        for block in fault_blocks(events, acc) if args.faults else []:
+            print(block + "\n")
+    png = Path(args.png) if args.png else log.parent / "goodput.png"
+    if args.png != "":
+        try:
+            write_png(acc, png, title=log.parent.name)
+        except ImportError:
+            print("resilient report: no PNG: matplotlib is not installed (pip install "
+                  "'resilient[metrics]')", file=sys.stderr)  # fmt: skip
+            return 1
+        except OSError as e:
+            print(f"resilient report: cannot write {png}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"wrote {png}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from resilient.metrics.exporter import LogTail
+    from resilient.metrics.report import heartbeats, status_table
+
+    log = _log_or_exit("status", args.path)
+    if log is None:
+        return 2
+    run_id = log.parent.name
+    tail = LogTail(log)
+    events = tail.poll()
+    title = f"run {run_id} ({log})"
+    if not args.follow:
+        Console().print(status_table(events, heartbeats(run_id), title))
+        return 0
+    with (
+        contextlib.suppress(KeyboardInterrupt),
+        Live(status_table(events, heartbeats(run_id), title)) as live,
+    ):
+        while not _over(events):
+            time.sleep(args.interval)
+            events += tail.poll()
+            live.update(status_table(events, heartbeats(run_id), title))
+    return 0
+
+
+def _over(events: list[dict[str, Any]]) -> bool:
+    """Every rank that started has finished, or the launcher gave up."""
+    started = {e["rank"] for e in events if e.get("event") == "run_started"}
+    ended = {e["rank"] for e in events if e.get("event") in ("run_finished", "run_preempted")}
+    failed = any(e.get("event") == "run_failed" for e in events)
+    return failed or (bool(started) and started <= ended)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -180,6 +285,16 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:  # torchrun's own parser, extended (resilient/launcher/cli.py)
@@ -199,7 +314,21 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("events", help="summarize a run's events.jsonl")
     e.add_argument("path", help="events.jsonl or the run directory holding it")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--faults", action="store_true", help="one block per fault: where, who noticed, stacks")
     e.set_defaults(fn=cmd_events)
+    rp = sub.add_parser("report", help="goodput accounting by cause, from the event log (table and PNG)")
+    rp.add_argument("path", help="a run directory, its events.jsonl, or the events directory (newest run)")
+    rp.add_argument(
+        "--png", default=None, help="where the PNG goes (default RUN_DIR/goodput.png; '' for none)"
+    )
+    rp.add_argument("--json", action="store_true")
+    rp.add_argument("--faults", action="store_true", help="also print each fault's block")
+    rp.set_defaults(fn=cmd_report)
+    stp = sub.add_parser("status", help="a run's ranks, steps, heartbeats, faults and goodput")
+    stp.add_argument("path", help="a run directory, its events.jsonl, or the events directory (newest run)")
+    stp.add_argument("--follow", "-f", action="store_true", help="refresh until the run ends (Ctrl-C)")
+    stp.add_argument("--interval", type=_positive, default=1.0, help="seconds between refreshes")
+    stp.set_defaults(fn=cmd_status)
     pl = sub.add_parser("plan", help="optimal checkpoint interval (Young, Daly) and expected goodput")
     pl.add_argument("--mtbf-h", type=float, default=None, help="job mean time between failures, hours")
     pl.add_argument("--gpus", type=int, default=None, help="or: number of GPUs ...")

@@ -142,6 +142,22 @@ class EventsConfig(_Model):
 
     dir: Path = Field(Path("resilient_runs"), description="event logs go to `<dir>/<run_id>/events.jsonl`")
     steps: bool = Field(False, description="a step_completed event per step (certificates, timelines)")
+    progress_s: float = Field(
+        10.0, gt=0, description="a progress event per rank this often (step, step time, runtime cost)"
+    )
+
+
+class MetricsConfig(_Model):
+    """The Prometheus endpoint of a run under plain torchrun (``resilient launch --metrics-port``
+    serves it from the agent instead)."""
+
+    port: int | None = Field(
+        None, ge=0, le=65535, description="local rank 0 serves the run's metrics on this port; null: off"
+    )
+    addr: str = Field("0.0.0.0", description="the address the endpoint binds to")
+    refresh_s: float = Field(
+        5.0, gt=0, description="the figures are recomputed from the event log this often"
+    )
 
 
 class Config(_Model):
@@ -177,6 +193,7 @@ class Config(_Model):
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @field_validator("interrupt_signal")

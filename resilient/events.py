@@ -12,6 +12,7 @@ import contextlib
 import enum
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -46,14 +47,20 @@ class Event(str, enum.Enum):
     NODE_LOST = "node_lost"
     NODE_EXCLUDED = "node_excluded"
     STEP_COMPLETED = "step_completed"  # only with events.steps: true (one line per rank per step)
+    PROGRESS = "progress"  # a process's first completed step, then one every events.progress_s
+    WORKERS_STARTED = "workers_started"  # the agent started (or restarted) its workers
+    CHECKPOINT_DURABLE = "checkpoint_durable"  # a rank's part of a checkpoint is written (its write time)
+    FAULT_REPORT = "fault_report"  # what the rank that faulted (or the agent) saw: stacks, traceback
 
 
 class EventLog:
     """Append-only JSONL event sink shared by the ranks of one run."""
 
-    def __init__(self, path: Path | None, rank: int) -> None:
+    def __init__(self, path: Path | None, rank: int, **static: Any) -> None:
         self.path = path
         self.rank = rank
+        # every record names its host (a fault report's "where"; a node's exporter keeps its own)
+        self.static = {"host": socket.gethostname(), **static}
         self._fd: int | None = None
         if path is not None:
             try:
@@ -72,6 +79,7 @@ class EventLog:
             "pid": os.getpid(),
             "generation": generation,
             "step": step,
+            **self.static,
             **fields,
         }
         if self._fd is not None:
@@ -86,6 +94,12 @@ class EventLog:
             "[rank {} gen {} step {}] {} {}", self.rank, generation, step, event.value, extras
         )
         return record
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._fd is not None:

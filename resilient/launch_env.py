@@ -39,6 +39,7 @@ class Var(str, enum.Enum):
     LAUNCHER_PID = "RESILIENT_LAUNCHER_PID"
     PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"
     JOIN_GENERATION = "RESILIENT_JOIN_GENERATION"  # a replacement: the generation its survivors left
+    METRICS_BY_AGENT = "RESILIENT_METRICS_BY_AGENT"  # the agent serves the metrics: the workers do not
 
     def __str__(self) -> str:
         return self.value

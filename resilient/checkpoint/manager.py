@@ -133,6 +133,7 @@ class Checkpointer:
         self._closed = False
         self.saved = self.skipped = 0
         self.last_block_s = 0.0
+        self.last_nbytes = 0  # tensor bytes of the last save (the metrics' checkpoint size)
         if rank == 0:
             for path in remove_stale(self.root, self.token):
                 logger.info(f"removed {path.name}, left by a writer that died mid-save")
@@ -182,6 +183,7 @@ class Checkpointer:
 
             dcp_files = [f"dcp/{p}" for p in save_sharded(sharded, tmp / "dcp")]
         skeleton, leaves = encode(state)
+        self.last_nbytes = sum(leaf.tensor.nbytes for leaf in leaves)
         if pipeline:
             for opt in pipeline:
                 if opt not in self._hooked:

@@ -43,8 +43,10 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,24 @@ def _rendezvous_round(worker_group: WorkerGroup) -> int | None:
     return int(round_no) if isinstance(round_no, int) else None
 
 
+def dump_stacks(pid: int, timeout_s: float = 3.0) -> str | None:
+    """Every thread's stack of a silent worker, Python and native frames, by ``py-spy`` (where it
+    is installed): the only way to see where a process that holds the GIL, or is stopped, is.
+    A stopped process cannot be suspended for native frames: its Python frames are read instead."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not os.access(exe, os.X_OK):
+        return None
+    for mode in ("--native", "--nonblocking"):
+        try:
+            out = subprocess.run([exe, "dump", "--pid", str(pid), mode], capture_output=True, text=True,
+                                 timeout=timeout_s)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout[-16000:]
+    return None
+
+
 def leave_rendezvous(handler: Any) -> None:
     """Leave the rendezvous without closing it (``shutdown()`` would end it for every node)."""
     try:
@@ -178,6 +198,7 @@ class ResilientAgent(LocalElasticAgent):
         self._started = time.monotonic()
         self._oom = oom_kills()
         self._restarts = 0
+        self.fault_stacks = True  # py-spy dumps a silent worker's stacks before it is killed
         self.forward_signals: Any = None  # the launcher's handler for SIGUSR1/SIGTERM (preemption)
 
     def _emit(self, event: Event, **fields: Any) -> None:
@@ -252,6 +273,10 @@ class ResilientAgent(LocalElasticAgent):
                 signal.signal(sig, self.forward_signals)
         if self._restarts:
             self._emit(Event.RELAUNCHED, restart=self._restarts, pids=sorted(pids.values()))
+        self._emit(Event.WORKERS_STARTED, restart=self._restarts, round=round_no,
+                   ranks={str(w.global_rank): pids.get(w.local_rank) for w in worker_group.workers},
+                   max_restarts=self.window_max_restarts, restart_window_s=self.restart_window_s,
+                   restarts_left=self._remaining_restarts)  # fmt: skip
         return pids
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
@@ -399,6 +424,11 @@ class ResilientAgent(LocalElasticAgent):
             logger.error(
                 f"worker rank {w.global_rank} (pid {w.id}) silent for {age:.1f} s (limit {limit:g} s)"
             )
+            if isinstance(w.id, int) and self.fault_stacks:
+                stacks = dump_stacks(w.id)
+                if stacks is not None:
+                    self._emit(Event.FAULT_REPORT, global_rank=w.global_rank, pid=w.id, kind="no_heartbeat",
+                               last_step=step, stacks=stacks, source="py-spy")  # fmt: skip
             if isinstance(w.id, int):
                 # a stopped or GIL-bound process never handles SIGTERM: kill its session (its own) now
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -487,7 +517,8 @@ class ResilientAgent(LocalElasticAgent):
         self._worker_started[local_rank] = time.monotonic()
         self._emit(Event.RANK_REPLACED, global_rank=w.global_rank, local_rank=local_rank, old_pid=old_pid,
                    new_pid=new.proc.pid, standby=warm, join_generation=beat.generation, last_step=beat.step,
-                   fault_posted=posted, duration_s=time.time() - t0, cause=cause)  # fmt: skip
+                   fault_posted=posted, duration_s=time.time() - t0, cause=cause,
+                   restarts_left=self._remaining_restarts)  # fmt: skip
         logger.info(
             f"rank {w.global_rank} replaced by pid {new.proc.pid} "
             f"({'warm standby' if warm else 'new process'}); "

@@ -32,7 +32,7 @@ from torch.distributed.run import config_from_args, get_args_parser, parse_min_m
 from resilient import PYNVML_NOISE
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import ExitCode
-from resilient.events import EventLog
+from resilient.events import Event, EventLog
 from resilient.launch_env import Var
 from resilient.launcher.agent import ResilientAgent, leave_rendezvous
 
@@ -94,7 +94,33 @@ def parser() -> Any:
     p.add_argument(
         "--events-dir", type=Path, default=Path("resilient_runs"), help="<dir>/<run_id>/events.jsonl"
     )
+    p.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve this node's Prometheus metrics on this port (faults, restarts, goodput, "
+        "checkpoints, heartbeats; from the event log and heartbeats); 0: a free port",
+    )
+    p.add_argument("--metrics-addr", default="0.0.0.0", help="the address --metrics-port binds to")
+    p.add_argument(
+        "--metrics-linger",
+        type=float,
+        default=0.0,
+        help="seconds the endpoint keeps serving the final figures after the job ends (a last scrape)",
+    )
     return p
+
+
+def _port(text: str) -> int:
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number: {port} (0-65535)")
+    return port
 
 
 def _forward_preemption(agent: ResilientAgent) -> None:
@@ -179,9 +205,25 @@ def main(argv: list[str] | None = None) -> int:
         standby=max(0, args.standby) if args.replace == "rank" else 0,
     )
     _forward_preemption(agent)
+    exporter = None
+    if args.metrics_port is not None:
+        from resilient.metrics.exporter import Exporter, RunMetrics
+
+        os.environ[Var.METRICS_BY_AGENT] = "1"  # the workers leave the endpoint to us
+        metrics = RunMetrics(
+            args.events_dir / config.run_id / "events.jsonl",
+            run_id=config.run_id,
+            heartbeat_dir=hb_dir,
+            global_ranks=lambda: {w.local_rank: w.global_rank for w in agent._worker_group.workers},
+        )
+        exporter = Exporter(metrics, args.metrics_port, args.metrics_addr)
+        if not exporter.start():
+            exporter = None
     try:
         result = agent.run()
     finally:
+        if exporter is not None:
+            exporter.close(linger_s=max(0.0, args.metrics_linger))
         agent.close_standbys()
         if agent.excluded:
             leave_rendezvous(spec.rdzv_handler)  # the others go on without this node
@@ -192,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         ShmSnapshot(shm_name).unlink()  # the job is over: its snapshots go
         if not args.logs_specs and not args.log_dir and config.logs_specs is not None:
             shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)  # torch's temporary one
+    if agent.verdict == int(ExitCode.FATAL) or (
+        agent.verdict is None and not agent.excluded and result.is_failed()
+    ):
+        cause = agent.failures[-1]["cause"] if agent.failures else "restarts exhausted"
+        with EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1) as log:
+            log.emit(Event.RUN_FAILED, generation=0, step=None, error=f"resilient launch: {cause}",
+                     exitcode=agent.verdict)  # fmt: skip
     if agent.verdict is not None:
         if agent.verdict == int(ExitCode.FATAL) and agent.failures:
             print(f"resilient launch: giving up: {agent.failures[-1]['cause']}", file=sys.stderr)

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
+import traceback
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +42,7 @@ from loguru import logger
 from resilient.config import Config
 from resilient.errors import ExitCode, HealthCheckFailed, SetupFailed, StateRestoreError
 from resilient.events import Event, EventLog
-from resilient.launch_env import LaunchEnv
+from resilient.launch_env import LaunchEnv, Var
 from resilient.launcher.heartbeat import Heartbeat, die_with_launcher, unhealthy_path
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime.collective_check import CollectiveCount, CollectiveDesync
@@ -106,7 +108,7 @@ def wire(cfg: Config, launch: LaunchEnv, *, backend: str, device: torch.device) 
         store=store,
         side_store=lambda timeout: coord_mod.client(ep.host, port, timeout),
         run_id=run_id,
-        events=EventLog(cfg.events.dir / run_id / "events.jsonl", ep.rank),
+        events=EventLog(cfg.events.dir / run_id / "events.jsonl", ep.rank, attempt=launch.attempt),
         build_group=group,
         heartbeat=Heartbeat.for_worker(launch),
     )
@@ -137,6 +139,19 @@ def common_restore_step(steps_by_rank: Sequence[Sequence[int]], primary: FaultRe
     if not common:
         raise StateRestoreError(f"no snapshot step held by every rank: {[list(s) for s in steps_by_rank]}")
     return max(common)
+
+
+def all_stacks(limit: int = 16000) -> str:
+    """The Python stack of every thread of this process, main thread first (a fault report's)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    frames = sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main)
+    parts = []
+    for ident, frame in frames:
+        stack = "".join(traceback.format_stack(frame))
+        parts.append(f'Thread "{names.get(ident, "?")}" ({ident}):\n{stack}')
+    text = "\n".join(parts)
+    return text if len(text) <= limit else text[:limit] + "\n... (cut)"
 
 
 def main_thread_where() -> tuple[str, bool]:
@@ -211,6 +226,7 @@ class EngineCore:
         self._fault_step: int | None = None
         self._fault_ts: float | None = None
         self._resume_pending = False
+        self._progress_at: tuple[float, int] | None = None  # (clock, steps) of the last progress event
         self._begun = False
         self._next_step = 0
         self._stepped = False
@@ -254,7 +270,10 @@ class EngineCore:
             hang_timeout=self.t.hang,
             collective_timeout=self.t.collective,
             engine=self.engine,
+            max_restarts=self.cfg.restart.max_restarts,
+            restart_window_s=self.cfg.restart.window_s,
         )
+        self._serve_metrics(w)
         # relaunched: DDP starts with the buckets it had rebuilt, if every rank has the same ones
         # (a replacement for one rank agrees with its survivors at their recovery instead)
         self.ddp_layouts.load(self.run_dir / DDP_BUCKETS)
@@ -268,6 +287,21 @@ class EngineCore:
         for h in self.hooks:
             h.on_start(info)
         return w
+
+    def _serve_metrics(self, w: Wiring) -> None:
+        """Under plain torchrun, local rank 0 serves the run's metrics (``metrics.port``); under
+        ``resilient launch --metrics-port`` the agent does, reading the same log."""
+        m = self.cfg.metrics
+        if m.port is None or self.local_rank != 0 or os.environ.get(Var.METRICS_BY_AGENT):
+            return
+        log = self.events.path if self.events is not None else None
+        if log is None:
+            return
+        from resilient.metrics.exporter import Exporter, RunMetrics
+
+        ex = Exporter(RunMetrics(log, run_id=self.run_id, refresh_s=m.refresh_s), m.port, m.addr)
+        if ex.start():
+            w.on_close.append(ex.close)
 
     def _all_hold(self, name: str, value: str, timeout: float) -> bool:
         """Whether every rank holds ``value``: each counts itself under its value, then under the
@@ -339,6 +373,18 @@ class EngineCore:
             origin_latency_s=primary.latency_s,
             local=local,
         )
+
+    def _fault_report(self, rec: FaultRecord, *, tb: str | None = None, stacks: str | None = None) -> None:
+        """What the rank a fault happened to saw: its traceback, or (a hang) every thread's stack,
+        where the main thread was, and how many collectives the group had issued."""
+        from resilient.runtime.collective_check import _seq
+
+        where, in_collective = main_thread_where()
+        self._ev.emit(
+            Event.FAULT_REPORT, generation=rec.generation, step=rec.step, kind=rec.kind,
+            signature=rec.signature, message=rec.message, where=where, in_collective=in_collective,
+            collectives_issued=_seq(), traceback=tb, stacks=stacks, log=False,
+        )  # fmt: skip
 
     def _check_health(self, gen: int, step: int | None) -> None:
         """The built-in and the caller's checks; a failure is told to the launcher's agent (a node
@@ -514,6 +560,16 @@ class EngineCore:
         self.cost.steps += 1
         self.cost.snapshots += capture_s is not None
         self.cost.hook_s += self.clock() - now
+        last = self._progress_at
+        if last is None or now - last[0] >= self.cfg.events.progress_s:
+            self._progress_at = (now, self.cost.steps)
+            self._ev.emit(
+                Event.PROGRESS, generation=self.generation, step=step, first=last is None,
+                steps_completed=self.cost.steps,
+                step_s=None if last is None else (now - last[0]) / max(1, self.cost.steps - last[1]),
+                runtime_ms_per_step=1e3 * self.cost.hook_s / self.cost.steps,
+                snapshot_interval=self.schedule.interval, log=False,
+            )  # fmt: skip
         if self._resume_pending:
             self._resume_pending = False
             self._ev.emit(

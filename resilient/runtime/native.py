@@ -43,7 +43,7 @@ from resilient.events import Event
 from resilient.launch_env import LaunchEnv
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime import resume
-from resilient.runtime.core import EngineCore, Wiring, common_restore_step, main_thread_where
+from resilient.runtime.core import EngineCore, Wiring, all_stacks, common_restore_step, main_thread_where
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.health import Check
 from resilient.runtime.hooks import StepHook
@@ -273,11 +273,14 @@ class NativeEngine(EngineCore):
         rec: FaultRecord | None = None
         if exc is not None:
             rec = FaultRecord.from_exception(exc, rank=self.rank, generation=gen, step=step)
+            tb = "".join(traceback.format_exception(exc))
             # The traceback pins the failed generation's frames, and through them its model, DDP
             # reducer and process group, in a reference cycle. Left to a random GC pass (or to
             # interpreter exit, where gloo's destructors abort the process), they must go now.
             traceback.clear_frames(exc.__traceback__)
             primary = self.coord.post_fault(rec)
+            if primary.rank == self.rank and primary.kind == rec.kind:  # this rank's own fault
+                self._fault_report(rec, tb=tb)
         else:  # we had returned; a peer faulted before everyone finished
             found = self.coord.primary_fault(gen)
             if found is None:
@@ -605,6 +608,7 @@ class NativeEngine(EngineCore):
             latency_s=idle_s,
         )
         self.coord.post_fault(rec, store=self.monitor_store)
+        self._fault_report(rec, stacks=all_stacks())  # (before the interrupt moves the main thread)
         group = self.group
         if group is not None and group.generation == generation:
             group.abort()

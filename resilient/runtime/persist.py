@@ -238,6 +238,8 @@ class Persistence:
     def _done(self, step: int, fut: Any) -> None:
         if fut.exception() is None:  # writer thread: only record the time here
             self._write_s = time.monotonic() - self._save_started.pop(step, time.monotonic())
+            self.events.emit(Event.CHECKPOINT_DURABLE, generation=-1, step=step, write_s=self._write_s,
+                             nbytes=self.ckpt.last_nbytes, log=False)  # fmt: skip
 
     def _plan_next(self, step: int, faults_seen: int) -> None:
         if isinstance(self.cfg.interval, int):

@@ -1,0 +1,333 @@
+"""Goodput accounting by cause, from a run's event log alone.
+
+Every second of a run's wall time (its first launch to its last record) is given to exactly one
+cause, the highest in this order among those that claim it:
+
+====================  ==========================================================================
+``detection``         a fault happened, no one has noticed yet (a hang's timeout, a heartbeat's)
+``relaunch``          noticed; the whole group is restarted and has not stepped again yet
+``replacement``       noticed; one dead rank is replaced, until every rank has stepped again
+``recovery``          noticed; recovered in-process, until every rank has stepped again
+``startup``           the first launch, until every rank has completed its first step
+``checkpoint``        a step blocked in a checkpoint save (its copy)
+``rerun``             a step done again after a restore, and the part of a step a fault threw away
+``productive``        a step completed for the first time
+``other``             nothing above (after the last step, until the processes report their end)
+====================  ==========================================================================
+
+Steps are exact with ``events.steps: true`` (one record per rank per step); otherwise they come
+from the ``progress`` records (every ``events.progress_s``) and the fault records, and a stretch
+between two of them is split between re-run and new steps in proportion to their counts.
+
+A *fault* here is an incident: the first signal (a rank's ``fault_detected``, the agent's
+``worker_died`` or ``heartbeat_missed``) opens it, and it lasts until every rank has completed a
+step in a new generation or process. Later signals before that (peers noticing the same death, a
+double fault) belong to it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+CAUSES = (
+    "detection",
+    "relaunch",
+    "replacement",
+    "recovery",
+    "startup",
+    "checkpoint",
+    "rerun",
+    "productive",
+)  # by priority: a moment claimed by several causes is the first's
+OTHER = "other"
+MODE_CAUSE = {
+    "relaunch": "relaunch",
+    "replacement": "replacement",
+    "in_process": "recovery",
+    "failed": "recovery",
+}
+_STEPPING = {"step_completed", "progress", "step_resumed"}
+_SIGNALS = {"fault_detected", "worker_died", "heartbeat_missed"}
+
+
+@dataclass
+class Incident:
+    """One fault, from its first signal until every rank stepped again (``end``; None: never)."""
+
+    start: float  # when it happened: the origin's clock (a hang: its last progress)
+    detected: float  # when someone first noticed
+    end: float | None
+    kind: str
+    rank: int | None  # the rank it happened to
+    step: int | None
+    host: str | None
+    pid: int | None
+    noticed_by: str  # "rank N" or "agent"
+    signature: str
+    mode: str = "in_process"  # in_process | replacement | relaunch | failed
+    agent_cause: bool = False  # the cause is the agent's record of a dead or silent worker
+    steps_rerun: int | None = None
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def detect_s(self) -> float:
+        return max(0.0, self.detected - self.start)
+
+    @property
+    def recover_s(self) -> float | None:
+        return None if self.end is None else max(0.0, self.end - self.detected)
+
+
+@dataclass
+class Accounting:
+    start: float
+    end: float
+    seconds: dict[str, float]  # by cause, ``other`` included; they add up to ``wall_s``
+    incidents: list[Incident]
+    steps: int  # the highest step any rank completed, plus one
+    segments: list[tuple[float, float, str]]  # the timeline: (from, to, cause), in order
+    exact_steps: bool  # True: from step_completed records; False: from progress records
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def goodput(self) -> float | None:
+        return self.seconds["productive"] / self.wall_s if self.wall_s > 0 else None
+
+    def table(self) -> list[tuple[str, float, float]]:
+        """(cause, seconds, share of wall time), every cause in priority order, ``other`` last."""
+        wall = self.wall_s or 1.0
+        return [(c, self.seconds[c], self.seconds[c] / wall) for c in (*CAUSES, OTHER)]
+
+
+def _signal(e: dict[str, Any]) -> tuple[float, float, str, int | None, int | None, str, str, int | None]:
+    """(origin ts, noticed ts, kind, rank, step, noticed by, signature, pid) of a fault signal."""
+    ts = float(e["ts"])
+    if e["event"] == "fault_detected":
+        # (a hang is posted when its timeout expires: it began origin_latency_s before)
+        origin = float(e.get("origin_ts") or ts) - float(e.get("origin_latency_s") or 0.0)
+        return (
+            min(origin, ts),
+            ts,
+            str(e.get("kind")),
+            e.get("origin_rank"),
+            e.get("origin_step"),
+            f"rank {e['rank']}",
+            str(e.get("signature") or e.get("kind")),
+            None,
+        )
+    if e["event"] == "heartbeat_missed":
+        silent = float(e.get("silent_s") or 0.0)
+        return (
+            ts - silent,
+            ts,
+            "no_heartbeat",
+            e.get("global_rank"),
+            e.get("last_step"),
+            "agent",
+            f"no heartbeat for {silent:.1f} s",
+            e.get("pid"),
+        )
+    cause = str(e.get("cause") or "died")
+    kind = "kernel_oom" if "OOM-killed" in cause else "killed" if "killed by" in cause else "exited"
+    return ts, ts, kind, e.get("global_rank"), None, "agent", cause, e.get("pid")
+
+
+def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accounting:
+    """Account ``events`` (one run, any order); ``now``: the end of a run still going."""
+    evs = sorted((e for e in events if isinstance(e.get("ts"), int | float)), key=lambda e: e["ts"])
+    if not evs:
+        t = now or 0.0
+        return Accounting(t, t, dict.fromkeys((*CAUSES, OTHER), 0.0), [], 0, [], False)
+    starts = [e["ts"] for e in evs if e["event"] in ("workers_started", "run_started")]
+    t0 = min(starts) if starts else evs[0]["ts"]
+    t1 = max(now or 0.0, evs[-1]["ts"])
+    exact = any(e["event"] == "step_completed" for e in evs)
+    world = max((int(e.get("world_size") or 0) for e in evs if e["event"] == "run_started"), default=0)
+    incidents = _incidents(evs, world)
+    claims: list[tuple[float, float, str]] = []
+    for inc in incidents:
+        claims.append((inc.start, inc.detected, "detection"))
+        claims.append((inc.detected, inc.end if inc.end is not None else t1, MODE_CAUSE[inc.mode]))
+    first = _first_steps(evs, world)
+    if first is not None:
+        claims.append((t0, first, "startup"))
+    for e in evs:
+        if e["event"] == "checkpoint_saved" and e.get("block_s"):
+            claims.append((e["ts"] - float(e["block_s"]), e["ts"], "checkpoint"))
+    top = 0
+    claims += _steps(evs, incidents, exact)
+    for e in evs:
+        stepped = e["event"] in _STEPPING or e["event"] == "run_finished"
+        if stepped and isinstance(e.get("step"), int) and e.get("rank", -1) >= 0:
+            top = max(top, e["step"] + 1)
+    seconds, segments = _paint(claims, t0, t1)
+    return Accounting(t0, t1, seconds, incidents, top, segments, exact)
+
+
+def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
+    out: list[Incident] = []
+    key: dict[int, tuple[Any, Any]] = {}  # rank -> (pid, generation) of its latest step record
+    open_: Incident | None = None
+    waiting: dict[int, tuple[Any, Any] | None] = {}  # rank -> the key it must leave to count as resumed
+    for e in evs:
+        ev, rank = e["event"], e.get("rank", -1)
+        if open_ is not None:
+            open_.records.append(e)
+            if ev == "rank_replaced" and open_.mode == "in_process":
+                open_.mode = "replacement"
+            elif ev in ("relaunched", "group_stopped"):
+                open_.mode = "relaunch"
+            elif ev == "state_restored" and e.get("steps_rerun") is not None:
+                open_.steps_rerun = max(open_.steps_rerun or 0, int(e["steps_rerun"]))
+            elif ev == "state_restored" and open_.step is not None and isinstance(e.get("step"), int):
+                open_.steps_rerun = max(open_.steps_rerun or 0, open_.step - e["step"])
+            elif ev == "rank_replaced" and open_.step is None:
+                open_.step = e.get("last_step")
+        if ev in _STEPPING and isinstance(rank, int) and rank >= 0:
+            k = (e.get("pid"), e.get("generation"))
+            if open_ is not None and rank in waiting and waiting[rank] != k and e["ts"] > open_.detected:
+                del waiting[rank]
+                if not waiting:
+                    open_.end = e["ts"]
+                    out.append(open_)
+                    open_ = None
+            key[rank] = k
+        elif ev in _SIGNALS and open_ is None:
+            origin, noticed, kind, frank, fstep, by, sig, pid = _signal(e)
+            own = ev != "fault_detected" or e.get("rank") == e.get("origin_rank")
+            open_ = Incident(
+                start=origin,
+                detected=noticed,
+                end=None,
+                kind=kind,
+                rank=frank,
+                step=fstep,
+                host=e.get("host") if own else None,
+                pid=pid,
+                noticed_by=by,
+                signature=sig,
+                records=[e],
+                agent_cause=ev != "fault_detected",
+            )
+            ranks = set(key) | set(range(world))
+            waiting = {r: key.get(r) for r in ranks}
+        elif ev in _SIGNALS and open_ is not None:
+            origin, noticed, kind, frank, fstep, _by, sig, pid = _signal(e)
+            open_.start, open_.detected = min(open_.start, origin), min(open_.detected, noticed)
+            if ev != "fault_detected" and not open_.agent_cause:
+                # a dead or silent worker explains what its peers saw (a broken collective)
+                open_.kind, open_.rank, open_.signature, open_.pid = kind, frank, sig, pid
+                open_.host = e.get("host")
+                open_.step = fstep if fstep is not None else open_.step
+                open_.agent_cause = True
+        elif ev == "run_failed" and open_ is not None:
+            open_.mode = "failed"
+    if open_ is not None:
+        if open_.mode != "failed" and any(r["event"] == "run_failed" for r in open_.records):
+            open_.mode = "failed"
+        out.append(open_)
+    return out
+
+
+def _first_steps(evs: Sequence[dict[str, Any]], world: int) -> float | None:
+    """When every rank of the first launch had completed a step."""
+    seen: dict[int, float] = {}
+    for e in evs:
+        r = e.get("rank", -1)
+        if e["event"] in _STEPPING and isinstance(r, int) and r >= 0 and r not in seen:
+            seen[r] = e["ts"]
+            if len(seen) >= max(1, world):
+                return max(seen.values())
+    return max(seen.values()) if seen else None
+
+
+def _steps(
+    evs: Sequence[dict[str, Any]], incidents: Sequence[Incident], exact: bool
+) -> list[tuple[float, float, str]]:
+    """Each rank's stretches between two step samples, as productive or re-run."""
+    samples: dict[int, list[tuple[float, float, Any]]] = {}  # rank -> (ts, completed step, process key)
+    kinds = {"step_completed"} if exact else {"progress", "step_resumed"}
+    for e in evs:
+        r = e.get("rank", -1)
+        if (e["event"] in kinds and isinstance(r, int) and r >= 0 and isinstance(e.get("step"), int)) or (
+            not exact
+            and e["event"] == "run_finished"
+            and isinstance(r, int)
+            and r >= 0
+            and isinstance(e.get("step"), int)
+        ):
+            samples.setdefault(r, []).append((e["ts"], e["step"], (e.get("pid"), e.get("generation"))))
+    for ss in samples.values():  # the step a fault interrupted: up to the fault, the work is lost
+        cut = []
+        for inc in incidents:
+            before = [s for s in ss if s[0] <= inc.start]
+            if before:
+                last = before[-1]
+                at = last[1] if inc.step is None else max(last[1], inc.step - 1)
+                cut.append((inc.start, at, last[2]))
+        ss += cut
+    claims: list[tuple[float, float, str]] = []
+    for ss in samples.values():
+        ss.sort(key=lambda s: s[0])
+        done = -1.0
+        for (ta, sa, ka), (tb, sb, kb) in itertools.pairwise(ss):
+            if ka != kb:  # a new process or generation: its first step belongs to the recovery
+                done = max(done, sa)
+                continue
+            n = sb - sa
+            new = max(0.0, sb - max(done, sa))
+            if n <= 0 or new <= 0:
+                claims.append((ta, tb, "rerun"))
+            elif new >= n:
+                claims.append((ta, tb, "productive"))
+            else:  # the re-run steps come first
+                split = ta + (tb - ta) * (n - new) / n
+                claims += [(ta, split, "rerun"), (split, tb, "productive")]
+            done = max(done, sb)
+    return claims
+
+
+def _paint(
+    claims: list[tuple[float, float, str]], t0: float, t1: float
+) -> tuple[dict[str, float], list[tuple[float, float, str]]]:
+    """Give each moment of [t0, t1] to the highest-priority claim on it (a sweep over boundaries)."""
+    prio = {c: i for i, c in enumerate(CAUSES)}
+    bounds: list[tuple[float, int, int]] = []
+    for a, b, c in claims:
+        a, b = max(a, t0), min(b, t1)
+        if b > a:
+            bounds += [(a, 1, prio[c]), (b, -1, prio[c])]
+    bounds.sort()
+    active = [0] * len(CAUSES)
+    heap: list[int] = []
+    seconds = dict.fromkeys((*CAUSES, OTHER), 0.0)
+    segments: list[tuple[float, float, str]] = []
+    t = t0
+    i = 0
+    while i <= len(bounds):
+        nxt = bounds[i][0] if i < len(bounds) else t1
+        while heap and active[heap[0]] == 0:
+            heapq.heappop(heap)
+        cause = CAUSES[heap[0]] if heap else OTHER
+        if nxt > t:
+            seconds[cause] += nxt - t
+            if segments and segments[-1][2] == cause and segments[-1][1] == t:
+                segments[-1] = (segments[-1][0], nxt, cause)
+            else:
+                segments.append((t, nxt, cause))
+            t = nxt
+        if i == len(bounds):
+            break
+        _, d, p = bounds[i]
+        active[p] += d
+        if d > 0:
+            heapq.heappush(heap, p)
+        i += 1
+    return seconds, segments

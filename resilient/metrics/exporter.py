@@ -1,0 +1,449 @@
+"""Prometheus metrics of one run, served over HTTP by the launcher's agent (``--metrics-port``) or,
+under plain torchrun, by local rank 0 (``metrics.port`` in the config).
+
+The metrics are computed from the run's event log and the workers' heartbeat files, the same
+sources ``resilient events``, ``resilient report`` and the certificate read: a counter here is a
+count of records there, so what Prometheus shows can be checked against the log. A thread tails
+the log (reading only what was appended) and recomputes the model at most every ``refresh_s``;
+a scrape serves the last model plus the heartbeats read at that moment. The training processes do
+nothing for it under the launcher: the agent reads what they already write.
+
+Nothing here may stop training: a taken port, a log that cannot be read, an error while a scrape
+is answered — each is one warning, and the run goes on without (that part of) its metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from resilient.metrics.accounting import CAUSES, OTHER, Accounting, account
+
+DETECT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+RECOVER_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+BLOCK_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+DURABLE_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+
+
+class LogTail:
+    """One events.jsonl file, read incrementally (a line still being written waits for the next poll)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pos = 0
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._pos)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self._pos += end
+        out = []
+        for line in chunk[:end].splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if isinstance(rec, dict):
+                    out.append(rec)
+        return out
+
+
+@dataclass
+class Model:
+    """What one refresh computed from the log."""
+
+    accounting: Accounting | None = None
+    run_id: str = ""
+    state: str = "starting"  # starting | running | recovering | finished | failed
+    generation: int = 0
+    steps: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (step, ts)
+    step_s: dict[int, float] = field(default_factory=dict)
+    runtime_s_per_step: dict[int, float] = field(default_factory=dict)
+    checkpoints: dict[str, int] = field(default_factory=dict)  # saved / failed / rejected
+    block_s: list[float] = field(default_factory=list)
+    durable_s: list[float] = field(default_factory=list)
+    checkpoint_bytes: int = 0
+    budget: dict[str, float] = field(default_factory=dict)  # scope -> restarts left
+
+
+def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = None) -> Model:
+    m = Model(run_id=run_id)
+    acc = account(events, now=now if not _ended(events) else None)
+    m.accounting = acc
+    max_restarts, window = None, None
+    for e in events:
+        ev, r = e.get("event"), e.get("rank", -1)
+        m.generation = max(m.generation, int(e.get("generation") or 0))
+        if ev in ("progress", "step_completed", "step_resumed") and isinstance(r, int) and r >= 0:
+            if isinstance(e.get("step"), int):
+                m.steps[r] = (e["step"], e["ts"])
+            if ev == "progress":
+                if e.get("step_s") is not None:
+                    m.step_s[r] = float(e["step_s"])
+                if e.get("runtime_ms_per_step") is not None:
+                    m.runtime_s_per_step[r] = float(e["runtime_ms_per_step"]) / 1e3
+            elif ev == "step_completed" and e.get("step_s") is not None:
+                m.step_s[r] = float(e["step_s"])
+        elif ev == "checkpoint_saved" and not e.get("final"):
+            m.checkpoints["saved"] = m.checkpoints.get("saved", 0) + 1
+            if e.get("block_s") is not None:
+                m.block_s.append(float(e["block_s"]))
+        elif ev == "checkpoint_durable":
+            m.durable_s.append(float(e.get("write_s") or 0.0))
+            m.checkpoint_bytes = int(e.get("nbytes") or 0)
+        elif ev == "checkpoint_failed":
+            m.checkpoints["failed"] = m.checkpoints.get("failed", 0) + 1
+        elif ev == "checkpoint_rejected":
+            m.checkpoints["rejected"] = m.checkpoints.get("rejected", 0) + 1
+        elif ev == "run_started":
+            max_restarts, window = e.get("max_restarts"), e.get("restart_window_s")
+        elif ev in ("workers_started", "rank_replaced") and e.get("restarts_left") is not None:
+            m.budget["launcher"] = float(e["restarts_left"])
+    incidents = acc.incidents
+    if max_restarts is not None:
+        t = now if now is not None else acc.end
+        recent = [
+            i for i in incidents if i.mode == "in_process" and (window is None or t - i.start <= window)
+        ]
+        m.budget["in_process"] = float(max(0, int(max_restarts) - len(recent)))
+    if any(e.get("event") == "run_failed" for e in events) or any(i.mode == "failed" for i in incidents):
+        m.state = "failed"
+    elif _ended(events):
+        m.state = "finished"
+    elif incidents and incidents[-1].end is None:
+        m.state = "recovering"
+    elif m.steps:
+        m.state = "running"
+    return m
+
+
+def _ended(events: list[dict[str, Any]]) -> bool:
+    return any(e.get("event") in ("run_finished", "run_preempted") for e in events)
+
+
+class RunMetrics:
+    """Everything the endpoint serves for one run: the log's model and the live heartbeats."""
+
+    def __init__(
+        self,
+        log: Path,
+        *,
+        run_id: str,
+        heartbeat_dir: Path | None = None,
+        global_ranks: Callable[[], dict[int, int]] | None = None,
+        refresh_s: float = 5.0,
+    ) -> None:
+        self.tail = LogTail(log)
+        self.run_id = run_id
+        self.heartbeat_dir = heartbeat_dir
+        self.global_ranks = global_ranks  # local rank -> global rank, from the agent
+        self.refresh_s = refresh_s
+        self.events: list[dict[str, Any]] = []
+        self.model = Model(run_id=run_id)
+        self._lock = threading.Lock()
+        self._dirty = False
+        self._computed = 0.0
+        self._warned: set[str] = set()
+
+    def warn_once(self, what: str, msg: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(f"metrics: {msg}; training is not affected")
+
+    def poll(self, force: bool = False) -> None:
+        """Read what the log gained; recompute when it changed and ``refresh_s`` passed (or ``force``)."""
+        new = self.tail.poll()
+        self.events += new
+        self._dirty |= bool(new)
+        now = time.monotonic()
+        if self._dirty and (force or now - self._computed >= self.refresh_s):
+            model = build_model(self.events, self.run_id, now=time.time())
+            with self._lock:
+                self.model = model
+            self._dirty, self._computed = False, now
+
+    def heartbeats(self) -> dict[int, tuple[float, int, int]]:
+        """local rank -> (age s, step, generation) of each worker's last beat."""
+        if self.heartbeat_dir is None:
+            return {}
+        from resilient.launcher.heartbeat import read_beat
+
+        out = {}
+        for p in sorted(self.heartbeat_dir.glob("rank*.hb")):
+            with contextlib.suppress(ValueError, OSError):
+                b = read_beat(p)
+                if b is not None:
+                    out[int(p.stem[4:])] = (b.age_s, b.step, b.generation)
+        return out
+
+    # -- a scrape -----------------------------------------------------------------------------
+    def collect(self) -> Iterator[Any]:
+        try:
+            yield from self._collect()
+        except Exception as e:  # a scrape mid-restart must not take the exporter down
+            self.warn_once("collect", f"a scrape failed ({type(e).__name__}: {e})")
+
+    def _collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+            InfoMetricFamily,
+        )
+
+        with self._lock:
+            m = self.model
+        acc = m.accounting
+        run = {"run_id": self.run_id}
+        labels = list(run)
+        state = GaugeMetricFamily(
+            "resilient_run_state", "1 for the run's current state", labels=[*labels, "state"]
+        )
+        for s in ("starting", "running", "recovering", "finished", "failed"):
+            state.add_metric([self.run_id, s], float(m.state == s))
+        yield state
+        yield _gauge(
+            "resilient_generation", "the newest generation (in-process restarts so far)", run, m.generation
+        )
+        incidents = acc.incidents if acc is not None else []
+        faults = CounterMetricFamily(
+            "resilient_faults", "faults (incidents) by kind and rank", labels=[*labels, "kind", "rank"]
+        )
+        by: dict[tuple[str, str], int] = {}
+        for i in incidents:
+            k = (i.kind, str(i.rank))
+            by[k] = by.get(k, 0) + 1
+        for (kind, rank), n in sorted(by.items()):
+            faults.add_metric([self.run_id, kind, rank], n)
+        yield faults
+        restarts = CounterMetricFamily(
+            "resilient_restarts",
+            "recovered faults by how: in_process, replacement (one rank), relaunch (the group)",
+            labels=[*labels, "mode"],
+        )
+        for mode in ("in_process", "replacement", "relaunch"):
+            restarts.add_metric(
+                [self.run_id, mode], sum(i.mode == mode and i.end is not None for i in incidents)
+            )
+        yield restarts
+        yield _histogram(
+            HistogramMetricFamily,
+            "resilient_detection_seconds",
+            "fault to first noticed",
+            run,
+            [i.detect_s for i in incidents],
+            DETECT_BUCKETS,
+        )
+        rec = HistogramMetricFamily(
+            "resilient_recovery_seconds", "noticed to every rank stepping again", labels=[*labels, "mode"]
+        )
+        for mode in ("in_process", "replacement", "relaunch"):
+            vals = [i.recover_s for i in incidents if i.mode == mode and i.recover_s is not None]
+            buckets, total = _buckets(vals, RECOVER_BUCKETS)
+            rec.add_metric([self.run_id, mode], buckets, total)
+        yield rec
+        rerun = sum(i.steps_rerun or 0 for i in incidents)
+        yield _counter("resilient_steps_rerun", "steps done again after restores", run, rerun)
+        t = CounterMetricFamily(
+            "resilient_time_seconds", "wall time by cause (goodput accounting)", labels=[*labels, "cause"]
+        )
+        for c in (*CAUSES, OTHER):
+            t.add_metric([self.run_id, c], acc.seconds[c] if acc is not None else 0.0)
+        yield t
+        if acc is not None and acc.goodput is not None:
+            yield _gauge("resilient_goodput_ratio", "productive step time / wall time", run, acc.goodput)
+        if incidents:
+            last = incidents[-1]
+            info = InfoMetricFamily("resilient_last_fault", "the newest fault", labels=labels)
+            info.add_metric(
+                [self.run_id],
+                {
+                    "kind": last.kind,
+                    "rank": str(last.rank),
+                    "host": str(last.host or ""),
+                    "step": str(last.step),
+                    "noticed_by": last.noticed_by,
+                    "mode": last.mode,
+                    "signature": last.signature[:200],
+                },
+            )
+            yield info
+            yield _gauge(
+                "resilient_last_fault_timestamp_seconds", "when the newest fault happened", run, last.start
+            )
+        ck = CounterMetricFamily(
+            "resilient_checkpoints", "checkpoint saves by outcome (per rank)", labels=[*labels, "outcome"]
+        )
+        for o in ("saved", "failed", "rejected"):
+            ck.add_metric([self.run_id, o], m.checkpoints.get(o, 0))
+        yield ck
+        yield _histogram(
+            HistogramMetricFamily,
+            "resilient_checkpoint_blocking_seconds",
+            "time a step waited for a checkpoint save",
+            run,
+            m.block_s,
+            BLOCK_BUCKETS,
+        )
+        yield _histogram(
+            HistogramMetricFamily,
+            "resilient_checkpoint_durable_seconds",
+            "a rank's part of a checkpoint: save started to written",
+            run,
+            m.durable_s,
+            DURABLE_BUCKETS,
+        )
+        yield _gauge(
+            "resilient_checkpoint_bytes", "tensor bytes of a rank's last checkpoint", run, m.checkpoint_bytes
+        )
+        for scope, left in sorted(m.budget.items()):
+            yield _gauge(
+                "resilient_restart_budget_remaining",
+                "restarts left before the run gives up",
+                {**run, "scope": scope},
+                left,
+            )
+        step = GaugeMetricFamily("resilient_step", "the newest completed step", labels=[*labels, "rank"])
+        step_ts = GaugeMetricFamily(
+            "resilient_last_step_timestamp_seconds",
+            "when a rank last reported progress",
+            labels=[*labels, "rank"],
+        )
+        steps = dict(m.steps)
+        beats = self.heartbeats()
+        g = self.global_ranks() if self.global_ranks is not None else {}
+        now = time.time()
+        for local, (age, beat_step, _gen) in beats.items():
+            r = g.get(local, local)
+            if r not in steps or beat_step >= steps[r][0]:
+                steps[r] = (beat_step, now - age)
+        for r, (n, ts) in sorted(steps.items()):
+            step.add_metric([self.run_id, str(r)], n)
+            step_ts.add_metric([self.run_id, str(r)], ts)
+        yield step
+        yield step_ts
+        st = GaugeMetricFamily("resilient_step_seconds", "recent step time", labels=[*labels, "rank"])
+        for r, v in sorted(m.step_s.items()):
+            st.add_metric([self.run_id, str(r)], v)
+        yield st
+        ov = GaugeMetricFamily(
+            "resilient_runtime_seconds_per_step",
+            "the runtime's own time per step (snapshots, checks)",
+            labels=[*labels, "rank"],
+        )
+        for r, v in sorted(m.runtime_s_per_step.items()):
+            ov.add_metric([self.run_id, str(r)], v)
+        yield ov
+        hb = GaugeMetricFamily(
+            "resilient_heartbeat_age_seconds",
+            "since a worker's last heartbeat",
+            labels=[*labels, "rank", "local_rank"],
+        )
+        for local, (age, _s, _gen) in sorted(beats.items()):
+            hb.add_metric([self.run_id, str(g.get(local, local)), str(local)], age)
+        yield hb
+
+
+def _gauge(name: str, doc: str, labels: dict[str, str], value: float) -> Any:
+    from prometheus_client.core import GaugeMetricFamily
+
+    f = GaugeMetricFamily(name, doc, labels=list(labels))
+    f.add_metric(list(labels.values()), value)
+    return f
+
+
+def _counter(name: str, doc: str, labels: dict[str, str], value: float) -> Any:
+    from prometheus_client.core import CounterMetricFamily
+
+    f = CounterMetricFamily(name, doc, labels=list(labels))
+    f.add_metric(list(labels.values()), value)
+    return f
+
+
+def _buckets(values: list[float], bounds: tuple[float, ...]) -> tuple[list[tuple[str, float]], float]:
+    out = [(repr(float(b)), float(sum(v <= b for v in values))) for b in bounds]
+    out.append(("+Inf", float(len(values))))
+    return out, float(sum(values))
+
+
+def _histogram(
+    cls: Any, name: str, doc: str, labels: dict[str, str], values: list[float], bounds: tuple[float, ...]
+) -> Any:
+    f = cls(name, doc, labels=list(labels))
+    b, s = _buckets(values, bounds)
+    f.add_metric(list(labels.values()), b, s)
+    return f
+
+
+class Exporter:
+    """Serves :class:`RunMetrics` on ``addr:port`` and keeps it fed from a thread."""
+
+    def __init__(self, metrics: RunMetrics, port: int, addr: str = "0.0.0.0", poll_s: float = 1.0) -> None:
+        self.metrics, self.port, self.addr, self.poll_s = metrics, port, addr, poll_s
+        self._stop = threading.Event()
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> bool:
+        """Serve; False (and one warning) where the endpoint cannot be had. Training goes on."""
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+        except ImportError:
+            self.metrics.warn_once(
+                "import",
+                "prometheus_client is not installed (pip install 'resilient[metrics]'): no metrics endpoint",
+            )
+            return False
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self.metrics)
+        try:
+            served = start_http_server(self.port, addr=self.addr, registry=registry)
+        except OSError as e:
+            self.metrics.warn_once(
+                "port",
+                f"cannot serve on {self.addr}:{self.port} ({e.strerror or e}): "
+                "no metrics endpoint for this run",
+            )
+            return False
+        self._server = served[0] if isinstance(served, tuple) else None
+        if self._server is not None:
+            self.port = self._server.server_address[1]  # (port 0: the one the kernel chose)
+        self._thread = threading.Thread(target=self._run, name="resilient-metrics", daemon=True)
+        self._thread.start()
+        logger.info(f"metrics on http://{self.addr}:{self.port}/metrics")
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.metrics.poll()
+            except Exception as e:  # the log unreadable, a torn record: say so once, keep serving
+                self.metrics.warn_once(
+                    "poll", f"reading {self.metrics.tail.path} failed ({type(e).__name__}: {e})"
+                )
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop; with ``linger_s``, serve the final figures that long first (the last scrape)."""
+        if self._thread is None:
+            return
+        with contextlib.suppress(Exception):
+            self.metrics.poll(force=True)
+        if linger_s > 0:
+            time.sleep(linger_s)
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                self._server.shutdown()
+                self._server.server_close()
+        self._thread = None

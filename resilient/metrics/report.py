@@ -1,0 +1,213 @@
+"""``resilient report``, ``resilient status`` and the fault blocks of ``resilient events --faults``:
+what the event log says about a run, for a person."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from resilient.events import read_events
+from resilient.metrics.accounting import CAUSES, OTHER, Accounting, Incident, account
+
+COLORS = {
+    "productive": "#2ca02c",
+    "rerun": "#ff7f0e",
+    "checkpoint": "#9467bd",
+    "startup": "#7f7f7f",
+    "detection": "#d62728",
+    "recovery": "#1f77b4",
+    "replacement": "#17becf",
+    "relaunch": "#8c564b",
+    OTHER: "#dddddd",
+}
+
+
+def find_log(path: str | Path) -> Path | None:
+    """``path`` as an event log: the file itself, ``<run dir>/events.jsonl``, or the newest run's
+    log under an events directory (``resilient_runs``)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    if (p / "events.jsonl").is_file():
+        return p / "events.jsonl"
+    logs = sorted(p.glob("*/events.jsonl"), key=lambda f: f.stat().st_mtime) if p.is_dir() else []
+    return logs[-1] if logs else None
+
+
+def _clock(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%H:%M:%S.%f")[:-3]
+
+
+def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) -> list[str]:
+    """One human-readable block per fault: where, what, who noticed, how it ended, and what the
+    faulty rank (or the agent, for a silent one) saw: its traceback or every thread's stack."""
+    acc = acc or account(events)
+    reports = [e for e in events if e.get("event") == "fault_report"]
+    out = []
+    for n, inc in enumerate(acc.incidents, 1):
+        where = (
+            f"rank {inc.rank}"
+            + (f" on {inc.host}" if inc.host else "")
+            + (f", pid {inc.pid}" if inc.pid else "")
+        )
+        lines = [f"fault {n}: {inc.kind} on {where}, step {inc.step if inc.step is not None else '?'}"]
+        lines.append(
+            f"  happened   {_clock(inc.start)}; noticed by {inc.noticed_by} after {inc.detect_s:.3f} s"
+        )
+        if inc.end is not None:
+            rerun = f"; {inc.steps_rerun} steps re-run" if inc.steps_rerun is not None else ""
+            lines.append(f"  recovered  {inc.mode.replace('_', '-')} in {inc.recover_s:.3f} s{rerun}")
+        else:
+            lines.append(f"  not recovered ({inc.mode})")
+        lines.append(f"  cause      {inc.signature}")
+        rep = _report_for(inc, reports)
+        if rep is not None:
+            pid = rep.get("pid")
+            if rep.get("message"):
+                lines.append(f"  message    {rep['message']}")
+            if rep.get("where"):
+                coll = " (in a collective)" if rep.get("in_collective") else ""
+                lines.append(f"  main thread at {rep['where']}{coll}")
+            if rep.get("collectives_issued") is not None and rep["collectives_issued"] >= 0:
+                lines.append(f"  collectives issued on the group so far: {rep['collectives_issued']}")
+            for key, title in (("traceback", "traceback"), ("stacks", "stacks of every thread")):
+                if rep.get(key):
+                    src = f", by {rep['source']}" if rep.get("source") else ""
+                    lines.append(f"  {title} (pid {pid}{src}):")
+                    lines += ["    " + ln for ln in str(rep[key]).rstrip().splitlines()]
+        out.append("\n".join(lines))
+    return out
+
+
+def _report_for(inc: Incident, reports: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fault report of the incident's rank, written while it lasted."""
+    end = inc.end if inc.end is not None else float("inf")
+    for r in reports:
+        rank = r.get("global_rank", r.get("rank"))
+        if rank == inc.rank and inc.start - 1.0 <= r["ts"] <= end:
+            return r
+    return None
+
+
+def write_png(acc: Accounting, path: Path, title: str = "") -> None:
+    """A stacked bar per slice of the run's wall time: how each slice was spent, by cause."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bins = 60
+    wall = max(acc.wall_s, 1e-9)
+    width = wall / bins
+    shares = {c: [0.0] * bins for c in (*CAUSES, OTHER)}
+    for a, b, cause in acc.segments:
+        i = int((a - acc.start) / width)
+        while a < b and i < bins:
+            edge = acc.start + (i + 1) * width
+            part = min(b, edge) - a
+            shares[cause][i] += part / width
+            a, i = min(b, edge), i + 1
+    fig, ax = plt.subplots(figsize=(10, 4))
+    xs = [(i + 0.5) * width for i in range(bins)]
+    bottom = [0.0] * bins
+    for c in (
+        "productive",
+        "rerun",
+        "checkpoint",
+        "startup",
+        "detection",
+        "recovery",
+        "replacement",
+        "relaunch",
+        OTHER,
+    ):
+        if any(shares[c]):
+            ax.bar(xs, shares[c], width=width, bottom=bottom, color=COLORS[c],
+                   label=f"{c} {acc.seconds[c]:.1f} s")  # fmt: skip
+            bottom = [x + y for x, y in zip(bottom, shares[c], strict=True)]
+    for inc in acc.incidents:
+        ax.axvline(inc.start - acc.start, color="black", lw=0.6, ls=":")
+    gp = f"goodput {acc.goodput:.1%}" if acc.goodput is not None else ""
+    ax.set_title(f"{title} {gp} over {wall:.0f} s, {len(acc.incidents)} faults".strip())
+    ax.set_xlabel("seconds since the launch")
+    ax.set_ylabel("share of each slice")
+    ax.set_ylim(0, 1)
+    ax.set_xlim(0, wall)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def status_table(events: list[dict[str, Any]], beats: dict[int, tuple[float, int, int]], title: str) -> Any:
+    """The rich renderable of ``resilient status``: the run, then one row per rank."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from resilient.metrics.exporter import build_model
+
+    m = build_model(events, "", now=time.time())
+    acc = m.accounting
+    assert acc is not None
+    ranks: dict[int, dict[str, Any]] = {}
+    for e in events:
+        r = e.get("rank", -1)
+        if not isinstance(r, int) or r < 0:
+            continue
+        row = ranks.setdefault(r, {})
+        row.update(host=e.get("host", "?"), pid=e.get("pid"), seen=e["ts"], generation=e.get("generation"))
+    now = time.time()
+    gp = f"{acc.goodput:.1%}" if acc.goodput is not None else "—"
+    head = Text(
+        f"{title}\nstate {m.state}   wall {acc.wall_s:.0f} s   faults {len(acc.incidents)}   goodput {gp}   "
+        + "   ".join(f"{c} {acc.seconds[c]:.1f}s" for c in CAUSES if acc.seconds[c] > 0)
+    )
+    t = Table()
+    for col in ("rank", "host", "pid", "gen", "step", "step time", "last record", "heartbeat"):
+        t.add_column(col)
+    for r, row in sorted(ranks.items()):
+        step, _ts = m.steps.get(r, (None, None))
+        beat = beats.get(r)
+        if beat is not None and (step is None or beat[1] >= step):
+            step = beat[1]
+        st = m.step_s.get(r)
+        t.add_row(
+            str(r), str(row["host"]), str(row["pid"]), str(row["generation"]),
+            "—" if step is None else str(step),
+            "—" if st is None else f"{1e3 * st:.1f} ms",
+            f"{now - row['seen']:.1f} s ago",
+            "—" if beat is None else f"{beat[0]:.1f} s",
+        )  # fmt: skip
+    last = acc.incidents[-1] if acc.incidents else None
+    tail = Text(
+        f"last fault: {last.kind} on rank {last.rank} at step {last.step}, {last.mode}"
+        + (f" in {last.recover_s:.2f} s" if last.recover_s is not None else " (recovering)")
+        if last
+        else "no faults"
+    )
+    return Group(head, t, tail)
+
+
+def heartbeats(run_id: str) -> dict[int, tuple[float, int, int]]:
+    """This node's heartbeats of ``run_id`` (under ``resilient launch``): local rank -> (age, step, gen)."""
+    from resilient.launcher.heartbeat import read_beat
+
+    out: dict[int, tuple[float, int, int]] = {}
+    for d in Path("/dev/shm").glob(f"resilient-hb-{run_id}-*"):
+        for p in d.glob("rank*.hb"):
+            try:
+                b = read_beat(p)
+            except (OSError, ValueError):
+                continue
+            if b is not None:
+                out[int(p.stem[4:])] = (b.age_s, b.step, b.generation)
+    return out
+
+
+def load(log: Path) -> list[dict[str, Any]]:
+    return read_events(log)
