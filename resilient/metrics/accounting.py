@@ -210,7 +210,7 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
                 rank=frank,
                 step=fstep,
                 host=e.get("host") if own else None,
-                pid=pid,
+                pid=pid if not own or pid is not None else e.get("pid"),
                 noticed_by=by,
                 signature=sig,
                 records=[e],
@@ -221,6 +221,8 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
         elif ev in _SIGNALS and open_ is not None:
             origin, noticed, kind, frank, fstep, _by, sig, pid = _signal(e)
             open_.start, open_.detected = min(open_.start, origin), min(open_.detected, noticed)
+            if ev == "fault_detected" and open_.host is None and rank == open_.rank:
+                open_.host, open_.pid = e.get("host"), e.get("pid")  # the origin's own record
             if ev != "fault_detected" and not open_.agent_cause:
                 # a dead or silent worker explains what its peers saw (a broken collective)
                 open_.kind, open_.rank, open_.signature, open_.pid = kind, frank, sig, pid

@@ -111,7 +111,7 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
             m.budget["launcher"] = float(e["restarts_left"])
     incidents = acc.incidents
     if max_restarts is not None:
-        t = now if now is not None else acc.end
+        t = acc.end
         recent = [
             i for i in incidents if i.mode == "in_process" and (window is None or t - i.start <= window)
         ]
@@ -254,8 +254,11 @@ class RunMetrics:
         yield rec
         rerun = sum(i.steps_rerun or 0 for i in incidents)
         yield _counter("resilient_steps_rerun", "steps done again after restores", run, rerun)
-        t = CounterMetricFamily(
-            "resilient_time_seconds", "wall time by cause (goodput accounting)", labels=[*labels, "cause"]
+        # a gauge: time is re-attributed as the log tells more (a hang's silence becomes detection)
+        t = GaugeMetricFamily(
+            "resilient_time_seconds",
+            "wall time so far by cause (goodput accounting)",
+            labels=[*labels, "cause"],
         )
         for c in (*CAUSES, OTHER):
             t.add_metric([self.run_id, c], acc.seconds[c] if acc is not None else 0.0)

@@ -1,0 +1,365 @@
+"""Goodput accounting, the Prometheus exporter and the report/status commands, on event logs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from resilient.cli import main as cli
+from resilient.metrics import CAUSES, OTHER, account
+from resilient.metrics.exporter import Exporter, LogTail, RunMetrics
+from resilient.metrics.report import fault_blocks
+
+T0 = 1_000_000.0
+
+
+def ev(t: float, event: str, rank: int = 0, **kw: Any) -> dict[str, Any]:
+    rec = {
+        "ts": T0 + t,
+        "event": event,
+        "rank": rank,
+        "pid": kw.pop("pid", 100 + rank),
+        "generation": kw.pop("generation", 0),
+        "step": kw.pop("step", None),
+        "host": "h",
+    }
+    return {**rec, **kw}
+
+
+def steps(rank: int, t0: float, first: int, last: int, dt: float, **kw: Any) -> list[dict[str, Any]]:
+    return [ev(t0 + (s - first) * dt, "step_completed", rank, step=s, **kw) for s in range(first, last + 1)]
+
+
+def in_process_run() -> list[dict[str, Any]]:
+    """2 ranks: start-up 2 s, steps 0-19 at 0.1 s, an exception on rank 1 at step 20 (t=4.0),
+    detected at once, restored to step 10, resumed at t=4.5, steps 10-39, finished."""
+    out = [ev(0, "run_started", r, world_size=2, max_restarts=3, restart_window_s=3600.0) for r in (0, 1)]
+    for r in (0, 1):
+        out += steps(r, 2.0, 0, 19, 0.1)
+        out.append(
+            ev(
+                4.0,
+                "fault_detected",
+                r,
+                step=20,
+                kind="exception",
+                origin_rank=1,
+                origin_step=20,
+                origin_ts=T0 + 4.0,
+                origin_latency_s=0.0,
+                signature="exception: ValueError",
+            )
+        )
+        out.append(ev(4.4, "state_restored", r, generation=1, step=10, steps_rerun=10))
+        out.append(ev(4.5, "step_resumed", r, generation=1, step=10))
+        out += steps(r, 4.5, 10, 39, 0.1, generation=1)
+        out.append(ev(7.4, "run_finished", r, generation=1, step=39))
+    out.append(
+        ev(4.0, "fault_report", 1, step=20, kind="exception", traceback="Traceback ...\nValueError: boom")
+    )
+    return out
+
+
+def test_every_second_has_one_cause_and_they_add_up_to_the_wall_time():
+    acc = account(in_process_run())
+    assert acc.wall_s == pytest.approx(7.4)
+    assert sum(acc.seconds.values()) == pytest.approx(acc.wall_s)
+    assert acc.seconds[OTHER] == pytest.approx(0.0, abs=1e-9)
+    assert acc.seconds["startup"] == pytest.approx(2.0)
+    assert acc.seconds["recovery"] == pytest.approx(0.5)
+    assert acc.seconds["productive"] == pytest.approx(1.9 + 2.0)  # steps 1-19, then 20-39
+    assert acc.seconds["rerun"] == pytest.approx(0.1 + 0.9)  # the interrupted step 20, then 11-19 again
+    assert acc.goodput == pytest.approx(3.9 / 7.4)
+    (inc,) = acc.incidents
+    assert (inc.kind, inc.rank, inc.step, inc.mode, inc.steps_rerun) == ("exception", 1, 20, "in_process", 10)
+    assert inc.recover_s == pytest.approx(0.5)
+
+
+def test_a_hang_is_detection_time_from_its_last_progress():
+    evs = [ev(0, "run_started", 0, world_size=1), *steps(0, 1.0, 0, 9, 0.1)]
+    # the watchdog posts the hang 2 s after the last progress (t=1.9 -> 3.9)
+    evs.append(
+        ev(
+            3.9,
+            "fault_detected",
+            0,
+            step=10,
+            kind="hang",
+            origin_rank=0,
+            origin_step=10,
+            origin_ts=T0 + 3.9,
+            origin_latency_s=2.0,
+            signature="hang: no step progress",
+        )
+    )
+    evs += [ev(4.2, "step_resumed", 0, generation=1, step=5), *steps(0, 4.3, 6, 12, 0.1, generation=1)]
+    acc = account(evs)
+    assert acc.incidents[0].detect_s == pytest.approx(2.0)
+    assert acc.seconds["detection"] == pytest.approx(2.0)
+    assert sum(acc.seconds.values()) == pytest.approx(acc.wall_s)
+
+
+def test_a_dead_worker_is_the_cause_not_the_broken_collective_its_peer_saw():
+    evs = [ev(0, "workers_started", -1, restarts_left=3)]
+    evs += [ev(0.5, "run_started", r, world_size=2) for r in (0, 1)]
+    for r in (0, 1):
+        evs += steps(r, 1.0, 0, 9, 0.1)
+    # rank 0's collective fails a moment before the agent reports rank 1's death
+    evs.append(
+        ev(
+            2.0,
+            "fault_detected",
+            0,
+            step=10,
+            kind="collective",
+            origin_rank=0,
+            origin_step=10,
+            origin_ts=T0 + 2.0,
+            signature="collective: connection reset",
+        )
+    )
+    evs.append(ev(2.05, "worker_died", -1, pid=7, global_rank=1, cause="killed by SIGKILL (not an OOM kill)"))
+    evs.append(ev(2.06, "rank_replaced", -1, global_rank=1, last_step=9, restarts_left=2))
+    evs += steps(0, 2.5, 5, 12, 0.1, generation=1)
+    evs += steps(1, 2.5, 5, 12, 0.1, generation=1, pid=555)
+    acc = account(evs)
+    (inc,) = acc.incidents
+    assert (inc.kind, inc.rank, inc.mode, inc.noticed_by) == ("killed", 1, "replacement", "rank 0")
+    assert inc.end == pytest.approx(T0 + 2.5)
+    assert acc.seconds["replacement"] == pytest.approx(0.5)
+
+
+def test_without_step_records_progress_records_split_a_stretch_by_counts():
+    evs = [ev(0, "run_started", 0, world_size=1), ev(1.0, "progress", 0, step=0, first=True)]
+    evs.append(ev(11.0, "progress", 0, step=100))
+    evs.append(
+        ev(
+            12.0,
+            "fault_detected",
+            0,
+            step=110,
+            kind="exception",
+            origin_rank=0,
+            origin_step=110,
+            origin_ts=T0 + 12.0,
+            signature="exception: X",
+        )
+    )
+    evs.append(ev(12.5, "state_restored", 0, generation=1, step=60, steps_rerun=50))
+    evs.append(ev(13.0, "step_resumed", 0, generation=1, step=60))
+    evs.append(ev(23.0, "run_finished", 0, generation=1, step=160))
+    acc = account(evs)
+    assert not acc.exact_steps
+    assert sum(acc.seconds.values()) == pytest.approx(acc.wall_s)
+    assert acc.seconds[OTHER] == pytest.approx(0.0, abs=1e-9)
+    # 13 -> 23 s: steps 61-160, of which 61-109 (49) were done before the fault
+    assert acc.seconds["rerun"] == pytest.approx(10 * 49 / 100, rel=1e-6)
+    assert acc.steps == 161
+
+
+def test_checkpoint_blocking_is_taken_out_of_the_steps():
+    evs = [ev(0, "run_started", 0, world_size=1), *steps(0, 1.0, 0, 10, 0.1)]
+    evs.append(ev(1.55, "checkpoint_saved", 0, step=5, block_s=0.05))
+    acc = account(evs)
+    assert acc.seconds["checkpoint"] == pytest.approx(0.05)
+    assert acc.seconds["productive"] == pytest.approx(1.0 - 0.05)
+
+
+def test_an_unrecovered_fault_stays_open_and_the_run_is_failed():
+    evs = [ev(0, "run_started", 0, world_size=1), *steps(0, 1.0, 0, 3, 0.1)]
+    evs.append(
+        ev(
+            1.5,
+            "fault_detected",
+            0,
+            step=4,
+            kind="exception",
+            origin_rank=0,
+            origin_step=4,
+            origin_ts=T0 + 1.5,
+            signature="exception: X",
+        )
+    )
+    evs.append(ev(1.6, "run_failed", 0, step=4, error="FaultRepeats"))
+    (inc,) = account(evs).incidents
+    assert inc.end is None and inc.mode == "failed"
+
+
+def test_fault_blocks_name_the_rank_and_show_its_traceback():
+    (block,) = fault_blocks(in_process_run())
+    assert "exception on rank 1 on h" in block and "step 20" in block
+    assert "noticed by rank" in block and "in-process in 0.500 s; 10 steps re-run" in block
+    assert "ValueError: boom" in block
+
+
+def write_log(tmp_path: Path, events: list[dict[str, Any]]) -> Path:
+    run = tmp_path / "runs" / "abc123"
+    run.mkdir(parents=True)
+    log = run / "events.jsonl"
+    log.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return log
+
+
+def test_the_log_tail_reads_only_whole_new_lines(tmp_path: Path):
+    log = tmp_path / "events.jsonl"
+    log.write_text('{"a": 1}\n{"b": ')
+    tail = LogTail(log)
+    assert tail.poll() == [{"a": 1}]
+    with open(log, "a") as f:
+        f.write("2}\nnot json\n[1]\n")
+    assert tail.poll() == [{"b": 2}]  # a garbled line and a non-record are skipped
+
+
+def scrape(port: int) -> dict[str, list[Any]]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, list[Any]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def test_the_endpoint_serves_what_the_log_says(tmp_path: Path):
+    log = write_log(tmp_path, in_process_run())
+    m = RunMetrics(log, run_id="abc123", refresh_s=0.0)
+    m.poll(force=True)
+    ex = Exporter(m, 0, "127.0.0.1", poll_s=0.05)
+    assert ex.start()
+    try:
+        got = scrape(ex.port)
+    finally:
+        ex.close()
+    faults = got["resilient_faults_total"]
+    assert [(s.labels["kind"], s.labels["rank"], s.value) for s in faults] == [("exception", "1", 1.0)]
+    restarts = {s.labels["mode"]: s.value for s in got["resilient_restarts_total"]}
+    assert restarts == {"in_process": 1.0, "replacement": 0.0, "relaunch": 0.0}
+    acc = account(in_process_run())
+    by_cause = {s.labels["cause"]: s.value for s in got["resilient_time_seconds"]}
+    assert set(by_cause) == {*CAUSES, OTHER}
+    assert by_cause["productive"] == pytest.approx(acc.seconds["productive"])
+    assert got["resilient_goodput_ratio"][0].value == pytest.approx(acc.goodput)
+    assert got["resilient_steps_rerun_total"][0].value == 10
+    state = {s.labels["state"]: s.value for s in got["resilient_run_state"]}
+    assert state["finished"] == 1.0
+    assert got["resilient_last_fault_info"][0].labels["kind"] == "exception"
+    budget = {s.labels["scope"]: s.value for s in got["resilient_restart_budget_remaining"]}
+    assert budget == {"in_process": 2.0}
+
+
+def test_a_taken_port_is_one_warning_and_no_endpoint(tmp_path: Path, caplog_loguru: list[str]):
+    log = write_log(tmp_path, in_process_run())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        ex = Exporter(RunMetrics(log, run_id="abc123"), port, "127.0.0.1")
+        assert ex.start() is False
+        assert ex.start() is False
+    warnings = [m for m in caplog_loguru if "cannot serve on 127.0.0.1:" in m]
+    assert len(warnings) == 1 and "training is not affected" in warnings[0]
+
+
+def test_report_prints_the_table_and_writes_the_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    log = write_log(tmp_path, in_process_run())
+    assert cli(["report", str(tmp_path / "runs"), "--json", "--png", str(tmp_path / "g.png")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["goodput"] == pytest.approx(account(in_process_run()).goodput)
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+    assert cli(["report", str(log.parent)]) == 0
+    assert (log.parent / "goodput.png").exists()
+
+
+def test_report_to_an_unwritable_path_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    write_log(tmp_path, in_process_run())
+    bad = tmp_path / "no" / "such" / "dir" / "g.png"
+    assert cli(["report", str(tmp_path / "runs"), "--png", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot write {bad}" in err and "Traceback" not in err
+
+
+def test_report_and_status_name_a_missing_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    for cmd in ("report", "status"):
+        assert cli([cmd, str(tmp_path / "nothing")]) == 2
+        assert "no event log at" in capsys.readouterr().err
+
+
+def test_status_shows_every_rank_and_the_goodput(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    write_log(tmp_path, in_process_run())
+    assert cli(["status", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "state finished" in out and "faults 1" in out and "goodput 52.7%" in out
+    assert "│ 0    │ h" in out and "│ 1    │ h" in out
+
+
+def test_events_faults_prints_the_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    log = write_log(tmp_path, in_process_run())
+    assert cli(["events", str(log.parent), "--faults"]) == 0
+    assert "fault 1: exception on rank 1" in capsys.readouterr().out
+
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "configs" / "grafana" / "resilient-dashboard.json"
+ALERTS = ROOT / "configs" / "prometheus" / "alerts.yml"
+
+
+def served_names(tmp_path: Path) -> set[str]:
+    """Every sample name the endpoint serves for a run with a fault, a checkpoint and heartbeats."""
+    evs = in_process_run()
+    evs += [
+        ev(3.0, "checkpoint_saved", 0, step=10, block_s=0.01),
+        ev(3.5, "checkpoint_durable", 0, step=10, write_s=0.4, nbytes=1000),
+        ev(3.0, "progress", 0, step=10, step_s=0.1, runtime_ms_per_step=0.2),
+    ]
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    from resilient.launcher.heartbeat import Heartbeat
+
+    beat = Heartbeat(hb / "rank00000.hb", interval=60)
+    beat.beat(5)
+    m = RunMetrics(write_log(tmp_path, evs), run_id="abc123", heartbeat_dir=hb, refresh_s=0.0)
+    m.poll(force=True)
+    ex = Exporter(m, 0, "127.0.0.1")
+    assert ex.start()
+    try:
+        names = set(scrape(ex.port))
+    finally:
+        ex.close()
+        beat.close()
+    assert "resilient_heartbeat_age_seconds" in names
+    return names
+
+
+def test_the_dashboard_and_the_alert_rules_ask_only_for_served_metrics(tmp_path: Path):
+    import re
+
+    import yaml
+
+    served = served_names(tmp_path)
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [a["expr"] for a in dash["annotations"]["list"]]
+    rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
+    exprs += [r["expr"] for r in rules]
+    asked = {n for e in exprs for n in re.findall(r"\bresilient_[a-z_]+", e)}
+    assert asked and asked <= served, f"not served: {sorted(asked - served)}"
+    assert {r["alert"] for r in rules} >= {
+        "ResilientJobStalled",
+        "ResilientRestartBudgetLow",
+        "ResilientGoodputBelowSLO",
+    }
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool (Debian's prometheus package) is not installed"
+)
+def test_promtool_accepts_the_alert_rules():
+    out = subprocess.run(["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
