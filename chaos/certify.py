@@ -39,6 +39,7 @@ from chaos.job import Job, events, fresh, jsonl
 from chaos.netns import VethLink
 from chaos.runner import HARNESS, Runner
 from chaos.schedule import IN_PROCESS, LINK, Certification, Planned
+from resilient.metrics import account
 
 DETECTION = ("fault_detected", "worker_died", "heartbeat_missed", "checkpoint_rejected")
 SLOW_STORAGE = ("checkpoint_slow",)  # how a slow disk shows (it is no crash: nothing restarts)
@@ -62,6 +63,7 @@ class Trial:
     fired: int = 0
     error: str = ""
     skipped: str = ""  # a capability this machine lacks (never replaced by a pretend fault)
+    time_by_cause: dict[str, float] = field(default_factory=dict)  # resilient.metrics' accounting
     failed_slos: list[str] = field(default_factory=list)
     timeline: dict[str, Any] = field(default_factory=dict)
 
@@ -173,6 +175,7 @@ def _run_trial(
     m = measure(evs, inj["ts"], j.nproc, ref_step_s, SLOW_STORAGE if c.fault == "slow_disk" else DETECTION)
     t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
     t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
+    t.time_by_cause = {k: round(v, 4) for k, v in account(evs).seconds.items()}  # (as `resilient report`)
     if restored is not None and t.recover_s is not None:
         t.recover_after_restore_s = inj["ts"] + t.recover_s - restored
     done = [e for e in evs if e["event"] == "step_completed"]

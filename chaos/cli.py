@@ -112,9 +112,17 @@ def _print_report(report: dict[str, Any], title: str) -> None:
     tb.add_column("figure")
     tb.add_column("value")
     for k, v in report.items():
-        if k not in ("faults", "by_kind"):
+        if k not in ("faults", "by_kind", "accounting"):
             tb.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(tb)
+    acc = report.get("accounting")
+    if acc:  # resilient.metrics' accounting of the same log (`resilient report`)
+        ta = Table(title=f"wall time by cause ({acc['wall_s']:.1f} s from the launch)")
+        for col in ("cause", "seconds", "share"):
+            ta.add_column(col)
+        for cause, sec in acc["seconds"].items():
+            ta.add_row(cause, f"{sec:.2f}", f"{sec / acc['wall_s']:.2%}" if acc["wall_s"] else "—")
+        console.print(ta)
 
 
 def _stream(args: Any) -> int:

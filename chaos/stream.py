@@ -31,6 +31,7 @@ from chaos.job import events, fresh, jsonl
 from chaos.netns import VethLink, capability
 from chaos.runner import HARNESS, Runner
 from chaos.schedule import IN_PROCESS, LINK, Certification, Planned
+from resilient.metrics import account
 
 
 def plan(cert: Certification, step_s: float) -> tuple[list[Planned], int]:
@@ -164,6 +165,13 @@ def _report(
             exact = True
         except AssertionError:
             exact = False
+    acc = account(evs)  # the same accounting as `resilient report` and the metrics endpoint
+    accounting = {
+        "seconds": {k: round(v, 4) for k, v in acc.seconds.items()}, "wall_s": acc.wall_s,
+        "goodput": acc.goodput,
+        "unattributed_share": acc.seconds["other"] / acc.wall_s if acc.wall_s else None,
+        "incidents": len(acc.incidents),
+    }  # fmt: skip
     report: dict[str, Any] = {
         "faults_planned": planned, "faults_injected": len(injected),
         "detected": sum(p["detected"] for p in per_fault),
@@ -173,7 +181,7 @@ def _report(
         "finished": rc == 0, "harness_hangs": int(hung),
         "goodput": distinct * ref_step_s / wall if wall > 0 else None, "steps": j.steps,
         "lost_committed_checkpoints": lost, "bit_exact": exact, "by_kind": by_kind, "wall_s": wall,
-        "skipped": skipped, "faults": per_fault,
+        "skipped": skipped, "faults": per_fault, "accounting": accounting,
     }  # fmt: skip
     return report
 
@@ -192,6 +200,9 @@ def verdict(report: dict[str, Any], slo_goodput: float | None, slo_exact: bool) 
         failed.append("recovered")
     if report["undetected_alone"]:  # a fault with no other near it must be seen
         failed.append("detected")
+    share = report.get("accounting", {}).get("unattributed_share")
+    if share is not None and share > 0.01:  # the accounting must explain the run's wall time
+        failed.append("accounting")
     return failed
 
 

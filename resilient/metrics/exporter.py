@@ -74,6 +74,7 @@ class Model:
     durable_s: list[float] = field(default_factory=list)
     checkpoint_bytes: int = 0
     budget: dict[str, float] = field(default_factory=dict)  # scope -> restarts left
+    info: dict[str, str] = field(default_factory=dict)  # engine, backend, world size
 
 
 def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = None) -> Model:
@@ -83,7 +84,8 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
     max_restarts, window = None, None
     for e in events:
         ev, r = e.get("event"), e.get("rank", -1)
-        m.generation = max(m.generation, int(e.get("generation") or 0))
+        if isinstance(r, int) and r >= 0:
+            m.generation = max(m.generation, int(e.get("generation") or 0))
         if ev in ("progress", "step_completed", "step_resumed") and isinstance(r, int) and r >= 0:
             if isinstance(e.get("step"), int):
                 m.steps[r] = (e["step"], e["ts"])
@@ -107,6 +109,7 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
             m.checkpoints["rejected"] = m.checkpoints.get("rejected", 0) + 1
         elif ev == "run_started":
             max_restarts, window = e.get("max_restarts"), e.get("restart_window_s")
+            m.info = {k: str(e.get(k)) for k in ("engine", "backend", "world_size")}
         elif ev in ("workers_started", "rank_replaced") and e.get("restarts_left") is not None:
             m.budget["launcher"] = float(e["restarts_left"])
     incidents = acc.incidents
@@ -116,7 +119,9 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
             i for i in incidents if i.mode == "in_process" and (window is None or t - i.start <= window)
         ]
         m.budget["in_process"] = float(max(0, int(max_restarts) - len(recent)))
-    if any(e.get("event") == "run_failed" for e in events) or any(i.mode == "failed" for i in incidents):
+    failed_at = max((e["ts"] for e in events if e.get("event") == "run_failed"), default=None)
+    stepped_at = max((ts for _s, ts in m.steps.values()), default=0.0)
+    if failed_at is not None and failed_at >= stepped_at:  # (a rank that gave up, and no step since)
         m.state = "failed"
     elif _ended(events):
         m.state = "finished"
@@ -154,6 +159,7 @@ class RunMetrics:
         self._dirty = False
         self._computed = 0.0
         self._warned: set[str] = set()
+        self.cpu_s = 0.0  # CPU time the exporter's own work took (reading, recomputing, scrapes)
 
     def warn_once(self, what: str, msg: str) -> None:
         if what not in self._warned:
@@ -162,6 +168,13 @@ class RunMetrics:
 
     def poll(self, force: bool = False) -> None:
         """Read what the log gained; recompute when it changed and ``refresh_s`` passed (or ``force``)."""
+        t0 = time.thread_time()
+        try:
+            self._poll(force)
+        finally:
+            self.cpu_s += time.thread_time() - t0
+
+    def _poll(self, force: bool) -> None:
         new = self.tail.poll()
         self.events += new
         self._dirty |= bool(new)
@@ -188,10 +201,14 @@ class RunMetrics:
 
     # -- a scrape -----------------------------------------------------------------------------
     def collect(self) -> Iterator[Any]:
+        t0 = time.thread_time()
         try:
             yield from self._collect()
         except Exception as e:  # a scrape mid-restart must not take the exporter down
             self.warn_once("collect", f"a scrape failed ({type(e).__name__}: {e})")
+        self.cpu_s += time.thread_time() - t0
+        yield _counter("resilient_exporter_cpu_seconds", "CPU time of this endpoint's own work",
+                       {"run_id": self.run_id}, self.cpu_s)  # fmt: skip
 
     def _collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -217,15 +234,23 @@ class RunMetrics:
         )
         incidents = acc.incidents if acc is not None else []
         faults = CounterMetricFamily(
-            "resilient_faults", "faults (incidents) by kind and rank", labels=[*labels, "kind", "rank"]
+            "resilient_faults",
+            "faults (incidents) by kind, rank and host",
+            labels=[*labels, "kind", "rank", "host"],
         )
-        by: dict[tuple[str, str], int] = {}
+        by: dict[tuple[str, str, str], int] = {}
         for i in incidents:
-            k = (i.kind, str(i.rank))
+            k = (i.kind, str(i.rank), i.host or "")
             by[k] = by.get(k, 0) + 1
-        for (kind, rank), n in sorted(by.items()):
-            faults.add_metric([self.run_id, kind, rank], n)
+        for (kind, rank, host), n in sorted(by.items()):
+            faults.add_metric([self.run_id, kind, rank, host], n)
         yield faults
+        if m.info:
+            info = InfoMetricFamily(
+                "resilient_run", "the run's engine, backend and world size", labels=labels
+            )
+            info.add_metric([self.run_id], m.info)
+            yield info
         restarts = CounterMetricFamily(
             "resilient_restarts",
             "recovered faults by how: in_process, replacement (one rank), relaunch (the group)",

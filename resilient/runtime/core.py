@@ -299,7 +299,8 @@ class EngineCore:
             return
         from resilient.metrics.exporter import Exporter, RunMetrics
 
-        ex = Exporter(RunMetrics(log, run_id=self.run_id, refresh_s=m.refresh_s), m.port, m.addr)
+        metrics = RunMetrics(log, run_id=self.run_id, refresh_s=m.refresh_s)
+        ex = Exporter(metrics, m.port, m.addr, poll_s=min(1.0, m.refresh_s))
         if ex.start():
             w.on_close.append(ex.close)
 

@@ -21,6 +21,7 @@ import pytest
 
 from resilient.metrics import account
 from tests._wait import wait_until
+from tests.integration.conftest import assert_bit_exact, load_states, run_example
 from tests.integration.test_launcher import _example
 
 pytestmark = pytest.mark.integration
@@ -146,3 +147,62 @@ def test_prometheus_sees_the_faults_restarts_and_goodput_the_log_records(tmp_pat
     if shutil.which("py-spy") or Path(sys.executable).with_name("py-spy").exists():
         silent = [r for r in reports if r.get("source") == "py-spy"]
         assert silent and "inject.py" in silent[0]["stacks"] and "active+gil" in silent[0]["stacks"], silent
+
+
+def _scrape(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
+            return str(r.read().decode())
+    except OSError:
+        return None
+
+
+def test_under_torchrun_local_rank_0_serves_and_a_fault_shows(tmp_path: Path, reference: Any) -> None:
+    """`metrics.port` in the config, env:// ranks: rank 0 serves the run's metrics while it trains."""
+    port = _free_port()
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"metrics: {{port: {port}, addr: 127.0.0.1, refresh_s: 0.1}}\n")
+    seen: list[str] = []
+
+    def scrape_while_running(procs: list[subprocess.Popen[str]]) -> None:
+        def faulted() -> bool:
+            text = _scrape(port)
+            if text is not None:
+                seen.append(text)
+            assert any(p.poll() is None for p in procs), "the ranks ended before the fault showed"
+            return text is not None and 'resilient_faults_total{kind="exception",rank="1"' in text
+
+        wait_until(faulted, 60, "the exception in the endpoint's fault count")
+
+    res = run_example(tmp_path, 2, "--config", str(cfg), "--fault", "exception@8:1", "--step-ms", "100",
+                      on_start=scrape_while_running)  # fmt: skip
+    assert res.ok, res.describe()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    faults = [
+        s
+        for f in text_string_to_metric_families(seen[-1])
+        for s in f.samples
+        if s.name == "resilient_faults_total"
+    ]
+    assert [(s.labels["kind"], s.labels["rank"], s.value) for s in faults] == [("exception", "1", 1.0)]
+    assert all("cannot serve" not in r.stderr for r in res.ranks), "only local rank 0 serves"
+    states = load_states(tmp_path, 2)
+    for rank in range(2):
+        assert assert_bit_exact(reference[2][rank]["model"], states[rank]["model"]) > 20
+
+
+def test_a_taken_port_and_no_scraper_leave_training_untouched(tmp_path: Path, reference: Any) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "cfg.yaml"
+        cfg.write_text(f"metrics: {{port: {port}, addr: 127.0.0.1}}\n")
+        res = run_example(tmp_path, 2, "--config", str(cfg), "--fault", "exception@8:1")
+    assert res.ok, res.describe()
+    warned = [ln for ln in res.ranks[0].stderr.splitlines() if "cannot serve on 127.0.0.1" in ln]
+    assert len(warned) == 1 and "training is not affected" in warned[0], res.ranks[0].stderr[-3000:]
+    states = load_states(tmp_path, 2)
+    for rank in range(2):
+        assert assert_bit_exact(reference[2][rank]["model"], states[rank]["model"]) > 20

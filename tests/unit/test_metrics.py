@@ -363,3 +363,36 @@ def test_the_dashboard_and_the_alert_rules_ask_only_for_served_metrics(tmp_path:
 def test_promtool_accepts_the_alert_rules():
     out = subprocess.run(["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_status_follow_ends_with_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    write_log(tmp_path, in_process_run())
+    assert cli(["status", str(tmp_path / "runs"), "--follow", "--interval", "0.01"]) == 0
+    assert "state finished" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["status", "x", "--interval", "0"], "argument --interval: must be > 0: 0"),
+        (["status", "x", "--interval", "soon"], "argument --interval: not a number: 'soon'"),
+    ],
+)
+def test_bad_flags_are_one_line_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+):
+    with pytest.raises(SystemExit) as e:
+        cli(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["70000", "http", "-1"])
+def test_a_bad_metrics_port_is_refused_by_the_launcher(value: str, capsys: pytest.CaptureFixture[str]):
+    from resilient.launcher.cli import parser
+
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(["--metrics-port", value, "train.py"])
+    err = capsys.readouterr().err
+    assert (
+        e.value.code == 2 and "argument --metrics-port: not a port number" in err and "Traceback" not in err
+    )
