@@ -10,7 +10,7 @@ Two figures per set-up:
   (reading the log, recomputing, answering scrapes): the time it can take from the training
   thread at most, measured exactly.
 
-    python benchmarks/metrics_overhead.py [--pairs 3] [--steps 600]
+    python benchmarks/metrics_overhead.py [--pairs 3] [--steps 400] [--dim 256]
 """
 
 from __future__ import annotations
@@ -60,10 +60,11 @@ class Scraper(threading.Thread):
                     self.cpu_s = float(line.rsplit(" ", 1)[1])
 
 
-def run(mode: str, metrics: bool, steps: int, step_ms: float) -> dict[str, float]:
+def run(mode: str, metrics: bool, steps: int, dim: int) -> dict[str, float]:
     port = _port()
     with tempfile.TemporaryDirectory(prefix="metrics-ab-") as tmp:
-        args = [EXAMPLE, "--steps", str(steps), "--step-ms", str(step_ms), "--report"]
+        # compute-bound steps (no padding), so that CPU taken from the ranks shows in the step time
+        args = [EXAMPLE, "--steps", str(steps), "--dim", str(dim), "--report"]
         if mode == "torchrun":
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
             if metrics:
@@ -93,8 +94,8 @@ def run(mode: str, metrics: bool, steps: int, step_ms: float) -> dict[str, float
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=int, default=3, help="ABBA pairs per set-up")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--step-ms", type=float, default=40.0)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--dim", type=int, default=256, help="the example's model width (its step time)")
     p.add_argument("--modes", default="torchrun,launch")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "metrics_overhead.json")
     a = p.parse_args()
@@ -105,7 +106,7 @@ def main() -> None:
         for i in range(a.pairs):
             order = (False, True, True, False) if i % 2 == 0 else (True, False, False, True)
             for m in order:
-                (on if m else off).append(run(mode, m, a.steps, a.step_ms))
+                (on if m else off).append(run(mode, m, a.steps, a.dim))
         results[mode] = {"on": on, "off": off}
         s_on = statistics.median(r["step_s"] for r in on)
         s_off = statistics.median(r["step_s"] for r in off)

@@ -159,6 +159,7 @@ class RunMetrics:
         self._dirty = False
         self._computed = 0.0
         self._warned: set[str] = set()
+        self._families: tuple[Model, list[Any]] | None = None  # (the model, its metric families)
         self.cpu_s = 0.0  # CPU time the exporter's own work took (reading, recomputing, scrapes)
 
     def warn_once(self, what: str, msg: str) -> None:
@@ -211,6 +212,15 @@ class RunMetrics:
                        {"run_id": self.run_id}, self.cpu_s)  # fmt: skip
 
     def _collect(self) -> Iterator[Any]:
+        with self._lock:
+            m = self.model
+        cached = self._families
+        if cached is None or cached[0] is not m:  # the log's part changes only when the model does
+            cached = self._families = (m, list(self._from_model(m)))
+        yield from cached[1]
+        yield from self._live(m)
+
+    def _from_model(self, m: Model) -> Iterator[Any]:
         from prometheus_client.core import (
             CounterMetricFamily,
             GaugeMetricFamily,
@@ -218,8 +228,6 @@ class RunMetrics:
             InfoMetricFamily,
         )
 
-        with self._lock:
-            m = self.model
         acc = m.accounting
         run = {"run_id": self.run_id}
         labels = list(run)
@@ -341,6 +349,12 @@ class RunMetrics:
                 {**run, "scope": scope},
                 left,
             )
+
+    def _live(self, m: Model) -> Iterator[Any]:
+        """What changes between two reads of the log: the heartbeats, and steps they carry."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        labels = ["run_id"]
         step = GaugeMetricFamily("resilient_step", "the newest completed step", labels=[*labels, "rank"])
         step_ts = GaugeMetricFamily(
             "resilient_last_step_timestamp_seconds",

@@ -10,7 +10,14 @@ Keys of generation g:
 - ``fault/<rank>``          each rank's own observation, for the diagnosis
 - ``recover/<rank>``, ``recover/count``, ``recover/release``   barrier after a fault
 - ``done/count``, ``done/release``                            barrier when the function returned
-A ``release`` value other than ``ok`` aborts the barrier with the reason it carries.
+A ``release`` value other than ``ok`` (or ``ok`` + a newline + the barrier's result) aborts the
+barrier with the reason it carries.
+
+Barriers cost O(1) requests per rank at any size: each rank posts its payload and counts itself
+in; the last to arrive reads every payload once, reduces them (the step every rank can restore,
+any/all of a vote, rank 0's choice) and writes the result into the release key every rank reads.
+(Every rank reading every payload was O(N²) keys at the server: 268 M at 16,384 ranks.)
+docs/control-plane.md lists every key, who writes and reads it, and how often.
 """
 
 from __future__ import annotations
@@ -18,14 +25,35 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from resilient.errors import CoordinationError, PeerAborted
 from resilient.launch_env import Endpoint, LaunchEnv
 from resilient.runtime.faults import FaultRecord
+
+
+def restore_plan(payloads: list[str]) -> str:
+    """The recovery barrier's reduction: the newest snapshot step every rank holds (``step``),
+    the ranks that hold none (``empty``), and every rank's steps only when there is no common one
+    (the error names them)."""
+    held = [json.loads(p) for p in payloads]
+    empty = [r for r, s in enumerate(held) if not s]
+    common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
+    plan = {"step": max(common) if common else None, "empty": empty}
+    if not common and not empty:
+        plan["held"] = held
+    return json.dumps(plan)
+
+
+REDUCE: dict[str, Callable[[list[str]], str]] = {
+    "any": lambda vs: "1" if any(v == "1" for v in vs) else "0",
+    "all": lambda vs: "1" if all(v == "1" for v in vs) else "0",
+    "first": lambda vs: vs[0],  # rank 0's
+}
 
 OK = "ok"
 CLOSED = "__closed__"  # written to a generation's fault key once every rank finished it
@@ -100,10 +128,9 @@ class Coordinator:
         return None if raw.decode() == CLOSED else FaultRecord.from_json(raw)
 
     def wait_fault(self, generation: int, store: dist.Store) -> FaultRecord | None:
-        """Block until generation's fault key is written; the record, or None if it closed cleanly."""
-        k = self.key(generation, "fault")
-        store.wait([k])
-        raw = store.get(k)
+        """Block until generation's fault key is written; the record, or None if it closed cleanly.
+        (``get`` itself waits for the key: one request, on a connection that never times out.)"""
+        raw = store.get(self.key(generation, "fault"))
         return None if raw.decode() == CLOSED else FaultRecord.from_json(raw)
 
     def close_generation(self, generation: int) -> None:
@@ -119,12 +146,16 @@ class Coordinator:
         return out
 
     # -- barriers -------------------------------------------------------------------------------
-    def _barrier(self, generation: int, name: str, payload: str) -> list[str]:
+    def _barrier(self, generation: int, name: str, payload: str, reduce: Callable[[list[str]], str]) -> str:
+        """Every rank arrives with ``payload``; every rank leaves with ``reduce(every payload)``,
+        computed once, by the last to arrive."""
         self.store.set(self.key(generation, name, self.rank), payload)
         arrived = self.store.add(self.key(generation, name, "count"), 1)
         release = self.key(generation, name, "release")
         if arrived == self.world_size:
-            self.store.compare_set(release, "", OK)
+            keys = [self.key(generation, name, r) for r in range(self.world_size)]
+            result = reduce([v.decode() for v in self.store.multi_get(keys)])
+            self.store.compare_set(release, "", f"{OK}\n{result}")
         try:
             self.store.wait([release], timedelta(seconds=self.barrier_timeout))
         except Exception as e:
@@ -134,14 +165,18 @@ class Coordinator:
                 f"within {self.barrier_timeout:g}s"
             ) from e
         verdict = self.store.get(release).decode()
-        if verdict != OK:
+        if not verdict.startswith(f"{OK}\n"):
             raise PeerAborted(f"generation {generation} cannot form: {verdict}")
-        keys = [self.key(generation, name, r) for r in range(self.world_size)]
-        return [v.decode() for v in self.store.multi_get(keys)]
+        return verdict[len(OK) + 1 :]
 
     def exchange(self, generation: int, name: str, payload: str) -> list[str]:
-        """A barrier that also gathers one string from every rank (a small all-gather)."""
-        return self._barrier(generation, name, payload)
+        """A barrier that also gathers one string from every rank (a small all-gather: O(N) bytes
+        to every rank; where one value is needed, :meth:`agree` sends one)."""
+        return list(json.loads(self._barrier(generation, name, payload, json.dumps)))
+
+    def agree(self, generation: int, name: str, payload: str, how: str) -> str:
+        """A barrier that returns one value made of every rank's: ``how`` is a key of :data:`REDUCE`."""
+        return self._barrier(generation, name, payload, REDUCE[how])
 
     def depart(self, generation: int, hosting: bool, timeout: float = 10.0) -> None:
         """Every rank is about to exit after this generation's last barrier. The rank that hosts
@@ -156,9 +191,12 @@ class Coordinator:
             time.sleep(0.01)
             n = self.store.add(key, 0)
 
-    def recovery_barrier(self, generation: int, snapshot_steps: list[int]) -> list[list[int]]:
-        """Wait until every rank left generation ``generation``; return each rank's snapshot steps."""
-        return [json.loads(p) for p in self._barrier(generation, "recover", json.dumps(snapshot_steps))]
+    def recovery_barrier(self, generation: int, snapshot_steps: list[int]) -> dict[str, Any]:
+        """Wait until every rank left generation ``generation``; return :func:`restore_plan` of
+        every rank's snapshot steps (the newest step all hold, or who holds none)."""
+        return dict(
+            json.loads(self._barrier(generation, "recover", json.dumps(snapshot_steps), restore_plan))
+        )
 
     def abort_generation(self, generation: int, reason: str) -> None:
         """Tell every rank waiting in this generation's barriers that it cannot form."""

@@ -130,15 +130,22 @@ class _Epochs:
 def common_restore_step(steps_by_rank: Sequence[Sequence[int]], primary: FaultRecord | None = None) -> int:
     """The newest snapshot step every rank holds. A rank holding none failed before its first
     step: :class:`SetupFailed`, naming it (and the fault, when it is that rank's)."""
-    empty = [r for r, s in enumerate(steps_by_rank) if not s]
+    return plan_step(
+        json.loads(coord_mod.restore_plan([json.dumps(list(s)) for s in steps_by_rank])), primary
+    )
+
+
+def plan_step(plan: dict[str, Any], primary: FaultRecord | None = None) -> int:
+    """The step of a recovery barrier's :func:`~resilient.runtime.coordinator.restore_plan`, or
+    the error every rank raises alike."""
+    empty = plan["empty"]
     if empty:  # (a peer pulled out before its own first step holds none either: the fault names who)
         if primary is not None and primary.rank in empty:
             raise SetupFailed(f"rank {primary.rank} failed before the first step: {primary.message}", empty)
         raise SetupFailed(f"ranks {empty} hold no snapshot: they failed before the first step", empty)
-    common = set(steps_by_rank[0]).intersection(*map(set, steps_by_rank[1:]))
-    if not common:
-        raise StateRestoreError(f"no snapshot step held by every rank: {[list(s) for s in steps_by_rank]}")
-    return max(common)
+    if plan["step"] is None:
+        raise StateRestoreError(f"no snapshot step held by every rank: {plan.get('held')}")
+    return int(plan["step"])
 
 
 def all_stacks(limit: int = 16000) -> str:

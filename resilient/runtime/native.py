@@ -43,7 +43,7 @@ from resilient.events import Event
 from resilient.launch_env import LaunchEnv
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime import resume
-from resilient.runtime.core import EngineCore, Wiring, all_stacks, common_restore_step, main_thread_where
+from resilient.runtime.core import EngineCore, Wiring, all_stacks, main_thread_where, plan_step
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.health import Check
 from resilient.runtime.hooks import StepHook
@@ -127,6 +127,7 @@ class NativeEngine(EngineCore):
                 token=f"{self.run_id}-a{self.launch.attempt}",
                 events=self._ev,
                 exchange=lambda name, payload: self.coord.exchange(self.generation, name, payload),
+                agree=lambda name, payload, how: self.coord.agree(self.generation, name, payload, how),
                 signals=self.launch.preempt_signals,
             )
             persist.install()
@@ -347,7 +348,7 @@ class NativeEngine(EngineCore):
         self.generation = gen + 1
 
     def _agree_restore_step(self, gen: int, primary: FaultRecord | None = None) -> int:
-        return common_restore_step(self.coord.recovery_barrier(gen, self._held_steps()), primary)
+        return plan_step(self.coord.recovery_barrier(gen, self._held_steps()), primary)
 
     def _own_mirror_steps(self) -> list[int]:
         """Steps of this rank's own snapshots in this node's shared memory (at this world size)."""

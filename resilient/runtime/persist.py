@@ -33,6 +33,7 @@ from resilient.checkpoint.writer import part_name, report_failure
 from resilient.config import CheckpointConfig
 from resilient.errors import CheckpointError, NoValidCheckpoint
 from resilient.events import Event, EventLog
+from resilient.runtime.coordinator import REDUCE
 
 
 class Persistence:
@@ -46,6 +47,7 @@ class Persistence:
         events: EventLog,
         exchange: Callable[[str, str], list[str]],
         signals: tuple[str, ...] | None = None,
+        agree: Callable[[str, str, str], str] | None = None,
     ) -> None:
         assert cfg.dir is not None
         self.cfg = cfg
@@ -54,6 +56,9 @@ class Persistence:
         self.rank = rank
         self.events = events
         self._exchange = exchange  # (name, payload) -> every rank's payload, through the store
+        # (name, payload, how) -> one value reduced from every rank's (coordinator.REDUCE): what a
+        # vote needs, without every rank reading every payload
+        self._agree = agree or (lambda name, payload, how: REDUCE[how](exchange(name, payload)))
         self.ckpt = Checkpointer(
             cfg.dir,
             rank=rank,
@@ -79,7 +84,7 @@ class Persistence:
         self._last_step_t: float | None = None
 
     def _any_busy(self, step: int, busy: bool) -> bool:
-        return any(v == "1" for v in self._exchange(f"ckpt_busy{step}", "1" if busy else "0"))
+        return self._agree(f"ckpt_busy{step}", "1" if busy else "0", "any") == "1"
 
     # ---- preemption signals ------------------------------------------------------------------
     def install(self) -> None:
@@ -104,8 +109,7 @@ class Persistence:
         rounds = iter(range(1 << 30))
 
         def agree(ok: bool) -> bool:
-            votes = self._exchange(f"ckpt_vote{next(rounds)}", "1" if ok else "0")
-            return all(v == "1" for v in votes)
+            return self._agree(f"ckpt_vote{next(rounds)}", "1" if ok else "0", "all") == "1"
 
         from resilient.checkpoint.reader import load_latest
 
@@ -254,7 +258,7 @@ class Persistence:
             tau = math.sqrt(2.0 * write_s * mtbf)
             step_s = self._step_s or 1.0
             proposal = json.dumps(step + max(1, round(tau / step_s)))
-        chosen = self._exchange(f"ckpt_next{step}", proposal)[0]
+        chosen = self._agree(f"ckpt_next{step}", proposal, "first")
         self.next_save = int(json.loads(chosen))
 
     def _failed(self, e: CheckpointError, generation: int, step: int) -> None:

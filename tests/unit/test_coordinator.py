@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -10,8 +12,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient.errors import CoordinationError, PeerAborted
+from resilient.errors import CoordinationError, PeerAborted, SetupFailed, StateRestoreError
 from resilient.runtime.coordinator import Coordinator, Endpoint, agree_run_id, endpoint_from_env
+from resilient.runtime.core import plan_step
 from resilient.runtime.faults import FaultRecord
 
 NS = "resilient/run1/a0"
@@ -89,12 +92,59 @@ def test_faults_are_scoped_to_their_generation_and_namespace():
     assert other_attempt.primary_fault(0) is None
 
 
-def test_recovery_barrier_returns_every_ranks_snapshot_steps():
-    c = ranks(3)
-    steps = [[12, 11], [12, 11], [11, 10]]
+class Counting:
+    """A store that counts the requests each method gets (and the keys a multi_get reads)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store, self.calls, self.keys_read = store, collections.Counter(), 0
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.store, name)
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            self.calls[name] += 1
+            if name == "multi_get":
+                self.keys_read += len(a[0])
+            return fn(*a, **kw)
+
+        return counted
+
+
+def test_recovery_barrier_returns_the_step_every_rank_holds_read_once():
+    store = Counting(dist.HashStore())
+    c = ranks(4, store=store)  # type: ignore[arg-type]
+    steps = [[12, 11], [12, 11], [12, 10], [11, 12]]
     run = Concurrently.each(c, lambda co: co.recovery_barrier(0, steps[co.rank])).join()
-    assert run.errors == [None] * 3
-    assert run.results == [steps] * 3
+    assert run.errors == [None] * 4
+    assert run.results == [{"step": 12, "empty": []}] * 4
+    # the last to arrive read every payload, once; the others read only the release key
+    assert store.calls["multi_get"] == 1 and store.keys_read == 4
+
+
+@pytest.mark.parametrize(
+    ("steps", "error", "match"),
+    [
+        ([[3], [], [3]], SetupFailed, r"ranks \[1\] hold no snapshot"),
+        ([[3], [4], [3]], StateRestoreError, r"no snapshot step held by every rank: \[\[3\], \[4\], \[3\]\]"),
+    ],
+)
+def test_every_rank_raises_the_same_error_from_the_plan(steps: list[list[int]], error: type, match: str):
+    c = ranks(3)
+    run = Concurrently.each(c, lambda co: plan_step(co.recovery_barrier(0, steps[co.rank]))).join()
+    for e in run.errors:
+        assert isinstance(e, error) and re.search(match, str(e)), e
+
+
+def test_agree_reduces_a_vote_to_one_value():
+    c = ranks(3)
+    for how, votes, want in (
+        ("any", "010", "1"),
+        ("all", "110", "0"),
+        ("all", "111", "1"),
+        ("first", "abc", "a"),
+    ):
+        run = Concurrently.each(c, lambda co, v=votes, h=how: co.agree(0, f"v{h}{v}", v[co.rank], h)).join()
+        assert run.results == [want] * 3, (how, votes)
 
 
 def test_abort_generation_releases_waiting_ranks_with_the_reason():
@@ -136,7 +186,7 @@ def test_finish_barrier_false_when_a_fault_was_posted():
     assert run.results == [False, False]
     # all three then meet in the recovery barrier of the same generation
     rec = Concurrently.each(c, lambda co: co.recovery_barrier(2, [co.rank])).join()
-    assert rec.results == [[[0], [1], [2]]] * 3
+    assert rec.results == [{"step": None, "empty": [], "held": [[0], [1], [2]]}] * 3
 
 
 def test_finish_barrier_times_out():
