@@ -17,9 +17,10 @@ for three protocols side by side:
 
 - ``before``: the protocol as it was (a count key per check, deleted after; the barrier's
   release, then a ``multi_get`` of every rank's payload by every rank: O(N²) keys);
-- ``flat``: the runtime's protocol now: the listener's one blocking ``get``; the barrier reduced
+- ``flat``: the runtime's protocol now: the neighbour's count read in one request (a
+  compare-and-set that never matches), the listener's one blocking ``get``; the barrier reduced
   by its last arrival, which reads every payload once and writes the result into the release
-  key every rank reads: O(N) (the check is unchanged);
+  key every rank reads in one request: O(N);
 - ``node``: the same with the ranks of a node (8) aggregated by a node leader (local rank 0):
   only leaders and the ring's node-crossing pairs reach the store. Node-local hand-offs are free
   here (in the runtime they would be shared memory). Simulated, not built.
@@ -28,7 +29,8 @@ Reported per N and protocol: store requests, the server's CPU time (read from /p
 is single-threaded, so this is the time it is busy, the floor of any latency), and the wall time.
 The client processes share this machine's 2 cores with the server, so wall times here are upper
 bounds; the server CPU is the figure that carries to a cluster, where the clients are elsewhere.
-A least-squares model (server CPU = a + b·N + c·N², per phase) projects what was not measured.
+A least-squares model (server CPU = a + b·N per phase, + c·N² for the old barrier's every-rank
+``multi_get``) projects what was not measured.
 
     python benchmarks/control_plane.py [--ranks 256,1024,4096,16384] [--procs 8] [--interval 100]
 """
@@ -143,6 +145,17 @@ async def check_before(c: Client, rank: int, world: int, k: int, _local: Any) ->
         await c.delete(f"fp/{k - 1}/{rank}")
 
 
+async def check_flat(c: Client, rank: int, world: int, k: int, _local: Any) -> None:
+    """Now: post the count; read the neighbour's in one request (a compare-and-set that never
+    matches), polling while it is absent; delete the key of the window before."""
+    await c.set(f"fp/{k}/{rank}", "12")
+    peer = f"fp/{k}/{(rank + 1) % world}"
+    while await c.compare_set(peer, "\x00absent", "\x00absent") == b"\x00absent":
+        await asyncio.sleep(0.0003)
+    if k > 0:
+        await c.delete(f"fp/{k - 1}/{rank}")
+
+
 async def check_node(c: Client, rank: int, world: int, k: int, _local: Any) -> None:
     """Node-aggregated: a ring neighbour on the same node is compared in shared memory; only the
     node-crossing pairs (a node's last rank and the next node's first) use the store."""
@@ -172,8 +185,8 @@ async def recover_flat(c: Client, rank: int, world: int, g: int, local: Any) -> 
     if await c.add(f"g{g}/recover/count", 1) == world:
         await c.multi_get([f"g{g}/recover/{r}" for r in range(world)])  # read once, reduced here
         await c.compare_set(f"g{g}/recover/release", "", "ok:40")
-    await c.wait([f"g{g}/recover/release"])  # (with the barrier's timeout, then the value)
-    await c.get(f"g{g}/recover/release")
+    await c.wait([f"g{g}/recover/release"])  # (with the barrier's timeout), then one read
+    await c.compare_set(f"g{g}/recover/release", "\x00never", "\x00never")
     return time.monotonic()
 
 
@@ -193,14 +206,14 @@ async def recover_node(c: Client, rank: int, world: int, g: int, local: Any) -> 
         await c.multi_get([f"g{g}/recover/{n}" for n in range(nodes)])
         await c.compare_set(f"g{g}/recover/release", "", "ok:40")
     await c.wait([f"g{g}/recover/release"])
-    await c.get(f"g{g}/recover/release")
+    await c.compare_set(f"g{g}/recover/release", "\x00never", "\x00never")
     released.set()
     return time.monotonic()
 
 
 PROTOCOLS = {
     "before": (check_before, recover_before),
-    "flat": (check_before, recover_flat),
+    "flat": (check_flat, recover_flat),
     "node": (check_node, recover_node),
 }
 
@@ -281,7 +294,7 @@ async def _post(port: int, g: int) -> float:
     return t
 
 
-def measure(world: int, procs: int, checks: int, recoveries: int) -> dict[str, Any]:
+def measure(world: int, procs: int, checks: int, recoveries: int, protocols: list[str]) -> dict[str, Any]:
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert server.stdout is not None
@@ -304,7 +317,7 @@ def measure(world: int, procs: int, checks: int, recoveries: int) -> dict[str, A
     out: dict[str, Any] = {"ranks": world}
     gen = 0
     try:
-        for proto in PROTOCOLS:
+        for proto in protocols:
             rows: dict[str, list[float]] = {"check_cpu": [], "check_wall": [], "check_req": [],
                                             "rec_cpu": [], "rec_wall": [], "rec_req": []}  # fmt: skip
             cpu0 = _server_cpu(server.pid)  # (/proc counts in clock ticks: summed over repetitions)
@@ -348,15 +361,15 @@ def measure(world: int, procs: int, checks: int, recoveries: int) -> dict[str, A
     return out
 
 
-def fit(points: list[tuple[int, float]]) -> tuple[float, float, float]:
-    """Least squares a + b·N + c·N² (c ≥ 0 is not enforced: the data decide)."""
+def fit(points: list[tuple[int, float]], deg: int) -> tuple[float, float, float]:
+    """Least squares a + b·N (+ c·N² where the protocol reads every rank's key on every rank)."""
     import numpy as np
 
     n = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
-    deg = 2 if len(points) >= 3 else 1
-    coef = np.polyfit(n, y, deg)[::-1]
-    return float(coef[0]), float(coef[1]), float(coef[2]) if deg == 2 else 0.0
+    deg = min(deg, len(points) - 1)
+    coef = list(np.polyfit(n, y, deg)[::-1]) + [0.0] * (2 - deg)
+    return float(coef[0]), float(coef[1]), float(coef[2])
 
 
 def main() -> None:
@@ -369,22 +382,36 @@ def main() -> None:
         "--interval", type=int, default=100, help="steps between kept snapshots (for per-step figures)"
     )
     p.add_argument("--project", default="1024,4096,16384", help="N the model reports")
+    p.add_argument(
+        "--before-up-to",
+        type=int,
+        default=4096,
+        help="the old protocol's O(N²) barrier takes minutes of server time beyond this: modelled there",
+    )
+    p.add_argument("--protocols", default=",".join(PROTOCOLS))
+    p.add_argument(
+        "--from-log", type=Path, default=None, help="the table from an earlier run's printed lines"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "control_plane.json")
     a = p.parse_args()
-    results = []
-    for n in [int(x) for x in a.ranks.split(",")]:
+    results = _parse_log(a.from_log) if a.from_log is not None else []
+    for n in [] if a.from_log is not None else [int(x) for x in a.ranks.split(",")]:
         try:
-            results.append(measure(n, a.procs, a.checks, a.recoveries))
+            protos = [p for p in a.protocols.split(",") if p != "before" or n <= a.before_up_to]
+            results.append(measure(n, a.procs, a.checks, a.recoveries, protos))
         except (OSError, AssertionError, EOFError) as e:
             print(f"  N={n}: not measured on this machine ({type(e).__name__}: {e})", flush=True)
             break
     table = []
     for proto in PROTOCOLS:
-        pts_c = [(r["ranks"], r[proto]["check_cpu"]) for r in results]
-        pts_r = [(r["ranks"], r[proto]["rec_cpu"]) for r in results]
-        fc, fr = fit(pts_c), fit(pts_r)
+        pts_c = [(r["ranks"], r[proto]["check_cpu"]) for r in results if proto in r]
+        pts_r = [(r["ranks"], r[proto]["rec_cpu"]) for r in results if proto in r]
+        if not pts_c:
+            continue
+        # the work grows with the requests, O(N); the old barrier's every-rank multi_get, O(N²)
+        fc, fr = fit(pts_c, 1), fit(pts_r, 2 if proto == "before" else 1)
         for n in [int(x) for x in a.project.split(",")]:
-            got = next((r for r in results if r["ranks"] == n), None)
+            got = next((r for r in results if r["ranks"] == n and proto in r), None)
             row = {"protocol": proto, "ranks": n, "measured": got is not None}
             if got is not None:
                 m = got[proto]
@@ -414,6 +441,18 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"measured": results, "table": table, "interval": a.interval}, indent=1))
     _plot(table, a.out.with_suffix(".png"))
+
+
+def _parse_log(path: Path) -> list[dict[str, Any]]:
+    """The ``N=... protocol key=value`` lines :func:`measure` prints, back into its results."""
+    by_n: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        parts = line.replace("N=", "N= ").split()
+        if len(parts) < 4 or parts[0] != "N=":
+            continue
+        n, proto, kv = int(parts[1]), parts[2], dict(x.split("=") for x in parts[3:])
+        by_n.setdefault(n, {"ranks": n})[proto] = {k: float(v) for k, v in kv.items()}
+    return [by_n[n] for n in sorted(by_n)]
 
 
 def _plot(table: list[dict[str, Any]], path: Path) -> None:

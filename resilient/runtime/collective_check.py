@@ -37,6 +37,8 @@ import torch.distributed as dist
 
 from resilient.errors import SoftFault
 
+_ABSENT = "\x00absent"  # never a count: what a read of a key not posted yet returns
+
 
 class CollectiveDesync(SoftFault):
     """Ranks issued different numbers of collectives in one window (recovered in-process).
@@ -109,9 +111,10 @@ class CollectiveCount:
         k, n, since, step = self._pending
         peer = (self.rank + 1) % self.world
         key = self._key(k, peer)
-        if not block and not self.store.check([key]):
+        got = self._read(key)
+        if got is None and not block:
             return False
-        other = self._await(key)
+        other = got if got is not None else self._await(key)
         self._pending = None
         if other != n:
             where = f"step {step}" if since == step else f"steps {since}-{step}"
@@ -132,26 +135,26 @@ class CollectiveCount:
         self.close_window(step)
         self.settle(block=True)
 
+    def _read(self, key: str) -> int | None:
+        """The neighbour's count, or None if not posted yet: one request (a compare-and-set that
+        never matches returns the value, or our sentinel when the key is absent, creating nothing)."""
+        raw = self.store.compare_set(key, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT.encode() else int(raw)
+
     def _await(self, key: str) -> int:
         # A blocking store wait cannot be interrupted by the runtime (the signal that ends a
         # step is only handled between bytecodes) and a timed-out wait leaves the connection out
         # of step with the server: poll instead. The peer is normally there within a collective's
-        # latency (it just left the same last collective), so the first 0.3 ms poll back to back
-        # (a check is ~15 us here; a sleep, however short, ~170 us), then back off to 10 ms. (Not
-        # longer: on a machine with fewer cores than busy processes a spin takes the CPU from the
-        # very peer it waits for.)
+        # latency (it just left the same last collective), so the first 0.3 ms poll back to back,
+        # then back off to 10 ms. (Not longer: on a machine with fewer cores than busy processes
+        # a spin takes the CPU from the very peer it waits for.)
         spin_until = time.perf_counter() + 0.0003
-        while not self.store.check([key]):
-            if time.perf_counter() > spin_until:
-                self._backoff(key)
-                break
-        return int(self.store.get(key))
-
-    def _backoff(self, key: str) -> None:
         delay = 2e-4
-        while not self.store.check([key]):
-            time.sleep(delay)
-            delay = min(2 * delay, 0.01)
+        while (got := self._read(key)) is None:
+            if time.perf_counter() > spin_until:
+                time.sleep(delay)
+                delay = min(2 * delay, 0.01)
+        return got
 
     def diagnose(self, store: dist.Store) -> str | None:
         """From the monitor thread (its own store connection), while this rank seems hung: a

@@ -56,6 +56,7 @@ REDUCE: dict[str, Callable[[list[str]], str]] = {
 }
 
 OK = "ok"
+_NEVER = "\x00never"  # an expected value no key holds: compare_set(k, _NEVER, _NEVER) only reads k
 CLOSED = "__closed__"  # written to a generation's fault key once every rank finished it
 FOREVER = 365 * 24 * 3600.0  # store-client timeout for a thread that blocks until a fault arrives
 
@@ -164,7 +165,9 @@ class Coordinator:
                 f"barrier {name!r} of generation {generation}: only {n}/{self.world_size} ranks arrived "
                 f"within {self.barrier_timeout:g}s"
             ) from e
-        verdict = self.store.get(release).decode()
+        # (the key exists now: a compare-and-set that never matches reads it in one request,
+        # where a get would wait for it first)
+        verdict = self.store.compare_set(release, _NEVER, _NEVER).decode()
         if not verdict.startswith(f"{OK}\n"):
             raise PeerAborted(f"generation {generation} cannot form: {verdict}")
         return verdict[len(OK) + 1 :]
