@@ -157,6 +157,16 @@ def _scrape(port: int) -> str | None:
         return None
 
 
+def _faults(text: str) -> list[tuple[str, str, float]]:
+    """(kind, rank, count) of each fault series an endpoint served."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return [
+        (s.labels["kind"], s.labels["rank"], s.value) for s in samples if s.name == "resilient_faults_total"
+    ]
+
+
 def test_under_torchrun_local_rank_0_serves_and_a_fault_shows(tmp_path: Path, reference: Any) -> None:
     """`metrics.port` in the config, env:// ranks: rank 0 serves the run's metrics while it trains."""
     port = _free_port()
@@ -170,22 +180,14 @@ def test_under_torchrun_local_rank_0_serves_and_a_fault_shows(tmp_path: Path, re
             if text is not None:
                 seen.append(text)
             assert any(p.poll() is None for p in procs), "the ranks ended before the fault showed"
-            return text is not None and 'resilient_faults_total{kind="exception",rank="1"' in text
+            return text is not None and ("exception", "1", 1.0) in _faults(text)
 
         wait_until(faulted, 60, "the exception in the endpoint's fault count")
 
     res = run_example(tmp_path, 2, "--config", str(cfg), "--fault", "exception@8:1", "--step-ms", "100",
                       on_start=scrape_while_running)  # fmt: skip
     assert res.ok, res.describe()
-    from prometheus_client.parser import text_string_to_metric_families
-
-    faults = [
-        s
-        for f in text_string_to_metric_families(seen[-1])
-        for s in f.samples
-        if s.name == "resilient_faults_total"
-    ]
-    assert [(s.labels["kind"], s.labels["rank"], s.value) for s in faults] == [("exception", "1", 1.0)]
+    assert _faults(seen[-1]) == [("exception", "1", 1.0)]
     assert all("cannot serve" not in r.stderr for r in res.ranks), "only local rank 0 serves"
     states = load_states(tmp_path, 2)
     for rank in range(2):

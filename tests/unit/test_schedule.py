@@ -49,3 +49,19 @@ def test_a_half_share_doubles_the_interval() -> None:
 def test_a_fixed_interval_needs_no_calibration() -> None:
     kept = _run(SnapshotSchedule(SnapshotConfig(interval=5), 0, dist.HashStore(), "iv"), 22, 0.05, 0.01)
     assert kept == [5, 10, 15, 20, 22]
+
+
+def test_rank_0_missing_its_calibration_step_still_decides() -> None:
+    """A peer's fault interrupted rank 0 between a snapshot and its observation at CALIBRATE_AT;
+    the restore then resumes past it. Rank 0 and a peer adopt the same interval, no one waits."""
+    store = dist.HashStore()
+    store.set_timeout(__import__("datetime").timedelta(seconds=2))  # a wait for a missing key fails
+    cfg = SnapshotConfig(max_overhead=0.01)
+    ranks = [SnapshotSchedule(cfg, r, store, "iv") for r in (0, 1)]
+    for nxt in range(2, ADOPT_AT + 3):
+        for r, sched in enumerate(ranks):
+            if r == 0 and nxt == SAMPLES[-1]:
+                continue  # rank 0 never observed CALIBRATE_AT
+            sched.due(nxt, None)
+            sched.observe(nxt, 0.05, 0.002 if nxt in SAMPLES else None)
+    assert ranks[0].interval == ranks[1].interval is not None
