@@ -52,7 +52,7 @@ class SnapshotSchedule:
         if k < ADOPT_AT:
             return k in SAMPLES
         if self.interval is None:  # (observe() normally adopted it one step earlier)
-            self._adopt()
+            self.interval = self._adopt()
         return (k - ADOPT_AT) % self.interval == 0
 
     def observe(self, nxt: int, step_s: float | None, capture_s: float | None) -> None:
@@ -66,16 +66,16 @@ class SnapshotSchedule:
         if k == CALIBRATE_AT and self.rank == 0:
             self._store.compare_set(self._key, "", str(self.choose()))
         if k == ADOPT_AT - 1 and self.interval is None:  # in force from the next step on
-            self._adopt()
+            self.interval = self._adopt()
 
-    def _adopt(self) -> None:
+    def _adopt(self) -> int:
         """Take rank 0's interval. Rank 0 proposes again first (a no-op when it did at
         CALIBRATE_AT): a peer's fault can interrupt rank 0's step between its snapshot and this
         schedule's observation of it, and a restore to a later step then skips CALIBRATE_AT; every
         rank, rank 0 too, would wait for a key no one writes."""
         if self.rank == 0:
             self._store.compare_set(self._key, "", str(self.choose()))
-        self.interval = int(self._store.get(self._key))
+        return int(self._store.get(self._key))
 
     def choose(self) -> int:
         """Smallest interval whose cost per step fits the budget (a share of a step's time)."""
