@@ -130,10 +130,10 @@ def test_prometheus_sees_the_faults_restarts_and_goodput_the_log_records(tmp_pat
         recover = prom.vector(f"max_over_time(resilient_recovery_seconds_count{rng})", "mode")
         assert recover == {"in_process": 1.0, "replacement": 1.0, "relaunch": 0.0}
         last = prom.get("/api/v1/query", query=f"last_over_time(resilient_last_fault_info{rng})")["result"]
-        assert {(r["metric"]["kind"], r["metric"]["rank"]) for r in last} == {
-            ("exception", "1"),
-            ("no_heartbeat", "1"),
-        }
+        # (the endpoint recomputes at most every 5 s: a fault that was the newest for less may
+        # never be scraped as such; the labels of one fault change as it is learnt, e.g. its mode)
+        seen = {(r["metric"]["kind"], r["metric"]["rank"]) for r in last}
+        assert ("no_heartbeat", "1") in seen and seen <= {("exception", "1"), ("no_heartbeat", "1")}, last
         newest = prom.vector(f"last_over_time(resilient_last_fault_timestamp_seconds{rng})", "run_id")
         assert list(newest.values()) == [pytest.approx(acc.incidents[-1].start, abs=1e-3)]
         steps = prom.vector(f"max_over_time(resilient_step{rng})", "rank")
