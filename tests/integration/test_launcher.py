@@ -77,6 +77,10 @@ class Launch:
                         os.killpg(int(e["pid"]), signal.SIGKILL)
             for hb in Path("/dev/shm").glob(f"resilient-hb-*-{self.p.pid}"):
                 shutil.rmtree(hb, ignore_errors=True)
+            # the launcher's snapshots, which its own exit removes (not a SIGKILL's)
+            for seg in Path("/dev/shm").glob(f"resilient-*-{self.p.pid}"):
+                if seg.is_file():
+                    seg.unlink(missing_ok=True)
             self.log.close()
 
 
