@@ -75,12 +75,9 @@ class Launch:
                 if e["event"] == "run_started" and e["rank"] >= 0:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(int(e["pid"]), signal.SIGKILL)
-            for hb in Path("/dev/shm").glob(f"resilient-hb-*-{self.p.pid}"):
-                shutil.rmtree(hb, ignore_errors=True)
-            # the launcher's snapshots, which its own exit removes (not a SIGKILL's)
-            for seg in Path("/dev/shm").glob(f"resilient-*-{self.p.pid}"):
-                if seg.is_file():
-                    seg.unlink(missing_ok=True)
+            # heartbeats, and the snapshots the launcher's own exit removes (a SIGKILL's does not)
+            for left in Path("/dev/shm").glob(f"resilient-*-{self.p.pid}"):
+                shutil.rmtree(left, ignore_errors=True)
             self.log.close()
 
 
