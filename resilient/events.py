@@ -132,6 +132,33 @@ def read_run_events(runs_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: e["ts"])
 
 
+class LogTail:
+    """One events.jsonl file, read incrementally: each :meth:`poll` returns the records appended
+    since the last one (a line still being written waits for the next poll; a torn or foreign
+    line is skipped)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._pos = 0
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._pos)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self._pos += end
+        out = []
+        for line in chunk[:end].splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if isinstance(rec, dict):
+                    out.append(rec)
+        return out
+
+
 class EventTail:
     """The event logs under ``runs_dir``, read incrementally: each :meth:`poll` returns the records
     appended since the last one (a long run's log grows to ~10^5 lines; re-reading all of it on
@@ -139,18 +166,10 @@ class EventTail:
 
     def __init__(self, runs_dir: str | os.PathLike[str]) -> None:
         self.runs_dir = Path(runs_dir)
-        self._pos: dict[Path, int] = {}
+        self._tails: dict[Path, LogTail] = {}
 
     def poll(self) -> list[dict[str, Any]]:
         new: list[dict[str, Any]] = []
         for f in self.runs_dir.glob("*/events.jsonl"):
-            pos = self._pos.get(f, 0)
-            with open(f, "rb") as fh:
-                fh.seek(pos)
-                chunk = fh.read()
-            end = chunk.rfind(b"\n") + 1  # a line being written now: next time
-            self._pos[f] = pos + end
-            for line in chunk[:end].splitlines():
-                with contextlib.suppress(ValueError):
-                    new.append(json.loads(line))
+            new += self._tails.setdefault(f, LogTail(f)).poll()
         return new

@@ -8,6 +8,7 @@ frozen worker (SIGSTOP, a hang holding the GIL) simply stops storing.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -101,6 +102,18 @@ class Heartbeat:
             halt.set()
             self._thread.join(timeout=5)
         self._mm.close()
+
+
+def read_beats(directory: Path) -> dict[int, Beat]:
+    """local rank -> last beat, of every worker that beat in ``directory`` (an unreadable file is
+    left out: a worker being replaced, a directory being removed)."""
+    out: dict[int, Beat] = {}
+    for p in sorted(directory.glob("rank*.hb")):
+        with contextlib.suppress(ValueError, OSError):
+            b = read_beat(p)
+            if b is not None:
+                out[int(p.stem[4:])] = b
+    return out
 
 
 def read_beat(path: Path) -> Beat | None:

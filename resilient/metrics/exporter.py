@@ -15,7 +15,6 @@ is answered — each is one warning, and the run goes on without (that part of) 
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,37 +24,16 @@ from typing import Any
 
 from loguru import logger
 
+from resilient.events import LogTail
+from resilient.launcher.heartbeat import read_beats
 from resilient.metrics.accounting import CAUSES, OTHER, Accounting, account
+
+__all__ = ["Exporter", "LogTail", "Model", "RunMetrics", "build_model"]
 
 DETECT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RECOVER_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 BLOCK_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 DURABLE_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
-
-
-class LogTail:
-    """One events.jsonl file, read incrementally (a line still being written waits for the next poll)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._pos = 0
-
-    def poll(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self._pos)
-                chunk = fh.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n") + 1
-        self._pos += end
-        out = []
-        for line in chunk[:end].splitlines():
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if isinstance(rec, dict):
-                    out.append(rec)
-        return out
 
 
 @dataclass
@@ -190,15 +168,7 @@ class RunMetrics:
         """local rank -> (age s, step, generation) of each worker's last beat."""
         if self.heartbeat_dir is None:
             return {}
-        from resilient.launcher.heartbeat import read_beat
-
-        out = {}
-        for p in sorted(self.heartbeat_dir.glob("rank*.hb")):
-            with contextlib.suppress(ValueError, OSError):
-                b = read_beat(p)
-                if b is not None:
-                    out[int(p.stem[4:])] = (b.age_s, b.step, b.generation)
-        return out
+        return {r: (b.age_s, b.step, b.generation) for r, b in read_beats(self.heartbeat_dir).items()}
 
     # -- a scrape -----------------------------------------------------------------------------
     def collect(self) -> Iterator[Any]:
@@ -350,6 +320,14 @@ class RunMetrics:
                 left,
             )
 
+    def _per_rank(self, name: str, doc: str, values: dict[int, float]) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        f = GaugeMetricFamily(name, doc, labels=["run_id", "rank"])
+        for r, v in sorted(values.items()):
+            f.add_metric([self.run_id, str(r)], v)
+        return f
+
     def _live(self, m: Model) -> Iterator[Any]:
         """What changes between two reads of the log: the heartbeats, and steps they carry."""
         from prometheus_client.core import GaugeMetricFamily
@@ -374,18 +352,12 @@ class RunMetrics:
             step_ts.add_metric([self.run_id, str(r)], ts)
         yield step
         yield step_ts
-        st = GaugeMetricFamily("resilient_step_seconds", "recent step time", labels=[*labels, "rank"])
-        for r, v in sorted(m.step_s.items()):
-            st.add_metric([self.run_id, str(r)], v)
-        yield st
-        ov = GaugeMetricFamily(
+        yield self._per_rank("resilient_step_seconds", "recent step time", m.step_s)
+        yield self._per_rank(
             "resilient_runtime_seconds_per_step",
             "the runtime's own time per step (snapshots, checks)",
-            labels=[*labels, "rank"],
+            m.runtime_s_per_step,
         )
-        for r, v in sorted(m.runtime_s_per_step.items()):
-            ov.add_metric([self.run_id, str(r)], v)
-        yield ov
         hb = GaugeMetricFamily(
             "resilient_heartbeat_age_seconds",
             "since a worker's last heartbeat",

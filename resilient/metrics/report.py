@@ -8,7 +8,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from resilient.events import read_events
 from resilient.metrics.accounting import CAUSES, OTHER, Accounting, Incident, account
 
 COLORS = {
@@ -195,19 +194,9 @@ def status_table(events: list[dict[str, Any]], beats: dict[int, tuple[float, int
 
 def heartbeats(run_id: str) -> dict[int, tuple[float, int, int]]:
     """This node's heartbeats of ``run_id`` (under ``resilient launch``): local rank -> (age, step, gen)."""
-    from resilient.launcher.heartbeat import read_beat
+    from resilient.launcher.heartbeat import read_beats
 
     out: dict[int, tuple[float, int, int]] = {}
     for d in Path("/dev/shm").glob(f"resilient-hb-{run_id}-*"):
-        for p in d.glob("rank*.hb"):
-            try:
-                b = read_beat(p)
-            except (OSError, ValueError):
-                continue
-            if b is not None:
-                out[int(p.stem[4:])] = (b.age_s, b.step, b.generation)
+        out.update({r: (b.age_s, b.step, b.generation) for r, b in read_beats(d).items()})
     return out
-
-
-def load(log: Path) -> list[dict[str, Any]]:
-    return read_events(log)
