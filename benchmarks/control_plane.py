@@ -21,9 +21,13 @@ for three protocols side by side:
   compare-and-set that never matches), the listener's one blocking ``get``; the barrier reduced
   by its last arrival, which reads every payload once and writes the result into the release
   key every rank reads in one request: O(N);
-- ``node``: the same with the ranks of a node (8) aggregated by a node leader (local rank 0):
-  only leaders and the ring's node-crossing pairs reach the store. Node-local hand-offs are free
-  here (in the runtime they would be shared memory). Simulated, not built.
+- ``node``: the runtime's protocol when the job spans nodes (``node_aggregation``, 8 ranks per
+  node here): a node's ranks meet on their node's own store and reach the job's as one (the
+  leader's listener, the node's block in each barrier, the ring's node-crossing pairs). Only the
+  job's server is simulated: the node-local hand-offs go to other servers, one per node.
+
+Every protocol includes what a recovering rank asks between the fault and its release: the
+listener's read, its own account of the fault, the ``store`` health check, the barrier.
 
 Reported per N and protocol: store requests, the server's CPU time (read from /proc: the server
 is single-threaded, so this is the time it is busy, the floor of any latency), and the wall time.
@@ -157,19 +161,36 @@ async def check_flat(c: Client, rank: int, world: int, k: int, _local: Any) -> N
 
 
 async def check_node(c: Client, rank: int, world: int, k: int, _local: Any) -> None:
-    """Node-aggregated: a ring neighbour on the same node is compared in shared memory; only the
-    node-crossing pairs (a node's last rank and the next node's first) use the store."""
-    if rank % NODE == 0 and world > NODE:  # its ring predecessor is on another node
-        await c.set(f"fp/{k % 2}/{rank}", f"{k}:12")
-    if world > NODE and ((rank + 1) % NODE == 0 or rank == world - 1):  # its successor is
-        peer = f"fp/{k % 2}/{(rank + 1) % world}"
-        while not await c.check([peer]) or not (await c.get(peer)).startswith(f"{k}:".encode()):
+    """Node-linked (as built): neighbours on one node compare on their node's store (not the job's:
+    not simulated); a node's first rank posts its count to the job's store too, where the previous
+    node's last rank reads it (one compare-and-set, polled while absent), and deletes its key of
+    the window before."""
+    if world <= NODE:
+        return
+    if rank % NODE == 0:
+        await c.set(f"fp/{k}/{rank}", "12")
+        if k > 0:
+            await c.delete(f"fp/{k - 1}/{rank}")
+    if (rank + 1) % NODE == 0 or rank == world - 1:  # its ring successor is the next node's first
+        peer = f"fp/{k}/{(rank + 1) % world}"
+        while await c.compare_set(peer, "\x00absent", "\x00absent") == b"\x00absent":
             await asyncio.sleep(0.0003)
+
+
+async def _health(c: Client, rank: int, g: int) -> None:
+    """The ``store`` health check every recovering rank runs: a set and a get (a wait + a get)."""
+    await c.set(f"health/g{g}/r{rank}", "1")
+    await c.get(f"health/g{g}/r{rank}")
 
 
 async def recover_before(c: Client, rank: int, world: int, g: int, local: Any) -> float:
     await c.wait([f"g{g}/fault"])  # the listener's pending wait returns
     await c.get(f"g{g}/fault")
+    # each interrupted rank posted its own fault: observation, primary, the done barrier's release
+    await c.set(f"g{g}/fault/{rank}", "{}")
+    await c.compare_set(f"g{g}/fault", "", "{}")
+    await c.compare_set(f"g{g}/done/release", "", "fault")
+    await _health(c, rank, g)
     await c.set(f"g{g}/recover/{rank}", "[40, 30]")
     if await c.add(f"g{g}/recover/count", 1) == world:
         await c.compare_set(f"g{g}/recover/release", "", "ok")
@@ -181,6 +202,8 @@ async def recover_before(c: Client, rank: int, world: int, g: int, local: Any) -
 
 async def recover_flat(c: Client, rank: int, world: int, g: int, local: Any) -> float:
     await c.get(f"g{g}/fault")  # the listener's one blocking get
+    await c.set(f"g{g}/fault/{rank}", "{}")  # its own account; the primary is already known
+    await _health(c, rank, g)
     await c.set(f"g{g}/recover/{rank}", "[40, 30]")
     if await c.add(f"g{g}/recover/count", 1) == world:
         await c.multi_get([f"g{g}/recover/{r}" for r in range(world)])  # read once, reduced here
@@ -191,8 +214,10 @@ async def recover_flat(c: Client, rank: int, world: int, g: int, local: Any) -> 
 
 
 async def recover_node(c: Client, rank: int, world: int, g: int, local: Any) -> float:
-    """Node-aggregated: the leader listens and joins the barrier for its node; the others learn
-    both through the node (free here)."""
+    """Node-linked (as built): the leader's listener hears the fault and hands it to its node; each
+    rank's account and health check go to the node's store; the node's last arrival carries the
+    node's payloads as one block (here the leader: the same requests) and hands the verdict back.
+    The node-local hand-offs are not simulated (loopback, the node's own server)."""
     seen, released = local
     if rank % NODE:
         await seen.wait()
@@ -200,10 +225,13 @@ async def recover_node(c: Client, rank: int, world: int, g: int, local: Any) -> 
         return time.monotonic()
     await c.get(f"g{g}/fault")
     seen.set()
-    nodes = (world + NODE - 1) // NODE
-    await c.set(f"g{g}/recover/{rank // NODE}", "[40, 30]")
-    if await c.add(f"g{g}/recover/count", 1) == nodes:
-        await c.multi_get([f"g{g}/recover/{n}" for n in range(nodes)])
+    await _health(c, rank, g)
+    size = min(NODE, world - rank)
+    await c.set(f"g{g}/recover/b/{rank}", json.dumps(["[40, 30]"] * size))
+    await c.append(f"g{g}/recover/blocks", f"{rank},")
+    if await c.add(f"g{g}/recover/count", size) == world:
+        firsts = sorted(int(f) for f in (await c.get(f"g{g}/recover/blocks")).decode().split(",") if f)
+        await c.multi_get([f"g{g}/recover/b/{f}" for f in firsts])
         await c.compare_set(f"g{g}/recover/release", "", "ok:40")
     await c.wait([f"g{g}/recover/release"])
     await c.compare_set(f"g{g}/recover/release", "\x00never", "\x00never")

@@ -189,6 +189,11 @@ class Config(_Model):
         "(a rank that skipped a collective is a desync fault, never a silently wrong snapshot); off "
         "only where ranks legitimately issue different collectives on the default group",
     )
+    node_aggregation: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="a node's ranks reach the job's store through a store of their node (control-plane.md);"
+        " auto: when the job spans more than one node",
+    )
     restart: RestartConfig = Field(default_factory=RestartConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)

@@ -51,6 +51,8 @@ class Event(str, enum.Enum):
     WORKERS_STARTED = "workers_started"  # the agent started (or restarted) its workers
     CHECKPOINT_DURABLE = "checkpoint_durable"  # a rank's part of a checkpoint is written (its write time)
     FAULT_REPORT = "fault_report"  # what the rank that faulted (or the agent) saw: stacks, traceback
+    NODE_LINK = "node_link"  # at start: this rank reaches the job's store through its node's, or why not
+    NODE_LINK_LOST = "node_link_lost"  # the node's store (local rank 0's) is gone: the job's store alone
 
 
 class EventLog:

@@ -25,6 +25,7 @@ class Var(str, enum.Enum):
     RANK = "RANK"
     WORLD_SIZE = "WORLD_SIZE"
     LOCAL_RANK = "LOCAL_RANK"
+    LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
     MASTER_ADDR = "MASTER_ADDR"
     MASTER_PORT = "MASTER_PORT"
     USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
@@ -55,6 +56,7 @@ class Endpoint:
     world_size: int
     local_rank: int
     hosts_store: bool
+    local_world_size: int = 1  # ranks on this node (torchrun numbers them contiguously)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class LaunchEnv:
             rank = int(get(Var.RANK) or 0)
             world = int(get(Var.WORLD_SIZE) or 1)
             local_rank = int(get(Var.LOCAL_RANK) or rank)
+            local_world = int(get(Var.LOCAL_WORLD_SIZE) or 1)
             restart_count = int(get(Var.RESTART_COUNT) or 0)
             interval = float(get(Var.HEARTBEAT_INTERVAL) or 1.0)
             launcher = get(Var.LAUNCHER_PID)
@@ -99,6 +102,8 @@ class LaunchEnv:
             raise CoordinationError(f"malformed launch environment: {e}") from e
         if not 0 <= rank < world:
             raise CoordinationError(f"{Var.RANK}={rank} is outside {Var.WORLD_SIZE}={world}")
+        if not (0 <= local_rank <= rank and local_rank < local_world <= world):
+            local_world = 1  # not torchrun's numbering: no node is assumed
         host, port = get(Var.MASTER_ADDR), get(Var.MASTER_PORT)
         if host is None or port is None:
             if world > 1:
@@ -110,7 +115,9 @@ class LaunchEnv:
         else:
             agent_store = (get(Var.USE_AGENT_STORE) or "").lower() == "true"
             hosts = rank == 0 and not agent_store
-            ep = Endpoint(host, int(port), rank, world, local_rank, hosts_store=hosts)
+            ep = Endpoint(
+                host, int(port), rank, world, local_rank, hosts_store=hosts, local_world_size=local_world
+            )
         run_id = get(Var.RUN_ID) or get(Var.ELASTIC_RUN_ID)
         signals = get(Var.PREEMPT_SIGNALS)
         hb_dir = get(Var.HEARTBEAT_DIR)

@@ -25,17 +25,26 @@ A rank blocked in a collective its peer never issued never reaches the next chec
 sees a hang, and :meth:`CollectiveCount.diagnose` turns it into a desync when a neighbour
 completed the same window after fewer collectives than this rank has issued in it so far.
 
+On a job linked by node (:mod:`resilient.runtime.node`), ring neighbours on one node compare on
+their node's store; a node's first rank also posts to the job's store, where the previous node's
+last rank reads it: the job's server sees two requests per node and check.
+
 Ranks that legitimately issue different collectives on the default group (e.g. pipeline stages'
 point-to-point traffic on it) turn the check off: ``collective_check: false``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from resilient.errors import SoftFault
+
+if TYPE_CHECKING:
+    from resilient.runtime.coordinator import Coordinator
 
 _ABSENT = "\x00absent"  # never a count: what a read of a key not posted yet returns
 
@@ -61,13 +70,16 @@ class CollectiveCount:
     """Collective counts of one rank per check window, posted under ``<prefix>/<k>/<rank>`` for
     the ``k``-th check of the generation (every rank checks at the same steps)."""
 
-    def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int) -> None:
+    def __init__(
+        self, store: dist.Store, prefix: str, rank: int, world_size: int, coord: Coordinator | None = None
+    ) -> None:
         self.store, self.prefix, self.rank, self.world = store, prefix, rank, world_size
+        self.coord = coord  # its node link, while it lasts
         self.step: int | None = None
         self.checks = 0  # windows closed so far
         self._since: int | None = None  # the first step of the open window
         self._base = _seq()
-        self._posted: list[int] = []  # own keys not yet deleted
+        self._posted: list[tuple[int, dist.Store]] = []  # own keys not yet deleted, and where
         self._pending: tuple[int, int, int, int] | None = None  # (k, count, first step, last step)
 
     def _key(self, k: int, rank: int) -> str:
@@ -96,8 +108,12 @@ class CollectiveCount:
         seq = _seq()
         n, since = seq - self._base, self._since if self._since is not None else step
         k = self.checks
-        self.store.set(self._key(k, self.rank), str(n))
-        self._posted.append(k)
+        try:
+            self._post(k, n, self._stores_to_post())
+        except dist.DistNetworkError as e:  # the node's store died: post where the neighbour reads now
+            assert self.coord is not None
+            self.coord.lose(e)
+            self._post(k, n, [self.store])
         self.checks, self._base, self._since = k + 1, seq, None
         if self.world > 1:
             self._pending = (k, n, since, step)
@@ -111,10 +127,10 @@ class CollectiveCount:
         k, n, since, step = self._pending
         peer = (self.rank + 1) % self.world
         key = self._key(k, peer)
-        got = self._read(key)
+        got = self._read(key, peer)
         if got is None and not block:
             return False
-        other = got if got is not None else self._await(key)
+        other = got if got is not None else self._await(key, peer)
         self._pending = None
         if other != n:
             where = f"step {step}" if since == step else f"steps {since}-{step}"
@@ -124,9 +140,10 @@ class CollectiveCount:
                 window_end=step,
             )
         if n > 0:  # a collective in this window means every rank finished reading the ones before
-            for old in [c for c in self._posted if c < k]:
-                self.store.delete_key(self._key(old, self.rank))
-            self._posted = [c for c in self._posted if c >= k]
+            for old, held in [p for p in self._posted if p[0] < k]:
+                with contextlib.suppress(dist.DistNetworkError):  # (a lost node's store, keys and all)
+                    held.delete_key(self._key(old, self.rank))
+            self._posted = [p for p in self._posted if p[0] >= k]
         return True
 
     def check(self, step: int) -> None:
@@ -135,13 +152,37 @@ class CollectiveCount:
         self.close_window(step)
         self.settle(block=True)
 
-    def _read(self, key: str) -> int | None:
+    def _post(self, k: int, n: int, stores: list[dist.Store]) -> None:
+        for where in stores:
+            where.set(self._key(k, self.rank), str(n))
+            self._posted.append((k, where))
+
+    def _stores_to_post(self) -> list[dist.Store]:
+        """The node's store (for the neighbour on this node) and, for a node's first rank (whose
+        ring predecessor is on the node before) or an unlinked rank, the job's."""
+        node = self.coord.node if self.coord is not None else None
+        if node is None:
+            return [self.store]
+        return [node.store, self.store] if self.rank == node.first else [node.store]
+
+    def _read(self, key: str, peer: int) -> int | None:
         """The neighbour's count, or None if not posted yet: one request (a compare-and-set that
         never matches returns the value, or our sentinel when the key is absent, creating nothing)."""
-        raw = self.store.compare_set(key, _ABSENT, _ABSENT)
+        coord = self.coord
+        node = coord.node if coord is not None else None
+        raw: bytes | None = None
+        if coord is not None and node is not None and node.holds(peer):
+            try:
+                raw = node.store.compare_set(key, _ABSENT, _ABSENT)
+            except dist.DistNetworkError as e:
+                # the node's leader died: the neighbour falls back as this rank does and posts
+                # to the job's store from now on
+                coord.lose(e)
+        if raw is None:
+            raw = self.store.compare_set(key, _ABSENT, _ABSENT)
         return None if raw == _ABSENT.encode() else int(raw)
 
-    def _await(self, key: str) -> int:
+    def _await(self, key: str, peer: int) -> int:
         # A blocking store wait cannot be interrupted by the runtime (the signal that ends a
         # step is only handled between bytecodes) and a timed-out wait leaves the connection out
         # of step with the server: poll instead. The peer is normally there within a collective's
@@ -150,7 +191,7 @@ class CollectiveCount:
         # a spin takes the CPU from the very peer it waits for.)
         spin_until = time.perf_counter() + 0.0003
         delay = 2e-4
-        while (got := self._read(key)) is None:
+        while (got := self._read(key, peer)) is None:
             if time.perf_counter() > spin_until:
                 time.sleep(delay)
                 delay = min(2 * delay, 0.01)
@@ -166,12 +207,14 @@ class CollectiveCount:
         n, k = self.issued(), self.checks
         since = self._since if self._since is not None else step
         where = f"step {step}" if since == step else f"steps {since}-{step}"
+        node = self.coord.node if self.coord is not None else None
         for peer in sorted({(self.rank - 1) % self.world, (self.rank + 1) % self.world}):
             key = self._key(k, peer)
+            s = node.monitor if node is not None and node.holds(peer) else store
             try:
-                if not store.check([key]):
+                if not s.check([key]):
                     continue
-                other = int(store.get(key))
+                other = int(s.get(key))
             except Exception:  # the store is unreachable: no diagnosis, the hang stands
                 return None
             if other < n:

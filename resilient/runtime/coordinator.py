@@ -17,15 +17,22 @@ Barriers cost O(1) requests per rank at any size: each rank posts its payload an
 in; the last to arrive reads every payload once, reduces them (the step every rank can restore,
 any/all of a vote, rank 0's choice) and writes the result into the release key every rank reads.
 (Every rank reading every payload was O(N²) keys at the server: 268 M at 16,384 ranks.)
+When the job spans several nodes, a node's ranks meet on their node's own store first and reach
+the job's as one (:mod:`resilient.runtime.node`): a barrier's payloads then arrive in blocks
+(``<name>/b/<first rank>``, listed in ``<name>/blocks``), each counting as many ranks as it holds.
 docs/control-plane.md lists every key, who writes and reads it, and how often.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +41,7 @@ import torch.distributed as dist
 from resilient.errors import CoordinationError, PeerAborted
 from resilient.launch_env import Endpoint, LaunchEnv
 from resilient.runtime.faults import FaultRecord
+from resilient.runtime.node import NodeLink, NodeLinkLost
 
 
 def restore_plan(payloads: list[str]) -> str:
@@ -53,6 +61,7 @@ REDUCE: dict[str, Callable[[list[str]], str]] = {
     "any": lambda vs: "1" if any(v == "1" for v in vs) else "0",
     "all": lambda vs: "1" if all(v == "1" for v in vs) else "0",
     "first": lambda vs: vs[0],  # rank 0's
+    "same": lambda vs: "1" if len(set(vs)) <= 1 else "0",
 }
 
 OK = "ok"
@@ -96,28 +105,95 @@ def agree_run_id(store: dist.Store, environ: Mapping[str, str] | None = None) ->
     return store.compare_set("resilient/run_id", "", proposal).decode()
 
 
-class Coordinator:
-    """Generation-scoped key protocol on the run's store (main-thread connection)."""
+def _release(store: dist.Store, key: str, verdict: str) -> None:
+    store.compare_set(key, "", verdict)
 
-    def __init__(self, store: dist.Store, namespace: str, rank: int, world_size: int, barrier_timeout: float):
+
+@dataclass(frozen=True)
+class Barrier:
+    base: str  # its keys' prefix
+    label: str  # its name in an error
+    reduce: Callable[[list[str]], str]
+    timeout: float
+
+
+class Coordinator:
+    """Generation-scoped key protocol on the run's store (main-thread connection), through the
+    node's store where this rank has one (``node``; ``blocks``: the job's barriers take blocks,
+    which every rank of a job agrees on, linked or not)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        namespace: str,
+        rank: int,
+        world_size: int,
+        barrier_timeout: float,
+        *,
+        blocks: bool = False,
+        node: NodeLink | None = None,
+        on_lost: Callable[[str], None] | None = None,
+    ):
         self.store = store
         self.ns = namespace
         self.rank = rank
         self.world_size = world_size
         self.barrier_timeout = barrier_timeout
+        self.blocks = blocks
+        self.node = node
+        self._on_lost = on_lost
+        self._lost_lock = threading.Lock()
 
     def key(self, generation: int, *parts: object) -> str:
         return "/".join([self.ns, f"g{generation}", *map(str, parts)])
 
+    # -- the node's store -----------------------------------------------------------------------
+    def lose(self, e: BaseException) -> NodeLinkLost:
+        """The node's store failed under us: from now on this rank uses the job's store alone.
+        Reported once (``on_lost``), whichever thread saw it first."""
+        with self._lost_lock:
+            node, self.node = self.node, None
+            if node is not None and node.lost is None:
+                node.lost = f"{type(e).__name__}: {e}".splitlines()[0]
+                if self._on_lost is not None:
+                    self._on_lost(node.lost)
+        return NodeLinkLost(f"rank {self.rank}: the node's store is gone ({node.lost if node else e})")
+
+    def _node_call(self, fn: Callable[[dist.Store], Any], store: str = "store") -> tuple[bool, Any]:
+        """``fn(node's store)``: (True, its result), or (False, None) with no link (or one lost
+        now: reported, and the caller goes on with the job's store)."""
+        node = self.node
+        if node is None:
+            return False, None
+        try:
+            return True, fn(getattr(node, store))
+        except dist.DistNetworkError as e:
+            self.lose(e)
+            return False, None
+
     # -- faults ---------------------------------------------------------------------------------
-    def post_fault(self, rec: FaultRecord, store: dist.Store | None = None) -> FaultRecord:
-        """Publish this rank's observation; return the generation's primary fault (maybe ours)."""
+    def post_fault(
+        self, rec: FaultRecord, store: dist.Store | None = None, known: FaultRecord | None = None
+    ) -> FaultRecord:
+        """Publish this rank's observation; return the generation's primary fault (maybe ours).
+        ``known``: the primary this rank already heard of; then the job's store is not asked again
+        (on a linked rank, the observation stays on the node's store)."""
         s = store or self.store
         raw = rec.to_json()
-        s.set(self.key(rec.generation, "fault", rec.rank), raw)
+        which = "monitor" if store is not None else "store"
+        own, done = self.key(rec.generation, "fault", rec.rank), self.key(rec.generation, "done", "release")
+        if known is not None:
+            posted, _ = self._node_call(lambda ns: ns.set(own, raw), which)
+            if not posted:
+                s.set(own, raw)
+            # (ranks of this node that already returned wait in the done barrier here)
+            self._node_call(lambda ns: ns.compare_set(done, "", "fault"), which)
+            return known
+        s.set(own, raw)
         primary = s.compare_set(self.key(rec.generation, "fault"), "", raw)
         # wake ranks that already returned from the function and wait in the done barrier
-        s.compare_set(self.key(rec.generation, "done", "release"), "", "fault")
+        s.compare_set(done, "", "fault")
+        self._node_call(lambda ns: ns.compare_set(done, "", "fault"), which)
         return FaultRecord.from_json(primary)
 
     def primary_fault(self, generation: int, store: dist.Store | None = None) -> FaultRecord | None:
@@ -130,44 +206,123 @@ class Coordinator:
 
     def wait_fault(self, generation: int, store: dist.Store) -> FaultRecord | None:
         """Block until generation's fault key is written; the record, or None if it closed cleanly.
-        (``get`` itself waits for the key: one request, on a connection that never times out.)"""
-        raw = store.get(self.key(generation, "fault"))
+        (``get`` itself waits for the key: one request, on a connection that never times out.)
+        A linked rank waits on its node's store, where the node's leader copies what it hears."""
+        k = self.key(generation, "fault")
+        node = self.node
+        if node is not None and not node.leader:
+            try:
+                raw = node.listener.get(k)
+            except dist.DistNetworkError as e:
+                # the leader left: after a clean finish it closed the generation first, so a
+                # closed key on the job's store means nothing was lost
+                if store.compare_set(k, _NEVER, _NEVER).decode() == CLOSED:
+                    return None
+                self.lose(e)
+                raw = store.get(k)
+        else:
+            raw = store.get(k)
+            if node is not None:  # the leader relays it to the node (its own server: cannot fail)
+                node.listener.compare_set(k, "", raw.decode())
         return None if raw.decode() == CLOSED else FaultRecord.from_json(raw)
 
     def close_generation(self, generation: int) -> None:
         """After every rank finished: release listeners blocked on this generation's fault key."""
-        self.store.compare_set(self.key(generation, "fault"), "", CLOSED)
+        k = self.key(generation, "fault")
+        linked, _ = self._node_call(lambda ns: ns.compare_set(k, "", CLOSED))
+        if not linked or self.node is None or self.node.leader:
+            self.store.compare_set(k, "", CLOSED)
 
     def observations(self, generation: int) -> list[dict[str, object]]:
-        out = []
-        for r in range(self.world_size):
-            k = self.key(generation, "fault", r)
-            if self.store.check([k]):
-                out.append(json.loads(self.store.get(k)))
-        return out
+        """Every rank's own account of the fault, for the diagnosis (a linked rank's peers on other
+        nodes posted theirs to their nodes' stores: the job's store holds the ones that posted there)."""
+        out = {}
+        for s in [self.store] + ([self.node.store] if self.node is not None else []):
+            for r in range(self.world_size):
+                k = self.key(generation, "fault", r)
+                with contextlib.suppress(dist.DistNetworkError):
+                    if r not in out and s.check([k]):
+                        out[r] = json.loads(s.get(k))
+        return [out[r] for r in sorted(out)]
 
     # -- barriers -------------------------------------------------------------------------------
+    def _job_arrive(self, at: Barrier, first: int, payloads: list[str]) -> str:
+        """Arrive at the job's barrier ``base`` for ranks ``first ...`` with their payloads; the
+        last arrival reduces every rank's payload once. Returns the release key's raw verdict."""
+        s, base = self.store, at.base
+        if self.blocks:
+            s.set(f"{base}/b/{first}", json.dumps(payloads))
+            s.append(f"{base}/blocks", f"{first},")  # type: ignore[attr-defined]
+        else:
+            s.set(f"{base}/{first}", payloads[0])
+        arrived = s.add(f"{base}/count", len(payloads))
+        release = f"{base}/release"
+        if arrived == self.world_size:
+            if self.blocks:
+                firsts = sorted(int(f) for f in s.get(f"{base}/blocks").decode().split(",") if f)
+                got = [p for v in s.multi_get([f"{base}/b/{f}" for f in firsts]) for p in json.loads(v)]
+            else:
+                got = [v.decode() for v in s.multi_get([f"{base}/{r}" for r in range(self.world_size)])]
+            if len(got) == self.world_size:
+                s.compare_set(release, "", f"{OK}\n{at.reduce(got)}")
+            else:  # a rank counted twice (cannot happen unless a block is malformed): stop here
+                s.compare_set(release, "", f"{len(got)} payloads for {self.world_size} ranks")
+        try:
+            s.wait([release], timedelta(seconds=at.timeout))
+        except Exception as e:
+            raise self._late(at) from e
+        # (the key exists now: a compare-and-set that never matches reads it in one request,
+        # where a get would wait for it first)
+        return s.compare_set(release, _NEVER, _NEVER).decode()
+
+    def _late(self, at: Barrier) -> CoordinationError:
+        n = self.store.add(f"{at.base}/count", 0)
+        return CoordinationError(
+            f"barrier {at.label}: only {n}/{self.world_size} ranks arrived within {at.timeout:g}s"
+        )
+
+    def _node_arrive(self, node: NodeLink, at: Barrier, payload: str) -> str:
+        """The same through the node's store: the node's last arrival carries every payload of
+        the node to the job's barrier as one block, and hands the verdict back to the node."""
+        ns, base = node.store, at.base
+        try:
+            ns.set(f"{base}/{self.rank}", payload)
+        except dist.DistNetworkError as e:  # gone before this rank counted in: it arrives alone
+            self.lose(e)
+            return self._job_arrive(at, self.rank, [payload])
+        try:
+            if ns.add(f"{base}/count", 1) == node.size:
+                got = [v.decode() for v in ns.multi_get([f"{base}/{r}" for r in node.ranks])]
+                try:
+                    verdict = self._job_arrive(at, node.first, got)
+                except CoordinationError as e:
+                    ns.compare_set(f"{base}/release", "", str(e))
+                    raise
+                ns.compare_set(f"{base}/release", "", verdict)
+            try:
+                ns.wait([f"{base}/release"], timedelta(seconds=at.timeout))
+            except dist.DistNetworkError:
+                raise
+            except Exception as e:
+                raise self._late(at) from e
+            return ns.compare_set(f"{base}/release", _NEVER, _NEVER).decode()
+        except dist.DistNetworkError as e:
+            # the node's leader died: its peers cannot complete this barrier without it anyway
+            raise CoordinationError(str(self.lose(e))) from e
+
+    def _arrive(self, at: Barrier, payload: str) -> str:
+        node = self.node
+        if node is not None:
+            return self._node_arrive(node, at, payload)
+        return self._job_arrive(at, self.rank, [payload])
+
     def _barrier(self, generation: int, name: str, payload: str, reduce: Callable[[list[str]], str]) -> str:
         """Every rank arrives with ``payload``; every rank leaves with ``reduce(every payload)``,
         computed once, by the last to arrive."""
-        self.store.set(self.key(generation, name, self.rank), payload)
-        arrived = self.store.add(self.key(generation, name, "count"), 1)
-        release = self.key(generation, name, "release")
-        if arrived == self.world_size:
-            keys = [self.key(generation, name, r) for r in range(self.world_size)]
-            result = reduce([v.decode() for v in self.store.multi_get(keys)])
-            self.store.compare_set(release, "", f"{OK}\n{result}")
-        try:
-            self.store.wait([release], timedelta(seconds=self.barrier_timeout))
-        except Exception as e:
-            n = self.store.add(self.key(generation, name, "count"), 0)
-            raise CoordinationError(
-                f"barrier {name!r} of generation {generation}: only {n}/{self.world_size} ranks arrived "
-                f"within {self.barrier_timeout:g}s"
-            ) from e
-        # (the key exists now: a compare-and-set that never matches reads it in one request,
-        # where a get would wait for it first)
-        verdict = self.store.compare_set(release, _NEVER, _NEVER).decode()
+        at = Barrier(
+            self.key(generation, name), f"{name!r} of generation {generation}", reduce, self.barrier_timeout
+        )
+        verdict = self._arrive(at, payload)
         if not verdict.startswith(f"{OK}\n"):
             raise PeerAborted(f"generation {generation} cannot form: {verdict}")
         return verdict[len(OK) + 1 :]
@@ -181,10 +336,18 @@ class Coordinator:
         """A barrier that returns one value made of every rank's: ``how`` is a key of :data:`REDUCE`."""
         return self._barrier(generation, name, payload, REDUCE[how])
 
+    def same(self, name: str, value: str, timeout: float) -> bool:
+        """Whether every rank holds ``value`` (a barrier outside any generation's keys)."""
+        verdict = self._arrive(Barrier(f"{self.ns}/{name}", repr(name), REDUCE["same"], timeout), value)
+        if not verdict.startswith(f"{OK}\n"):
+            raise PeerAborted(f"{name}: {verdict}")
+        return verdict[len(OK) + 1 :] == "1"
+
     def depart(self, generation: int, hosting: bool, timeout: float = 10.0) -> None:
         """Every rank is about to exit after this generation's last barrier. The rank that hosts
         the store waits (``timeout`` at most) until every rank has read what it needed: leaving
-        first would reset its peers' connections mid-read."""
+        first would reset its peers' connections mid-read. (A node's leader, which hosts its
+        node's store, does the same for its node: see :meth:`leave_node`.)"""
         key = self.key(generation, "departed")
         n = self.store.add(key, 1)
         if not hosting:
@@ -193,6 +356,23 @@ class Coordinator:
         while n < self.world_size and time.monotonic() < deadline:
             time.sleep(0.01)
             n = self.store.add(key, 0)
+
+    def leave_node(self, timeout: float = 5.0) -> None:
+        """This process exits: its node's leader waits (``timeout`` at most) until the node's other
+        live ranks said they leave too, since its node's store goes with it."""
+        node = self.node
+        if node is None:
+            return
+        try:
+            n = node.store.add("left", 1)
+            deadline = time.monotonic() + timeout
+            while node.leader and n < node.size and time.monotonic() < deadline:
+                time.sleep(0.01)
+                n = node.store.add("left", 0)
+        except dist.DistNetworkError:
+            pass  # the leader left first (it waited as long as it would)
+        node.close()
+        self.node = None
 
     def recovery_barrier(self, generation: int, snapshot_steps: list[int]) -> dict[str, Any]:
         """Wait until every rank left generation ``generation``; return :func:`restore_plan` of
@@ -204,23 +384,49 @@ class Coordinator:
     def abort_generation(self, generation: int, reason: str) -> None:
         """Tell every rank waiting in this generation's barriers that it cannot form."""
         msg = f"rank {self.rank}: {reason}"
-        for name in ("recover", "done"):
-            self.store.compare_set(self.key(generation, name, "release"), "", msg)
+        for k in (self.key(generation, name, "release") for name in ("recover", "done")):
+            self.store.compare_set(k, "", msg)
+            self._node_call(functools.partial(_release, key=k, verdict=msg))
 
     def finish_barrier(self, generation: int) -> bool:
         """All ranks returned → True. A fault posted meanwhile → False (recover instead)."""
-        release = self.key(generation, "done", "release")
-        if self.store.add(self.key(generation, "done", "count"), 1) == self.world_size:
-            self.store.compare_set(release, "", OK)
+        base = self.key(generation, "done")
         try:
-            self.store.wait([release], timedelta(seconds=self.barrier_timeout))
+            verdict = self._finish(base)
+        except CoordinationError:
+            raise
         except Exception as e:
             raise CoordinationError(
                 f"not every rank finished generation {generation} within {self.barrier_timeout:g}s"
             ) from e
-        verdict = self.store.get(release).decode()
         if verdict == OK:
             return True
         if verdict == "fault":
             return False
         raise PeerAborted(f"generation {generation} aborted: {verdict}")
+
+    def _finish(self, base: str) -> str:
+        timeout = timedelta(seconds=self.barrier_timeout)
+        node = self.node
+        if node is None:
+            return self._job_count(base, 1, timeout)
+        ns = node.store
+        try:
+            arrived = ns.add(f"{base}/count", 1)
+        except dist.DistNetworkError as e:  # gone before this rank counted in: it arrives alone
+            self.lose(e)
+            return self._job_count(base, 1, timeout)
+        try:
+            if arrived == node.size:  # the node's last: counts the node in
+                ns.compare_set(f"{base}/release", "", self._job_count(base, node.size, timeout))
+            ns.wait([f"{base}/release"], timeout)
+            return ns.compare_set(f"{base}/release", _NEVER, _NEVER).decode()
+        except dist.DistNetworkError as e:
+            raise CoordinationError(str(self.lose(e))) from e
+
+    def _job_count(self, base: str, weight: int, timeout: timedelta) -> str:
+        release = f"{base}/release"
+        if self.store.add(f"{base}/count", weight) == self.world_size:
+            self.store.compare_set(release, "", OK)
+        self.store.wait([release], timeout)
+        return self.store.compare_set(release, _NEVER, _NEVER).decode()

@@ -364,7 +364,13 @@ class EngineCore:
         self._restored = set()
         self._begun = False  # (the entry's first ctx.epochs / ctx.steps over batches begins it)
         if self.cfg.collective_check:
-            self.fp = CollectiveCount(self.store, f"{self.ns}/g{generation}/fp", self.rank, self.world_size)
+            self.fp = CollectiveCount(
+                self.store,
+                f"{self.ns}/g{generation}/fp",
+                self.rank,
+                self.world_size,
+                getattr(self, "coord", None),
+            )
         self._progress, self._stepped = self.clock(), False
         return self.group
 
@@ -398,7 +404,9 @@ class EngineCore:
         """The built-in and the caller's checks; a failure is told to the launcher's agent (a node
         that keeps failing them is excluded) and to the peers, then raised."""
         t0 = time.time()
-        results = run_checks(HealthInput(self.rank, gen, self.store, self.cfg.health), self.extra_checks)
+        results = run_checks(
+            HealthInput(self.rank, gen, self._health_store(), self.cfg.health), self.extra_checks
+        )
         failed = [r for r in results if not r.ok]
         self._ev.emit(
             Event.HEALTH_CHECKED,
@@ -419,6 +427,10 @@ class EngineCore:
                 )
         self._tell_peers(gen, f"health check {f.name!r} failed: {f.value}")
         raise HealthCheckFailed(f.name, f.value, f.detail)
+
+    def _health_store(self) -> dist.Store:
+        """The store whose round trip the ``store`` health check times: the one this rank uses."""
+        return self.store
 
     def _tell_peers(self, gen: int, reason: str) -> None:
         """This rank cannot go on in generation ``gen`` (the engine's way to release its peers)."""

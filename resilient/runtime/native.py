@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from loguru import logger
 
 from resilient.checkpoint.shm import ShmSnapshot
@@ -42,6 +43,7 @@ from resilient.errors import (
 from resilient.events import Event
 from resilient.launch_env import LaunchEnv
 from resilient.runtime import coordinator as coord_mod
+from resilient.runtime import node as node_mod
 from resilient.runtime import resume
 from resilient.runtime.core import EngineCore, Wiring, all_stacks, main_thread_where, plan_step
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
@@ -109,7 +111,8 @@ class NativeEngine(EngineCore):
         stack = self._cleanup
         stack.callback(self._close_core)  # last: the event log closes after everything else
         w = self._open("")
-        self.coord = coord_mod.Coordinator(self.store, self.ns, self.rank, self.world_size, self.t.barrier)
+        self.coord = self._coordinator()
+        stack.callback(self.coord.leave_node)  # after the listener stopped (callbacks run in reverse)
         # under `resilient launch` the snapshot is also mirrored where it outlives the process; that
         # copy costs more (shared memory, the store replica) and only a hard fault needs it, so it
         # has its own cadence: the in-memory ring, which every soft fault restores from, is not
@@ -153,6 +156,65 @@ class NativeEngine(EngineCore):
         # blocked on this generation's fault key is released with the closing sentinel (a no-op
         # if a fault was posted; peers of a finished generation have closed it already).
         stack.callback(self._release_listener)
+
+    def _coordinator(self) -> coord_mod.Coordinator:
+        """The store protocol, linked to this node's store when the job spans nodes (and why not,
+        in the ``node_link`` event, when it could be and is not)."""
+        ep = self.launch.endpoint
+        blocks, want = node_mod.node_mode(self.cfg.node_aggregation, self.world_size, ep.local_world_size)
+        link: node_mod.NodeLink | None = None
+        if want:
+            got = node_mod.link(
+                self.store,
+                f"{self.ns}/node/{self.rank - ep.local_rank}",
+                self.rank,
+                ep.local_rank,
+                ep.local_world_size,
+                self.t.barrier,
+                coord_mod.FOREVER,
+            )
+            link = got if isinstance(got, node_mod.NodeLink) else None
+            self._ev.emit(
+                Event.NODE_LINK,
+                generation=self.generation,
+                step=None,
+                linked=link is not None,
+                leader=self.rank - ep.local_rank,
+                size=ep.local_world_size,
+                reason=got if isinstance(got, str) else None,
+            )
+        return coord_mod.Coordinator(
+            self.store,
+            self.ns,
+            self.rank,
+            self.world_size,
+            self.t.barrier,
+            blocks=blocks,
+            node=link,
+            on_lost=self._node_lost,
+        )
+
+    def _node_lost(self, reason: str) -> None:
+        """(any thread) The node's store went away with its host process: this rank goes on alone."""
+        logger.warning(
+            "rank {}: the node's store is gone ({}); the job's store alone from now on", self.rank, reason
+        )
+        if self.events is not None:
+            self.events.emit(
+                Event.NODE_LINK_LOST,
+                generation=self.generation,
+                step=self.step,
+                leader=self.rank - self.launch.endpoint.local_rank,
+                reason=reason,
+            )
+
+    def _health_store(self) -> dist.Store:
+        node = self.coord.node
+        return node.store if node is not None and not node.leader else self.store
+
+    def _all_hold(self, name: str, value: str, timeout: float) -> bool:
+        coord = getattr(self, "coord", None)  # (at start-up, before it exists: the flat count)
+        return super()._all_hold(name, value, timeout) if coord is None else coord.same(name, value, timeout)
 
     def _release_listener(self) -> None:
         if self.listener.is_alive():
@@ -279,11 +341,12 @@ class NativeEngine(EngineCore):
             # reducer and process group, in a reference cycle. Left to a random GC pass (or to
             # interpreter exit, where gloo's destructors abort the process), they must go now.
             traceback.clear_frames(exc.__traceback__)
-            primary = self.coord.post_fault(rec)
+            # (a fault this rank already heard of is not asked of the job's store again)
+            primary = self.coord.post_fault(rec, known=self.remote_fault(gen))
             if primary.rank == self.rank and primary.kind == rec.kind:  # this rank's own fault
                 self._fault_report(rec, tb=tb)
         else:  # we had returned; a peer faulted before everyone finished
-            found = self.coord.primary_fault(gen)
+            found = self._remote.get(gen) or self.coord.primary_fault(gen)
             if found is None:
                 raise HardFault(f"generation {gen} released without a fault record")
             primary = found

@@ -217,12 +217,12 @@ def test_preemption_signal_to_the_launcher_checkpoints_and_exits_requeue(tmp_pat
     assert committed_steps(tmp_path / "ck")[0] == pre[0]["step"]
 
 
-def _two_nodes(tmp_path: Path, rdzv_id: str, *args: str) -> list[Launch]:
-    """Two "nodes": two launchers, one c10d rendezvous on 127.0.0.1, one worker each."""
+def _two_nodes(tmp_path: Path, rdzv_id: str, *args: str, nproc: int = 1) -> list[Launch]:
+    """Two "nodes": two launchers, one c10d rendezvous on 127.0.0.1, ``nproc`` workers each."""
     from chaos.harness import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    common = ["--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d"]
     common += ["--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
     return [Launch(tmp_path / f"node{n}", *common, *args) for n in (0, 1)]
 
@@ -278,6 +278,56 @@ def test_worker_killed_on_one_of_two_nodes_recovers_bit_exact(
         survivor = [e for e in nodes[0].events() if e["event"] == "run_started" and e["rank"] >= 0]
         assert len({e["pid"] for e in survivor}) == 1, survivor  # the other node's worker stayed
     assert_bit_exact(reference[2], _final_states(tmp_path))
+
+
+def test_two_nodes_of_two_ranks_meet_on_node_stores_and_outlive_a_dead_leader(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # 2 nodes x 2 ranks: each node's ranks reach the job's store through local rank 0's node store.
+    # An exception on one rank is recovered in-process through the node stores; then a node's
+    # leader (its local rank 0, which hosts that store) is SIGKILLed: its node peer reports the
+    # loss and goes on alone on the job's store, its replacement too, and the run ends bit-exact.
+    nodes = _two_nodes(
+        tmp_path, "node-link", "--max-restarts", "2", "--monitor-interval", "0.2", "--heartbeat-timeout", "5",
+        "--replace", "rank",
+        EXAMPLE, "--steps", str(STEPS), "--step-ms", "40", "--hang-timeout", "5",
+        "--fault", "exception@5:1", "--fault-attempt", "0",
+        "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "4", "--out", str(tmp_path / "state"),
+        nproc=2,
+    )  # fmt: skip
+    try:
+        nodes[1].wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] >= 0)
+        started = [e for e in nodes[1].events() if e["event"] == "run_started" and e["rank"] >= 0]
+        leader = min(e["rank"] for e in started)
+        victim = int(next(e["pid"] for e in started if e["rank"] == leader))
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        rcs = _finish_all(nodes)
+    assert rcs == [0, 0], [node.output() for node in nodes]
+    events = [e for node in nodes for e in node.events()]
+    links = [e for e in events if e["event"] == "node_link"]
+    first = {}
+    for e in links:
+        first.setdefault(e["rank"], e)
+    assert sorted(first) == [0, 1, 2, 3] and all(e["linked"] for e in first.values()), links
+    assert {e["rank"]: e["leader"] for e in first.values()} == {0: 0, 1: 0, 2: 2, 3: 2}
+    replacement = [e for e in links if e["rank"] == leader and e["pid"] != victim]
+    assert len(replacement) == 1 and not replacement[0]["linked"], replacement
+    assert "replaces it" in replacement[0]["reason"]
+    lost = [e for e in events if e["event"] == "node_link_lost"]
+    assert [e["rank"] for e in lost] == [leader + 1], lost
+    faults = [e for e in events if e["event"] == "fault_detected"]
+    assert {(e["kind"], e["origin_rank"]) for e in faults if e["generation"] == 0} == {("exception", 1)}, (
+        faults
+    )
+    # (what the injector fired is not training state: the survivors hold their plan, the replacement none)
+    for r, (want, got) in enumerate(zip(reference[4], _final_states(tmp_path, 4), strict=True)):
+        assert got["fired"] == (
+            {"exception@5:1": 1} if r == 1 else {"exception@5:1": 0} if r != leader else {}
+        )
+        assert_bit_exact(
+            {k: v for k, v in want.items() if k != "fired"}, {k: v for k, v in got.items() if k != "fired"}
+        )
 
 
 def test_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
