@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.sessions = ["tests"]
@@ -45,6 +47,16 @@ def slow(session: nox.Session) -> None:
     _install(session, "dev", "chaos")
     args = ["tests/integration", "-q", "-p", "no:cacheprovider", "-m", "slow", *session.posargs]
     session.run("pytest", *args, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(python=PY)
+def fuzz(session: nox.Session) -> None:
+    """tests/unit/test_trust.py with FUZZ_EXAMPLES cases per property (default 2500; CI runs 150):
+    mutated manifests, bytes of manifests and shards, plan flags, config values."""
+    _install(session, "dev", "chaos")
+    n = os.environ.get("FUZZ_EXAMPLES", "2500")
+    args = ["tests/unit/test_trust.py", "-q", "-p", "no:cacheprovider", "--hypothesis-show-statistics"]
+    session.run("pytest", *args, *session.posargs, env={"OMP_NUM_THREADS": "1", "FUZZ_EXAMPLES": n})
 
 
 @nox.session(python=PY)

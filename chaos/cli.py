@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from chaos.inject import KINDS, Injector
+from chaos.schedule import BadInput
+from resilient.argtypes import count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     cert.add_argument("config", type=Path)
     cert.add_argument("--out", type=Path, default=Path("chaos_out"))
     cert.add_argument("--classes", default="", help="comma-separated subset of the config's classes")
-    cert.add_argument("--trials", type=int, default=None, help="override every class's trial count")
+    cert.add_argument(
+        "--trials", type=count(1, 10**4), default=None, help="override every class's trial count"
+    )
     cert.add_argument(
         "command", nargs="*", help="after --: the training script and its arguments (default: the config's)"
     )
@@ -39,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     stream = sub.add_parser("stream", help="one long run with the config's stream of faults (goodput, soak)")
     stream.add_argument("config", type=Path)
     stream.add_argument("--out", type=Path, default=Path("chaos_stream"))
-    stream.add_argument("--faults", type=int, default=None, help="override the stream's fault count")
+    stream.add_argument(
+        "--faults", type=count(0, 10**5), default=None, help="override the stream's fault count"
+    )
     args = p.parse_args(argv)
     if hasattr(args, "out"):
         # every job runs with its own directory as cwd: a relative --out would be resolved twice
@@ -47,17 +53,25 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C: every finally block runs, so the jobs,
     # network namespaces and cgroups a run made are removed
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-    if args.cmd == "certify":
-        return _certify(args)
-    if args.cmd == "stream":
-        return _stream(args)
-    if args.cmd == "run":
-        return _run(args)
-    if args.cmd == "kinds":
-        print("\n".join(KINDS))
-    else:
-        for f in Injector.parse(args.plan).faults:
-            print(f)
+    try:
+        if args.cmd == "certify":
+            return _certify(args)
+        if args.cmd == "stream":
+            return _stream(args)
+        if args.cmd == "run":
+            return _run(args)
+        if args.cmd == "kinds":
+            print("\n".join(KINDS))
+        else:
+            try:
+                faults = Injector.parse(args.plan).faults
+            except ValueError as e:
+                raise BadInput(f"argument plan: {e}") from None
+            for f in faults:
+                print(f)
+    except BadInput as e:
+        print(f"chaos {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -72,7 +86,7 @@ def _certify(args: Any) -> int:
     only = [c for c in args.classes.split(",") if c]
     unknown = [c for c in only if c not in cert.classes]
     if unknown:
-        raise SystemExit(f"--classes: {unknown} not in {args.config} (it has {sorted(cert.classes)})")
+        raise BadInput(f"--classes: {unknown} not in {args.config} (it has {sorted(cert.classes)})")
     if args.trials is not None:
         cert = cert.model_copy(update={"trials": args.trials})
         cert = cert.model_copy(update={"classes": {
@@ -132,7 +146,7 @@ def _stream(args: Any) -> int:
 
     cert = schedule.load(args.config)
     if cert.stream is None:
-        raise SystemExit(f"{args.config}: no `stream:` section")
+        raise BadInput(f"{args.config}: no `stream:` section")
     if args.faults is not None:
         cert = cert.model_copy(update={"stream": cert.stream.model_copy(update={"faults": args.faults})})
     report = stream.run(cert, args.out)
@@ -151,7 +165,7 @@ def _run(args: Any) -> int:
 
     cert = schedule.load(args.config)
     if not cert.schedule:
-        raise SystemExit(f"{args.config}: no `schedule:` list of faults")
+        raise BadInput(f"{args.config}: no `schedule:` list of faults")
     if args.command:
         cert = cert.model_copy(update={"job": cert.job.model_copy(update={"command": list(args.command)})})
     report = stream.run_schedule(cert, args.out, list(cert.schedule))

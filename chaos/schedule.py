@@ -22,6 +22,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from resilient.config import yaml_problem
+
 # in-process faults fire inside the training step (chaos/inject.py); external ones are done to
 # the rank's process by the harness when the event log shows the rank reached the step
 IN_PROCESS = ("exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom", "desync")
@@ -35,6 +37,10 @@ FaultKind = Literal[
     "exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom", "desync",
     "sigkill", "sigstop", "corrupt_checkpoint", "slow_disk", "link_drop", "link_loss",
 ]  # fmt: skip
+
+
+class BadInput(Exception):
+    """A command line or config the chaos tools refuse (exit 2, the message names the culprit)."""
 
 
 class _Model(BaseModel):
@@ -192,9 +198,9 @@ def load(path: Path | str) -> Certification:
     try:
         raw = yaml.safe_load(p.read_text())
     except OSError as e:
-        raise SystemExit(f"{p}: cannot read: {e}") from None
+        raise BadInput(f"{p}: cannot read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise SystemExit(f"{p}: not valid YAML: {e}") from None
+        raise BadInput(f"{p}: not valid YAML: {yaml_problem(e)}") from None
     try:
         return Certification.model_validate(raw or {})
     except ValidationError as e:
@@ -202,4 +208,4 @@ def load(path: Path | str) -> Certification:
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"])
             lines.append(f"  {loc}: {err['msg']}")
-        raise SystemExit("\n".join(lines)) from None
+        raise BadInput("\n".join(lines)) from None

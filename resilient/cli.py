@@ -25,6 +25,9 @@ from typing import Any
 
 import yaml
 
+from resilient.argtypes import count as _count
+from resilient.argtypes import nonnegative as _nonnegative
+from resilient.argtypes import positive as _positive
 from resilient.config import load_config
 from resilient.errors import ConfigError
 from resilient.events import read_events
@@ -218,8 +221,8 @@ def _over(events: list[dict[str, Any]]) -> bool:
 def cmd_plan(args: argparse.Namespace) -> int:
     from resilient.state import interval_planner as planner
 
-    if args.mtbf_h is None and args.gpus is None:
-        print("resilient plan: give --mtbf-h, or --gpus with --gpu-mtbf-h", file=sys.stderr)
+    if (args.mtbf_h is None) == (args.gpus is None) or (args.gpus is None) != (args.gpu_mtbf_h is None):
+        print("resilient plan: error: give --mtbf-h, or --gpus with --gpu-mtbf-h", file=sys.stderr)
         return 2
     mtbf = (
         args.mtbf_h * 3600.0
@@ -243,29 +246,55 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    """List the committed checkpoints under a directory; with --verify, check every file's xxh3."""
+    """Every ``step-*`` entry under a directory, committed or not; with --verify, every file's
+    size and xxh3. An entry that is not a valid checkpoint is listed with why (exit 1)."""
     from rich.console import Console
     from rich.table import Table
 
-    from resilient.checkpoint.manifest import MANIFEST, committed_steps, read_manifest, step_name, tmp_dirs
+    from resilient.checkpoint.manifest import MANIFEST, read_manifest, step_name, tmp_dirs
     from resilient.checkpoint.reader import verify_file
     from resilient.errors import CheckpointError
 
     root = Path(args.path)
     if not root.is_dir():
-        print(f"resilient checkpoints: {root} is not a directory", file=sys.stderr)
+        print(f"resilient checkpoints: error: {root} is not a directory", file=sys.stderr)
         return 2
     t = Table(title=f"checkpoints in {root}")
-    for col in ("step", "world", "files", "own bytes", "sharded", "created", "verified"):
+    for col in ("directory", "world", "files", "own bytes", "sharded", "created", "verified"):
         t.add_column(col)
     bad = 0
-    for step in committed_steps(root):
-        name = step_name(step)
+    why: list[str] = []  # each entry that is not a valid checkpoint, in full under the table
+
+    def reject(name: str, reason: str, *cells: str) -> None:
+        nonlocal bad
+        t.add_row(name, *(cells or ("",) * 5), "✗ (below)")
+        why.append(f"{name}: {reason}")
+        bad += 1
+
+    uncommitted = {path.name for _step, _token, path in tmp_dirs(root)}
+    for entry in sorted(p for p in root.iterdir() if p.name.startswith("step-")):
+        name = entry.name
+        if name in uncommitted:
+            t.add_row(
+                name, "", "", "", "", "", "uncommitted: a save in progress, or left by a writer that died"
+            )
+            continue
+        if ".rejected-" in name:
+            t.add_row(name, "", "", "", "", "", "quarantined: it failed verification at a load")
+            continue
         try:
-            m = read_manifest(root / name / MANIFEST)
+            step = int(name.removeprefix("step-"))
+        except ValueError:
+            step = -1
+        if not entry.is_dir() or step < 0 or name != step_name(step):
+            reject(name, "not a checkpoint directory name: resume ignores it")
+            continue
+        try:
+            m = read_manifest(entry / MANIFEST)
+            if m.step != step:
+                raise CheckpointError(f"{entry / MANIFEST}: says step {m.step}")
         except CheckpointError as e:
-            t.add_row(str(step), "?", "?", "?", "?", "?", f"✗ {e}")
-            bad += 1
+            reject(name, str(e), "?", "?", "?", "?", "?")
             continue
         own = sum(f.size for f in m.files() if f.path.startswith(name + "/"))
         verdict = "—"
@@ -275,24 +304,18 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                     verify_file(root, f)
                 verdict = "✓"
             except CheckpointError as e:
-                verdict, bad = f"✗ {e}", bad + 1
-        created = datetime.datetime.fromtimestamp(m.created).isoformat(timespec="seconds")
-        t.add_row(str(step), str(m.world_size), str(len(m.files())), f"{own:,}",
+                verdict, bad = "✗ (below)", bad + 1
+                why.append(f"{name}: {e}")
+        try:
+            created = datetime.datetime.fromtimestamp(m.created).isoformat(timespec="seconds")
+        except (OverflowError, ValueError, OSError):
+            created = f"? ({m.created!r})"
+        t.add_row(name, str(m.world_size), str(len(m.files())), f"{own:,}",
                   "yes" if m.sharded_files() else "no", created, verdict)  # fmt: skip
     Console(width=160).print(t)
-    for _step, _token, path in tmp_dirs(root):
-        print(f"uncommitted: {path.name} (a save in progress, or left by a writer that died)")
+    for line in why:
+        print(line)
     return 1 if bad else 0
-
-
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0: {text}")
-    return v
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,14 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     stp.add_argument("--interval", type=_positive, default=1.0, help="seconds between refreshes")
     stp.set_defaults(fn=cmd_status)
     pl = sub.add_parser("plan", help="optimal checkpoint interval (Young, Daly) and expected goodput")
-    pl.add_argument("--mtbf-h", type=float, default=None, help="job mean time between failures, hours")
-    pl.add_argument("--gpus", type=int, default=None, help="or: number of GPUs ...")
-    pl.add_argument("--gpu-mtbf-h", type=float, default=None, help="... and one GPU's MTBF, hours")
-    pl.add_argument("--write-s", type=float, required=True, help="checkpoint write (blocking) time, s")
-    pl.add_argument("--restart-s", type=float, required=True, help="restart time after a failure, s")
-    pl.add_argument("--segments", type=int, default=20_000)
-    pl.add_argument("--seed", type=int, default=0)
-    pl.add_argument("--tolerance", type=float, default=2.0, help="allowed simulation error, percent")
+    pl.add_argument("--mtbf-h", type=_positive, default=None, help="job mean time between failures, hours")
+    pl.add_argument("--gpus", type=_count(1, 10**9), default=None, help="or: number of GPUs ...")
+    pl.add_argument("--gpu-mtbf-h", type=_positive, default=None, help="... and one GPU's MTBF, hours")
+    pl.add_argument("--write-s", type=_positive, required=True, help="checkpoint write (blocking) time, s")
+    pl.add_argument("--restart-s", type=_nonnegative, required=True, help="restart time after a failure, s")
+    pl.add_argument("--segments", type=_count(1, 10**7), default=20_000)
+    pl.add_argument("--seed", type=_count(0, 2**32 - 1), default=0)
+    pl.add_argument("--tolerance", type=_nonnegative, default=2.0, help="allowed simulation error, percent")
     pl.set_defaults(fn=cmd_plan)
     ck = sub.add_parser("checkpoints", help="list committed checkpoints; --verify checks every checksum")
     ck.add_argument("path", help="the checkpoint directory (checkpoint.dir)")

@@ -226,6 +226,13 @@ class Config(_Model):
         return Timeouts.derive(self.hang_timeout, self.collective_timeout)
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: where, and what."""
+    mark = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """Every timeout the runtime uses, derived from one or two knobs so they stay ordered.
@@ -311,7 +318,7 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+            raise ConfigError(f"{p}: not valid YAML: {yaml_problem(e)}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded

@@ -33,6 +33,52 @@ _DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 
 
+def itemsize(name: str) -> int:
+    """Bytes per element of a checkpoint dtype name (ValueError for a name not on the list)."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not one a checkpoint holds ({', '.join(sorted(_DTYPES))})")
+    return _DTYPES[name].itemsize
+
+
+def check_layout(
+    layout: Any, size: int, where: str, *, keyed: bool = False
+) -> list[tuple[str, tuple[int, ...], int, int]]:
+    """The (dtype, shape, offset, nbytes) entries of a packed buffer of ``size`` bytes, each checked
+    before anything is allocated: a known dtype, a shape of non-negative whole numbers, its bytes
+    equal to shape times the dtype's size, inside the buffer. (``keyed``: each entry starts with
+    its key.) Raises :class:`CheckpointError` naming ``where`` and the entry's field."""
+    if not isinstance(layout, list):
+        raise CheckpointError(f"{where}: field layout: a {type(layout).__name__}, not a list")
+    out = []
+    for i, entry in enumerate(layout):
+        at = f"{where}: field layout[{i}]"
+        if not isinstance(entry, list) or len(entry) != (5 if keyed else 4):
+            raise CheckpointError(f"{at}: {str(entry)[:80]} is not an entry")
+        dtype, shape, offset, nbytes = entry[1:] if keyed else entry
+        try:
+            size_of = itemsize(dtype) if isinstance(dtype, str) else itemsize(repr(dtype))
+        except ValueError as e:
+            raise CheckpointError(f"{at}.dtype: {e}") from None
+        if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
+            raise CheckpointError(
+                f"{at}.shape: {str(shape)[:80]} is not a list of non-negative whole numbers"
+            )
+        for name, v in (("offset", offset), ("nbytes", nbytes)):
+            if type(v) is not int or v < 0:
+                raise CheckpointError(f"{at}.{name}: {v!r} is not a non-negative whole number")
+        n = size_of
+        for d in shape:
+            n *= d
+        if n != nbytes:
+            raise CheckpointError(f"{at}.nbytes: {nbytes}, but shape {shape} of {dtype} is {n} bytes")
+        if offset + nbytes > size:
+            raise CheckpointError(
+                f"{at}.offset: bytes {offset}..{offset + nbytes} run past the {size} there are"
+            )
+        out.append((dtype, tuple(shape), offset, nbytes))
+    return out
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPES:
@@ -118,13 +164,23 @@ def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         if tag == "t":
             return tuple(walk(x) for x in v)
         if tag == "T":
-            return tensors[v]
+            return tensors[_index(v)]
         if tag == "a":
-            return tensors[v].numpy().copy()
+            return tensors[_index(v)].numpy().copy()
         if tag == "dt":
             return dtype_from_name(v)
         if tag == "b":
             return base64.b64decode(v)
         raise CheckpointError(f"unknown checkpoint skeleton tag {tag!r}")
 
-    return walk(skeleton)
+    def _index(v: Any) -> int:
+        if type(v) is not int or not 0 <= v < len(tensors):
+            raise CheckpointError(f"skeleton refers to tensor {v!r}; there are {len(tensors)}")
+        return v
+
+    try:
+        return walk(skeleton)
+    except CheckpointError:
+        raise
+    except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as e:
+        raise CheckpointError(f"malformed checkpoint skeleton: {type(e).__name__}: {e}") from None

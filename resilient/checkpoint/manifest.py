@@ -10,18 +10,27 @@ A checkpoint is committed iff its directory has its final name: the rename is at
 after every file and the manifest are fsynced. The manifest lists every file the checkpoint needs
 (including files of earlier checkpoints that unchanged tensors still point to) with its size and
 xxh3-128 checksum, so it verifies on its own. Paths are relative to the root and may not escape it.
+
+A manifest is parsed into strict models before anything it describes is allocated or read: known
+dtypes only, non-negative sizes and offsets, each tensor's bytes equal to its shape times its
+dtype's size, one entry per rank of its world size. It carries the xxh3-128 of its own content
+(``digest``), so an edited or corrupted manifest is refused as such (it is not a signature: whoever
+can write the directory can recompute it; see docs/trust.md). Manifests written before the digest
+existed have none and are read as before.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from resilient.errors import CheckpointError
 
@@ -54,16 +63,26 @@ def check_path(path: str) -> str:
     return path
 
 
+def _field_path(path: str) -> str:
+    try:
+        return check_path(path)
+    except CheckpointError as e:  # (as a ValueError, pydantic names the field)
+        raise ValueError(str(e)) from None
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_XXH3 = r"^[0-9a-f]{32}$"
+
+
 class FileEntry(_Model):
     path: str
-    size: int
-    xxh3: str
+    size: int = Field(ge=0)
+    xxh3: str = Field(pattern=_XXH3)
 
-    _check = field_validator("path")(classmethod(lambda cls, v: check_path(v)))
+    _check = field_validator("path")(classmethod(lambda cls, v: _field_path(v)))
 
 
 class TensorEntry(_Model):
@@ -71,15 +90,29 @@ class TensorEntry(_Model):
     dtype: str
     shape: tuple[int, ...]
     file: str
-    offset: int
-    nbytes: int
-    xxh3: str
+    offset: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+    xxh3: str = Field(pattern=_XXH3)
 
-    _check = field_validator("file")(classmethod(lambda cls, v: check_path(v)))
+    _check = field_validator("file")(classmethod(lambda cls, v: _field_path(v)))
+
+    @model_validator(mode="after")
+    def _size(self) -> TensorEntry:
+        from resilient.checkpoint.codec import itemsize  # (torch: only where tensors are read)
+
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"tensor {self.key}: negative dimension in shape {list(self.shape)}")
+        want = math.prod(self.shape) * itemsize(self.dtype)
+        if want != self.nbytes:
+            raise ValueError(
+                f"tensor {self.key}: shape {list(self.shape)} of {self.dtype} is {want} bytes, "
+                f"nbytes says {self.nbytes}"
+            )
+        return self
 
 
 class RankEntry(_Model):
-    rank: int
+    rank: int = Field(ge=0)
     skeleton: Any
     tensors: list[TensorEntry]
     files: list[FileEntry]  # every file this rank's tensors live in, written now or earlier
@@ -88,11 +121,28 @@ class RankEntry(_Model):
 
 class Manifest(_Model):
     format: int = FORMAT
-    step: int
-    world_size: int
+    step: int = Field(ge=0)
+    world_size: int = Field(ge=1)
     created: float
     ranks: list[RankEntry]
     extra: dict[str, Any] = {}
+    digest: str = ""  # xxh3-128 of the rest (see content_digest); "" in manifests older than it
+
+    @model_validator(mode="after")
+    def _one_entry_per_rank(self) -> Manifest:
+        got = sorted(r.rank for r in self.ranks)
+        if len(got) != self.world_size or got != list(range(len(got))):  # (never a list of world_size)
+            raise ValueError(
+                f"ranks {got[:8]}{'...' if len(got) > 8 else ''} for world size {self.world_size}"
+            )
+        return self
+
+    def content_digest(self) -> str:
+        return manifest_digest(json.loads(self.model_dump_json()))
+
+    def sealed(self) -> Manifest:
+        """This manifest with its own digest, as it is written."""
+        return self.model_copy(update={"digest": self.content_digest()})
 
     def files(self) -> list[FileEntry]:
         seen: dict[str, FileEntry] = {}
@@ -116,6 +166,13 @@ class Manifest(_Model):
         raise CheckpointError(f"checkpoint {step_name(self.step)} has no entry for rank {rank}")
 
 
+def manifest_digest(obj: dict[str, Any]) -> str:
+    """xxh3-128 of a manifest's JSON object without its digest, keys sorted: checked on the raw
+    JSON, before any field is trusted."""
+    body = {k: v for k, v in obj.items() if k != "digest"}
+    return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
 _CACHE: dict[Path, tuple[int, int, Manifest]] = {}
 
 
@@ -128,11 +185,20 @@ def read_manifest(path: Path) -> Manifest:
         hit = _CACHE.get(path)
         if hit is not None and hit[:2] == (st.st_mtime_ns, st.st_size):
             return hit[2]
-        m = Manifest.model_validate_json(path.read_bytes())
+        obj = json.loads(path.read_bytes())
+        if isinstance(obj, dict) and obj.get("digest") and obj["digest"] != manifest_digest(obj):
+            raise CheckpointError(
+                f"{path}: manifest edited or corrupt: its content does not match its digest"
+            )
+        m = Manifest.model_validate(obj)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: manifest missing") from None
     except ValidationError as e:
-        raise CheckpointError(f"{path}: manifest does not parse: {e.errors()[0]['msg']}") from e
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"])) or "(top level)"
+        raise CheckpointError(f"{path}: manifest field {where}: {err['msg']}") from None
+    except (OSError, ValueError, RecursionError) as e:  # (ValueError: not JSON, or not UTF-8)
+        raise CheckpointError(f"{path}: manifest unreadable: {type(e).__name__}: {e}") from None
     if m.format != FORMAT:
         raise CheckpointError(f"{path}: manifest format {m.format}, this version reads {FORMAT}")
     if len(_CACHE) >= 64:

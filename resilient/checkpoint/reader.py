@@ -158,7 +158,10 @@ def _load_rank(root: Path, path: Path, manifest: Manifest, rank: int) -> Any:
         if t.offset + t.nbytes > files[t.file].size:
             raise CheckpointError(f"{root / t.file}: tensor {t.key} runs past the end of the file")
         tensors.append(read_tensor(root, t))
-    return decode(entry.skeleton, tensors)
+    try:
+        return decode(entry.skeleton, tensors)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path / MANIFEST}: field ranks[{rank}].skeleton: {e}") from None
 
 
 def load_latest(

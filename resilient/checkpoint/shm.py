@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 import xxhash
+from loguru import logger
 
-from resilient.checkpoint.codec import decode, dtype_from_name, encode
+from resilient.checkpoint.codec import check_layout, decode, dtype_from_name, encode
 from resilient.checkpoint.manifest import write_json_durable
 from resilient.checkpoint.staging import Arena, extent
 from resilient.errors import CheckpointError
@@ -43,12 +44,34 @@ class ShmSnapshot:
         self._arenas: list[Arena] = []
 
     def _meta(self, slot: int) -> dict[str, Any] | None:
+        """A slot's description, checked field by field before any of it is trusted."""
+        path = self.dir / f"slot{slot}.json"
         try:
-            return dict(json.loads((self.dir / f"slot{slot}.json").read_text()))
+            meta = json.loads(path.read_text())
         except FileNotFoundError:
             return None
-        except ValueError as e:
-            raise CheckpointError(f"{self.dir / f'slot{slot}.json'}: does not parse: {e}") from e
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{path}: does not parse: {e}") from None
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{path}: a {type(meta).__name__}, not a slot description")
+        for name, ok in (
+            ("step", type(meta.get("step")) is int and meta["step"] >= 0),
+            ("size", type(meta.get("size")) is int and meta["size"] >= 0),
+            ("rank", meta.get("rank") is None or (type(meta["rank"]) is int and meta["rank"] >= 0)),
+            ("world", meta.get("world") is None or (type(meta["world"]) is int and meta["world"] >= 1)),
+            ("xxh3", meta.get("xxh3") is None or isinstance(meta["xxh3"], str)),
+            ("skeleton", "skeleton" in meta),
+        ):
+            if not ok:
+                raise CheckpointError(f"{path}: field {name}: {str(meta.get(name))[:80]!r} is not valid")
+        check_layout(meta.get("layout"), meta["size"], str(path), keyed=True)
+        return meta
+
+    def _usable(self, slot: int) -> dict[str, Any] | None:
+        try:
+            return self._meta(slot)
+        except CheckpointError:
+            return None
 
     def steps(self) -> list[int]:
         """Steps of the complete snapshots held (newest first): up to two."""
@@ -87,7 +110,7 @@ class ShmSnapshot:
         self.dir.mkdir(parents=True, exist_ok=True)
         if not self._arenas:
             self._arenas = [Arena(self.dir / f"slot{i}.bin") for i in (0, 1)]
-        metas = [self._meta(i) for i in (0, 1)]
+        metas = [self._usable(i) for i in (0, 1)]  # (a malformed slot is the one overwritten)
         spare = min((0, 1), key=lambda i: -1 if metas[i] is None else int(metas[i]["step"]))  # type: ignore[index]
         (self.dir / f"slot{spare}.json").unlink(missing_ok=True)
         skeleton, leaves = encode(state)
@@ -111,7 +134,15 @@ class ShmSnapshot:
         """(step, state) of the newest snapshot (or of ``step``), or None; tensors are copies, or
         with ``mapped`` views of a private mapping of the slot (no copy: the caller copies what it
         keeps, once, e.g. a module's ``load_state_dict``; the slot must not be rewritten meanwhile)."""
-        held = {int(m["step"]): (i, m) for i in (0, 1) if (m := self._meta(i)) is not None}
+        held = {}
+        for i in (0, 1):
+            try:
+                m = self._meta(i)
+            except CheckpointError as e:  # (the other slot may still be whole)
+                logger.warning(f"snapshot slot not usable: {e}")
+                continue
+            if m is not None:
+                held[int(m["step"])] = (i, m)
         if not held:
             return None
         want = max(held) if step is None else step

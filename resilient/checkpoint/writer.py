@@ -222,7 +222,9 @@ def commit(
                 raise CheckpointError(
                     f"{step_name(step)}: rank {part.rank} points at {f.path}, which is gone"
                 )
-    manifest = Manifest(step=step, world_size=world_size, created=time.time(), ranks=parts, extra=extra or {})
+    manifest = Manifest(
+        step=step, world_size=world_size, created=time.time(), ranks=parts, extra=extra or {}
+    ).sealed()
     write_json_durable(tmp / MANIFEST, manifest.model_dump_json())
     for r in range(world_size):
         (tmp / part_name(r)).unlink()

@@ -14,6 +14,7 @@ job, which goes on without it — repair or replace the node.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ from torch.distributed.launcher.api import _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from resilient import PYNVML_NOISE
+from resilient.argtypes import count, nonnegative, positive
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import ExitCode
 from resilient.events import Event, EventLog
@@ -42,25 +44,27 @@ def parser() -> Any:
     p.prog = "resilient launch"
     p.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=positive,
         default=30.0,
         help="seconds without a worker heartbeat before it is killed and the group relaunched",
     )
     p.add_argument(
-        "--startup-timeout", type=float, default=300.0, help="the same, before a worker's first beat"
+        "--startup-timeout", type=positive, default=300.0, help="the same, before a worker's first beat"
     )
-    p.add_argument("--backoff-initial", type=float, default=1.0, help="delay before the 2nd relaunch, s")
-    p.add_argument("--backoff-max", type=float, default=30.0, help="cap of the exponential backoff, s")
+    p.add_argument(
+        "--backoff-initial", type=nonnegative, default=1.0, help="delay before the 2nd relaunch, s"
+    )
+    p.add_argument("--backoff-max", type=nonnegative, default=30.0, help="cap of the exponential backoff, s")
     p.add_argument(
         "--restart-window",
-        type=float,
+        type=positive,
         default=None,
         help="count only the failures of the last this-many seconds against --max-restarts "
         "(default: every failure of the job, as torchrun)",
     )
     p.add_argument(
         "--max-repeats",
-        type=int,
+        type=count(1, 10**6),
         default=3,
         help="a rank dying at the same step this many launches in a row stops the job (exit 3)",
     )
@@ -72,7 +76,7 @@ def parser() -> Any:
     )
     p.add_argument(
         "--max-health-failures",
-        type=int,
+        type=count(1, 10**6),
         default=2,
         help="restarts caused by a failed health check on this node before it leaves the job (exit 75)",
     )
@@ -86,7 +90,7 @@ def parser() -> Any:
     )
     p.add_argument(
         "--standby",
-        type=int,
+        type=count(0, 4096),
         default=1,
         help="warm standby processes per node (torch and the runtime imported) that take a dead "
         "rank's place with --replace rank; 0: a new process each time",
@@ -104,7 +108,7 @@ def parser() -> Any:
     p.add_argument("--metrics-addr", default="0.0.0.0", help="the address --metrics-port binds to")
     p.add_argument(
         "--metrics-linger",
-        type=float,
+        type=nonnegative,
         default=0.0,
         help="seconds the endpoint keeps serving the final figures after the job ends (a last scrape)",
     )
@@ -139,8 +143,27 @@ def _forward_preemption(agent: ResilientAgent) -> None:
     agent.forward_signals = forward
 
 
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's own: one worker per device of that kind
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Any]:
+    """The command line, with the values torchrun's config would only refuse by a traceback
+    refused here as usage errors (exit 2, one line naming the flag and the value)."""
+    p = parser()
+    args = p.parse_args(argv)
+    n = str(args.nproc_per_node)
+    if n not in _NPROC_WORDS and not (n.isdigit() and int(n) >= 1):
+        words = ", ".join(_NPROC_WORDS)
+        p.error(f"argument --nproc-per-node: expected a number >= 1 or one of {words}, got {n!r}")
+    try:
+        parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError) as e:
+        p.error(f"argument --nnodes: {args.nnodes!r}: {e}")
+    return args, p
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args, p = parse(argv)
     if args.standalone or (
         args.rdzv_backend == "static"
         and not args.rdzv_endpoint
@@ -150,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", uuid.uuid4().hex[:12]
     if args.master_port is None:
         args.master_port = 29500
-    config, cmd, cmd_args = config_from_args(args)
+    try:
+        config, cmd, cmd_args = config_from_args(args)
+    except ValueError as e:  # (torchrun's own checks of the rest)
+        p.error(str(e))
     if not config.run_id or config.run_id == "none":
         config.run_id = uuid.uuid4().hex[:12]
     hb_dir = Path("/dev/shm") / f"resilient-hb-{config.run_id}-{os.getpid()}"

@@ -48,10 +48,22 @@ def restore_plan(payloads: list[str]) -> str:
     """The recovery barrier's reduction: the newest snapshot step every rank holds (``step``),
     the ranks that hold none (``empty``), and every rank's steps only when there is no common one
     (the error names them)."""
-    held = [json.loads(p) for p in payloads]
+    held: list[list[int]] = []
+    malformed = []
+    for r, p in enumerate(payloads):
+        try:
+            steps = json.loads(p)
+        except (ValueError, RecursionError):
+            steps = None
+        if not isinstance(steps, list) or any(type(s) is not int or s < 0 for s in steps):
+            malformed.append(r)  # (a peer's garbage: named, and no step is trusted from it)
+            steps = []
+        held.append(steps)
+    if malformed:
+        return json.dumps({"step": None, "empty": [], "malformed": malformed})
     empty = [r for r, s in enumerate(held) if not s]
     common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
-    plan = {"step": max(common) if common else None, "empty": empty}
+    plan: dict[str, Any] = {"step": max(common) if common else None, "empty": empty}
     if not common and not empty:
         plan["held"] = held
     return json.dumps(plan)
@@ -194,7 +206,7 @@ class Coordinator:
         # wake ranks that already returned from the function and wait in the done barrier
         s.compare_set(done, "", "fault")
         self._node_call(lambda ns: ns.compare_set(done, "", "fault"), which)
-        return FaultRecord.from_json(primary)
+        return FaultRecord.parse(primary, rec.generation)
 
     def primary_fault(self, generation: int, store: dist.Store | None = None) -> FaultRecord | None:
         s = store or self.store
@@ -202,7 +214,7 @@ class Coordinator:
         if not s.check([k]):
             return None
         raw = s.get(k)
-        return None if raw.decode() == CLOSED else FaultRecord.from_json(raw)
+        return None if raw == CLOSED.encode() else FaultRecord.parse(raw, generation)
 
     def wait_fault(self, generation: int, store: dist.Store) -> FaultRecord | None:
         """Block until generation's fault key is written; the record, or None if it closed cleanly.
@@ -224,7 +236,7 @@ class Coordinator:
             raw = store.get(k)
             if node is not None:  # the leader relays it to the node (its own server: cannot fail)
                 node.listener.compare_set(k, "", raw.decode())
-        return None if raw.decode() == CLOSED else FaultRecord.from_json(raw)
+        return None if raw == CLOSED.encode() else FaultRecord.parse(raw, generation)
 
     def close_generation(self, generation: int) -> None:
         """After every rank finished: release listeners blocked on this generation's fault key."""
@@ -258,15 +270,7 @@ class Coordinator:
         arrived = s.add(f"{base}/count", len(payloads))
         release = f"{base}/release"
         if arrived == self.world_size:
-            if self.blocks:
-                firsts = sorted(int(f) for f in s.get(f"{base}/blocks").decode().split(",") if f)
-                got = [p for v in s.multi_get([f"{base}/b/{f}" for f in firsts]) for p in json.loads(v)]
-            else:
-                got = [v.decode() for v in s.multi_get([f"{base}/{r}" for r in range(self.world_size)])]
-            if len(got) == self.world_size:
-                s.compare_set(release, "", f"{OK}\n{at.reduce(got)}")
-            else:  # a rank counted twice (cannot happen unless a block is malformed): stop here
-                s.compare_set(release, "", f"{len(got)} payloads for {self.world_size} ranks")
+            s.compare_set(release, "", self._reduce(at))
         try:
             s.wait([release], timedelta(seconds=at.timeout))
         except Exception as e:
@@ -274,6 +278,24 @@ class Coordinator:
         # (the key exists now: a compare-and-set that never matches reads it in one request,
         # where a get would wait for it first)
         return s.compare_set(release, _NEVER, _NEVER).decode()
+
+    def _reduce(self, at: Barrier) -> str:
+        """(The last arrival) every payload, read once and reduced: the release key's verdict. A
+        malformed block or payload (a peer's garbage) aborts the barrier for every rank, named."""
+        s, base = self.store, at.base
+        try:
+            if self.blocks:
+                firsts = sorted(int(f) for f in s.get(f"{base}/blocks").decode().split(",") if f)
+                got = [p for v in s.multi_get([f"{base}/b/{f}" for f in firsts]) for p in json.loads(v)]
+                if not all(isinstance(p, str) for p in got):
+                    raise ValueError("a block holds a payload that is not a string")
+            else:
+                got = [v.decode() for v in s.multi_get([f"{base}/{r}" for r in range(self.world_size)])]
+            if len(got) != self.world_size:
+                raise ValueError(f"{len(got)} payloads for {self.world_size} ranks")
+            return f"{OK}\n{at.reduce(got)}"
+        except (ValueError, TypeError, RecursionError) as e:
+            return f"barrier {at.label}: malformed payload ({type(e).__name__}: {e})"
 
     def _late(self, at: Barrier) -> CoordinationError:
         n = self.store.add(f"{at.base}/count", 0)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from resilient.config import Config
-from resilient.errors import ExitCode, HealthCheckFailed, SetupFailed, StateRestoreError
+from resilient.errors import CoordinationError, ExitCode, HealthCheckFailed, SetupFailed, StateRestoreError
 from resilient.events import Event, EventLog
 from resilient.launch_env import LaunchEnv, Var
 from resilient.launcher.heartbeat import Heartbeat, die_with_launcher, unhealthy_path
@@ -138,6 +138,10 @@ def common_restore_step(steps_by_rank: Sequence[Sequence[int]], primary: FaultRe
 def plan_step(plan: dict[str, Any], primary: FaultRecord | None = None) -> int:
     """The step of a recovery barrier's :func:`~resilient.runtime.coordinator.restore_plan`, or
     the error every rank raises alike."""
+    if plan.get("malformed"):
+        raise CoordinationError(
+            f"ranks {plan['malformed']} posted malformed snapshot lists to the recovery barrier"
+        )
     empty = plan["empty"]
     if empty:  # (a peer pulled out before its own first step holds none either: the fault names who)
         if primary is not None and primary.rank in empty:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -29,6 +30,7 @@ class FaultKind(str, enum.Enum):
     CUDA = "cuda"  # a sticky CUDA error: the context is unusable, in-process recovery is impossible
     DESYNC = "desync"  # ranks issued different collectives in one step (runtime/collective_check.py)
     DIED = "died"  # a rank's process died (posted by the launcher's agent, which replaces it)
+    MALFORMED = "malformed"  # a record a peer left in the store does not parse (reported, recovered)
 
 
 class Severity(str, enum.Enum):
@@ -88,6 +90,10 @@ def signature(kind: FaultKind, exc: BaseException) -> str:
     return f"{kind.value}: {type(exc).__name__}: {first}"
 
 
+class MalformedRecord(ValueError):
+    """A record read from the store is not one this runtime writes."""
+
+
 @dataclass
 class FaultRecord:
     """One rank's observation of a fault, posted to the store and written to the event log."""
@@ -122,4 +128,53 @@ class FaultRecord:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> FaultRecord:
-        return cls(**json.loads(raw))
+        """A record as a peer posted it, checked field by field (:class:`MalformedRecord` if not)."""
+        try:
+            d = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise MalformedRecord(f"not JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise MalformedRecord(f"a {type(d).__name__}, not a record")
+        missing = [
+            f for f in ("rank", "generation", "kind", "severity", "signature", "message") if f not in d
+        ]
+        extra = sorted(set(d) - {f.name for f in fields(cls)})
+        if missing or extra:
+            raise MalformedRecord(f"fields missing {missing}, unknown {extra}")
+
+        def whole(name: str, low: int, none: bool = False) -> None:
+            v = d.get(name)
+            if not ((none and v is None) or (type(v) is int and v >= low)):
+                raise MalformedRecord(f"{name}={v!r}")
+
+        whole("rank", -1)
+        whole("generation", 0)
+        whole("step", 0, none=True)
+        if d["kind"] not in {k.value for k in FaultKind} or d["severity"] not in {s.value for s in Severity}:
+            raise MalformedRecord(f"kind={d['kind']!r}, severity={d['severity']!r}")
+        for name in ("signature", "message"):
+            if not isinstance(d[name], str):
+                raise MalformedRecord(f"{name}={d[name]!r}")
+        for name in ("ts", "latency_s"):
+            if name in d and (type(d[name]) not in (int, float) or not math.isfinite(d[name])):
+                raise MalformedRecord(f"{name}={d[name]!r}")
+        return cls(**{**d, "signature": d["signature"][:500], "message": d["message"][:2000]})
+
+    @classmethod
+    def parse(cls, raw: bytes | str, generation: int) -> FaultRecord:
+        """The record, or, where it does not parse, a fault of its own (kind ``malformed``) that
+        every rank recovers from alike, naming what was wrong; a peer's garbage never stops a
+        listener."""
+        try:
+            return cls.from_json(raw)
+        except MalformedRecord as e:
+            text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+            return cls(
+                rank=-1,
+                generation=generation,
+                step=None,
+                kind=FaultKind.MALFORMED.value,
+                severity=Severity.SOFT.value,
+                signature="malformed: a fault record in the store does not parse",
+                message=f"malformed fault record ({e}): {text[:200]!r}",
+            )

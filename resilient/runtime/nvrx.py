@@ -295,7 +295,7 @@ class NvrxEngine(EngineCore):
                 raw = self.store.get(key)
                 break
         if raw:
-            rec = FaultRecord.from_json(raw)
+            rec = FaultRecord.parse(raw, gen)
         else:  # NVRx interrupted every rank before any raised: its progress timeout (a hang)
             aborted = self._aborted[1] if self._aborted[0] == gen else time.time()
             rec = FaultRecord(

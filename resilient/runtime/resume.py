@@ -35,7 +35,7 @@ import torch.distributed as dist
 import xxhash
 from loguru import logger
 
-from resilient.checkpoint.codec import decode, dtype_from_name, encode
+from resilient.checkpoint.codec import check_layout, decode, dtype_from_name, encode
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.checkpoint.staging import extent, plan, typed_view
 from resilient.errors import CheckpointError
@@ -55,11 +55,16 @@ def pack(tree: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
     return header, buf
 
 
-def unpack(header: dict[str, Any], buf: torch.Tensor | bytes | memoryview) -> Any:
+def unpack(
+    header: dict[str, Any], buf: torch.Tensor | bytes | memoryview, where: str = "packed state"
+) -> Any:
+    """The tree :func:`pack` made (its layout checked against the buffer before any allocation)."""
     raw = buf.numpy().data if isinstance(buf, torch.Tensor) else memoryview(buf)
+    if not isinstance(header, dict) or "skeleton" not in header:
+        raise CheckpointError(f"{where}: header {str(header)[:80]} has no skeleton")
     tensors = []
-    for dtype, shape, offset, nbytes in header["layout"]:
-        t = torch.empty(tuple(shape), dtype=dtype_from_name(dtype))  # owns its memory
+    for dtype, shape, offset, nbytes in check_layout(header.get("layout"), len(raw), where):
+        t = torch.empty(shape, dtype=dtype_from_name(dtype))  # owns its memory
         if nbytes:
             t.reshape(-1).view(torch.uint8).numpy()[:] = raw[offset : offset + nbytes]
         tensors.append(t)
@@ -112,8 +117,13 @@ class StoreReplica:
             return None
         raw = self.store.get(key)
         head, _, body = raw.partition(b"\n")
-        header = json.loads(head)
-        tree = unpack(header, body)
+        try:
+            tree = unpack(json.loads(head), body, f"store replica of rank {rank}, step {step}")
+            if not isinstance(tree, dict):
+                raise CheckpointError(f"store replica of rank {rank}, step {step}: not a dict of objects")
+        except (CheckpointError, ValueError, RecursionError) as e:  # (a peer's garbage: no replica)
+            logger.warning(f"rank {self.rank}: ignoring a malformed store replica: {e}")
+            return None
         return sorted(tree), tree
 
     def names(self, rank: int, step: int) -> list[str]:

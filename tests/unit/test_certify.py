@@ -57,11 +57,11 @@ def test_summary_counts_skipped_classes_apart() -> None:
 def test_config_errors_name_the_file_and_field(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("job: {steps: 10}\nclasses:\n  odd: {fault: teleport, step: 2}\n")
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(schedule.BadInput) as e:
         schedule.load(cfg)
     assert str(cfg) in str(e.value) and "classes.odd.fault" in str(e.value)
     cfg.write_text("job: {steps: 10}\nclasses:\n  late: {fault: hang, step: 9}\n")
-    with pytest.raises(SystemExit, match=r"classes\.late\.step: 9"):
+    with pytest.raises(schedule.BadInput, match=r"classes\.late\.step: 9"):
         schedule.load(cfg)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from resilient.checkpoint.codec import decode, encode
 from resilient.checkpoint.manager import Checkpointer
-from resilient.checkpoint.manifest import MANIFEST, committed_steps, step_name
+from resilient.checkpoint.manifest import MANIFEST, committed_steps, manifest_digest, step_name
 from resilient.checkpoint.reader import load_latest, load_step
 from resilient.errors import CheckpointError, ExitCode
 from resilient.state.registry import Registry
@@ -201,6 +201,7 @@ def test_manifest_path_escaping_the_directory_is_rejected(tmp_path: Path) -> Non
     m = json.loads(path.read_text())
     m["ranks"][0]["files"][0]["path"] = "../secret.bin"
     m["ranks"][0]["tensors"][0]["file"] = "../secret.bin"
+    m["digest"] = manifest_digest(m)  # (resealed: else the edit is refused as one before the path is read)
     path.write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match="escapes the checkpoint directory"):
         load_step(tmp_path / "ck", 1, 0)
