@@ -497,3 +497,28 @@ def test_a_malformed_shared_memory_slot_is_skipped_and_the_other_used(tmp_path: 
     assert shm.steps() == [4]
     step, state = shm.load()  # type: ignore[misc]
     assert step == 4 and torch.equal(state["x"], torch.arange(8.0))
+
+
+launch_flags = st.sampled_from(["--nproc-per-node", "--nnodes", "--heartbeat-timeout", "--startup-timeout",
+                                "--backoff-initial", "--backoff-max", "--restart-window", "--max-repeats",
+                                "--max-health-failures", "--standby", "--metrics-port", "--metrics-linger",
+                                "--replace", "--max-restarts"])  # fmt: skip
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(argv=st.lists(st.tuples(launch_flags, values), max_size=5))
+def test_fuzz_launch_flags(argv: list[tuple[str, str]]) -> None:
+    """`resilient launch`'s command line, parsed as its main parses it (nothing is started):
+    accepted, or a usage error (exit 2); never a traceback."""
+    import contextlib
+    import io
+
+    from resilient.launcher.cli import parse
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            parse([*[x for pair in argv for x in pair], "train.py"])
+        except SystemExit as e:
+            assert e.code == 2, (argv, e.code)
+    assert "Traceback" not in err.getvalue()
