@@ -56,7 +56,7 @@ def check_layout(
             raise CheckpointError(f"{at}: {str(entry)[:80]} is not an entry")
         dtype, shape, offset, nbytes = entry[1:] if keyed else entry
         try:
-            size_of = itemsize(dtype) if isinstance(dtype, str) else itemsize(repr(dtype))
+            size_of = itemsize(dtype if isinstance(dtype, str) else repr(dtype))  # (repr: named, refused)
         except ValueError as e:
             raise CheckpointError(f"{at}.dtype: {e}") from None
         if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):

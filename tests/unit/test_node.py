@@ -169,7 +169,7 @@ def test_a_desync_is_caught_across_and_within_nodes(job: dist.Store, seq: list[i
 # -- a leader that dies ---------------------------------------------------------------------------
 LEADER = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys
     from datetime import timedelta
     import torch.distributed as dist
     from resilient.runtime import node
@@ -177,7 +177,7 @@ LEADER = textwrap.dedent(
     got = node.link(job, sys.argv[2], 0, 0, 2, 30.0, 60.0)
     assert isinstance(got, node.NodeLink), got
     print("linked", flush=True)
-    time.sleep(600)
+    signal.pause()  # (serves its node's store until the test kills it)
     """
 )
 
