@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -54,6 +54,7 @@ from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.schedule import SnapshotSchedule
 from resilient.state import Registry, SnapshotRing
 from resilient.state.ddp import BucketLayouts
+from resilient.state.loader import finish_pass
 from resilient.state.registry import EPOCHS, RNG, restore_rng
 
 DDP_BUCKETS = "ddp-buckets.json"  # in the run directory: DDP's rebuilt layouts, for relaunched workers
@@ -115,16 +116,20 @@ def wire(cfg: Config, launch: LaunchEnv, *, backend: str, device: torch.device) 
 
 
 class _Epochs:
-    """``ctx.epochs``' position, kept with the tracked state."""
+    """``ctx.epochs``' position, kept with the tracked state: the epoch, and whether its last batch
+    was stepped (a snapshot at an epoch's end resumes at the next epoch, not in an empty pass of
+    this one, whose end-of-epoch code would run twice)."""
 
     def __init__(self) -> None:
         self.epoch = 0
+        self.done = False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch}
+        return {"epoch": self.epoch, "done": self.done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
+        self.done = bool(state.get("done", False))  # (snapshots from before the flag: not done)
 
 
 def common_restore_step(steps_by_rank: Sequence[Sequence[int]], primary: FaultRecord | None = None) -> int:
@@ -239,6 +244,8 @@ class EngineCore:
         self._resume_pending = False
         self._progress_at: tuple[float, int] | None = None  # (clock, steps) of the last progress event
         self._begun = False
+        self._epochs: _Epochs | None = None  # the entry's ctx.epochs position, once it has one
+        self._deferred: int | None = None  # an epoch's last step, completed when the epoch ends
         self._next_step = 0
         self._stepped = False
         self._progress = 0.0
@@ -367,6 +374,7 @@ class EngineCore:
         self.registry.clear()
         self._restored = set()
         self._begun = False  # (the entry's first ctx.epochs / ctx.steps over batches begins it)
+        self._epochs, self._deferred = None, None
         if self.cfg.collective_check:
             self.fp = CollectiveCount(
                 self.store,
@@ -472,19 +480,35 @@ class EngineCore:
         run (a relaunched worker restores here), so an epoch loop's body sees its state."""
         progress = _Epochs()
         self.track({EPOCHS: progress})
+        self._epochs = progress
         self._ensure_begun()
-        for epoch in range(progress.epoch, total):
-            progress.epoch = epoch
+        if progress.done:  # restored at an epoch's end: the tracked loaders' next pass is a new one
+            for obj in self.registry.objects():
+                finish_pass(obj)
+        for epoch in range(progress.epoch + progress.done, total):
+            progress.epoch, progress.done = epoch, False
             yield epoch
-        progress.epoch = total
+            last, self._deferred = self._deferred, None
+            if last is not None:  # the epoch's own code ran: its last step is complete now
+                progress.done = True
+                self._complete(last, None)
+        progress.epoch, progress.done = total, False
 
     def steps_over(self, batches: Iterable[Any]) -> Iterator[Any]:
         """Each item of ``batches`` is one step; the step count runs on across calls (epochs)."""
         step = self._ensure_begun()
-        for item in batches:
+        n = len(batches) if isinstance(batches, Sized) else None  # (a DataLoader: batches per pass)
+        pos = getattr(batches, "_resilient_pos", None)  # a tracked loader counts skipped batches too
+        for i, item in enumerate(batches):
             self._step_begins(step)
             yield item
-            self._complete(step, None)
+            if self._epochs is not None and n is not None and (pos.consumed if pos else i + 1) >= n:
+                # an epoch's last batch: its step completes (and may be kept) once the code after
+                # the batch loop ran too (ctx.epochs resumes), so that code is never lost to a
+                # restore nor run twice
+                self._deferred = step
+            else:
+                self._complete(step, None)
             step += 1
             self._next_step = step
 

@@ -138,6 +138,15 @@ class _Resumable:
         pos.pending = {"consumed": pos.consumed, "rng": pos.rng}
 
 
+def finish_pass(loader: Any) -> None:
+    """A tracked loader restored after the last batch of a pass (``ctx.epochs`` knows): its next
+    ``iter()`` begins a new pass, drawing from the restored RNG as the first run's did, instead of
+    re-entering the finished one with nothing left to yield."""
+    pos = getattr(loader, "_resilient_pos", None)
+    if pos is not None:
+        pos.pending = None
+
+
 def _draw_first_indices(it: Any) -> list[Any] | None:
     """Single-process iterator: its first batch of indices, drawn now (a ``RandomSampler``
     without a generator draws its seed at that point), to be put back in front. ``None`` for

@@ -243,3 +243,48 @@ def test_a_rank_holding_no_snapshot_failed_before_its_first_step() -> None:
     # the first fault came from a rank that had a snapshot: the empty ones are named, not it
     with pytest.raises(SetupFailed, match=r"ranks \[0\] hold no snapshot"):
         common_restore_step([[], [0]], culprit)
+
+
+def _epochs_train(rt: NativeEngine, fault_at: Callable[[int, int], bool]) -> Callable[[], dict[str, Any]]:
+    """A tutorial epoch loop: a shuffled DataLoader, dropout, and end-of-epoch code that uses the
+    epoch's last loss and steps a per-epoch scheduler."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def fn() -> dict[str, Any]:
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+        loader = DataLoader(data, batch_size=4, shuffle=True)  # 4 batches a pass: steps 0-3, 4-7, 8-11
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        rt.track({"model": model, "opt": opt, "sched": sched, "loader": loader})
+        ends = []
+        for epoch in rt.epochs(3):
+            for x, y in rt.steps_over(loader):
+                if fault_at(rt.generation, rt.step):
+                    raise ValueError(f"boom at step {rt.step}")
+                loss = (model(x) - y).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            sched.step()  # once per epoch: an epoch's end that ran twice would halve the rate again
+            ends.append((epoch, loss.item()))
+        return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "lr": sched.get_last_lr()}
+
+    return fn
+
+
+def test_a_restore_at_an_epochs_end_resumes_at_the_next_epoch_bit_exact(tmp_path: Path) -> None:
+    # the snapshot after step 3 (the first epoch's last batch, and the code after its batch loop)
+    # is the one restored: the run goes on with epoch 1; it neither re-enters epoch 0's finished
+    # pass (no batches: `loss` unbound) nor loses or repeats the end-of-epoch scheduler step
+    ref_rt = _runtime(Fakes(tmp_path / "ref"))
+    ref = ref_rt.run(_epochs_train(ref_rt, lambda g, s: False))
+    fakes = Fakes(tmp_path / "faulty")
+    rt = _runtime(fakes)
+    got = rt.run(_epochs_train(rt, lambda g, s: g == 0 and s == 4))
+    (restored,) = fakes.events("state_restored")
+    assert restored["step"] == 4, restored  # (the state after 4 completed steps: epoch 0's end)
+    assert got["lr"] == ref["lr"]
+    for k in ref["model"]:
+        assert torch.equal(ref["model"][k], got["model"][k]), k
