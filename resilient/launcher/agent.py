@@ -40,7 +40,6 @@ rendezvous. On top of it:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -57,10 +56,18 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from resilient.backoff import Backoff
+from resilient.contract import (
+    Beat,
+    beat_path,
+    clear_worker,
+    is_unhealthy,
+    read_beat,
+    run_namespace,
+    take_unhealthy,
+)
 from resilient.errors import ExitCode
 from resilient.events import Event, EventLog
 from resilient.launch_env import Var
-from resilient.launcher.heartbeat import Beat, beat_path, read_beat, unhealthy_path
 from resilient.launcher.standby import Standby, target
 
 _STOP_CODES = {int(ExitCode.FATAL): "fatal", int(ExitCode.REQUEUE): "requeue"}
@@ -256,8 +263,7 @@ class ResilientAgent(LocalElasticAgent):
             self._members = set(state.participants)
             self._lost_reported = False
         for w in worker_group.workers:
-            beat_path(self.heartbeat_dir, w.local_rank).unlink(missing_ok=True)
-            unhealthy_path(self.heartbeat_dir, w.local_rank).unlink(missing_ok=True)
+            clear_worker(self.heartbeat_dir, w.local_rank)
         self._oom = oom_kills()
         # Every agent of a rendezvous round sees the same round number, unlike its restart count
         # (an agent restarted for a peer's failure does not count it): the workers' store keys and
@@ -386,12 +392,9 @@ class ResilientAgent(LocalElasticAgent):
     def _count_health_failures(self, worker_group: WorkerGroup) -> None:
         checks = []
         for w in worker_group.workers:
-            path = unhealthy_path(self.heartbeat_dir, w.local_rank)
-            try:
-                checks.append({"local_rank": w.local_rank, **json.loads(path.read_text())})
-            except (OSError, ValueError):
-                continue
-            path.unlink(missing_ok=True)
+            mark = take_unhealthy(self.heartbeat_dir, w.local_rank)
+            if mark is not None:
+                checks.append({"local_rank": w.local_rank, **mark})
         if not checks:
             return
         self.health_failures.append({"ts": time.time(), "checks": checks})
@@ -457,7 +460,7 @@ class ResilientAgent(LocalElasticAgent):
             return beat, f"its exit code {code} is a verdict"
         if code == int(ExitCode.HARD_FAULT):
             return beat, "it asked for a restart of the group (exit code 75)"
-        if unhealthy_path(self.heartbeat_dir, local_rank).exists():
+        if is_unhealthy(self.heartbeat_dir, local_rank):
             return beat, "it failed a health check"
         if beat is None or beat.step < 0:
             return beat, "it died before its first step"
@@ -536,7 +539,7 @@ class ResilientAgent(LocalElasticAgent):
                 self._store_client = client(env["MASTER_ADDR"], int(env["MASTER_PORT"]), 10.0)
             run_id = os.environ.get(Var.RUN_ID.value) or env.get(Var.ELASTIC_RUN_ID.value, "")
             attempt = os.environ.get(Var.LAUNCH_ROUND.value) or env.get(Var.RESTART_COUNT.value, "0")
-            coord = Coordinator(self._store_client, f"resilient/{run_id}/a{attempt}", -1, 0, 10.0)
+            coord = Coordinator(self._store_client, run_namespace(run_id, attempt), -1, 0, 10.0)
             rec = FaultRecord(
                 rank=global_rank,
                 generation=beat.generation,

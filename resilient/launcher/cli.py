@@ -33,6 +33,7 @@ from torch.distributed.run import config_from_args, get_args_parser, parse_min_m
 from resilient import PYNVML_NOISE
 from resilient.argtypes import count, nonnegative, positive
 from resilient.checkpoint.shm import ShmSnapshot
+from resilient.contract import heartbeat_dir
 from resilient.errors import ExitCode
 from resilient.events import Event, EventLog
 from resilient.launch_env import Var
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if not config.run_id or config.run_id == "none":
         config.run_id = uuid.uuid4().hex[:12]
-    hb_dir = Path("/dev/shm") / f"resilient-hb-{config.run_id}-{os.getpid()}"
+    hb_dir = heartbeat_dir(config.run_id, os.getpid())
     # a worker's script imports torch before us: the pynvml shim's warning is filtered for it here
     quiet = f"ignore:{PYNVML_NOISE}:FutureWarning"
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))

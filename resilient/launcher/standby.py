@@ -130,8 +130,8 @@ def _warm_up() -> None:
 
 
 def main() -> None:
+    from resilient.contract import die_with_launcher
     from resilient.launch_env import Var
-    from resilient.launcher.heartbeat import die_with_launcher
 
     launcher = os.environ.get(Var.LAUNCHER_PID.value)
     die_with_launcher(int(launcher) if launcher else None)

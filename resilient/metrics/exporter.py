@@ -24,8 +24,8 @@ from typing import Any
 
 from loguru import logger
 
+from resilient.contract import read_beats
 from resilient.events import LogTail
-from resilient.launcher.heartbeat import read_beats
 from resilient.metrics.accounting import CAUSES, OTHER, Accounting, account
 
 __all__ = ["Exporter", "LogTail", "Model", "RunMetrics", "build_model"]

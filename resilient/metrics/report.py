@@ -194,9 +194,9 @@ def status_table(events: list[dict[str, Any]], beats: dict[int, tuple[float, int
 
 def heartbeats(run_id: str) -> dict[int, tuple[float, int, int]]:
     """This node's heartbeats of ``run_id`` (under ``resilient launch``): local rank -> (age, step, gen)."""
-    from resilient.launcher.heartbeat import read_beats
+    from resilient.contract import heartbeat_dirs, read_beats
 
     out: dict[int, tuple[float, int, int]] = {}
-    for d in Path("/dev/shm").glob(f"resilient-hb-{run_id}-*"):
+    for d in heartbeat_dirs(run_id):
         out.update({r: (b.age_s, b.step, b.generation) for r, b in read_beats(d).items()})
     return out

@@ -40,10 +40,10 @@ import torch.distributed as dist
 from loguru import logger
 
 from resilient.config import Config
+from resilient.contract import Heartbeat, die_with_launcher, mark_unhealthy, run_namespace
 from resilient.errors import CoordinationError, ExitCode, HealthCheckFailed, SetupFailed, StateRestoreError
 from resilient.events import Event, EventLog
 from resilient.launch_env import LaunchEnv, Var
-from resilient.launcher.heartbeat import Heartbeat, die_with_launcher, unhealthy_path
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime.collective_check import CollectiveCount, CollectiveDesync
 from resilient.runtime.faults import FaultRecord
@@ -268,7 +268,7 @@ class EngineCore:
         self.store = w.store
         self.clock = w.clock
         self.run_id = w.run_id
-        self.ns = f"resilient/{w.run_id}/{namespace_tail}a{self.launch.attempt}"
+        self.ns = run_namespace(w.run_id, self.launch.attempt, namespace_tail)
         self.events = w.events
         self.run_dir = w.events.path.parent if w.events.path is not None else self.cfg.events.dir / w.run_id
         self.schedule = SnapshotSchedule(
@@ -433,10 +433,7 @@ class EngineCore:
         f = failed[0]
         logger.error("rank {}: health check {!r} failed: value={} ({})", self.rank, f.name, f.value, f.detail)
         if self.launch.heartbeat_dir is not None:
-            with contextlib.suppress(OSError):
-                unhealthy_path(self.launch.heartbeat_dir, self.local_rank).write_text(
-                    json.dumps({"check": f.name, "value": str(f.value), "detail": f.detail})
-                )
+            mark_unhealthy(self.launch.heartbeat_dir, self.local_rank, f.name, f.value, f.detail)
         self._tell_peers(gen, f"health check {f.name!r} failed: {f.value}")
         raise HealthCheckFailed(f.name, f.value, f.detail)
 

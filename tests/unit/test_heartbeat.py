@@ -10,14 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from resilient.contract import beat_path, read_beat
 from resilient.launcher.agent import describe_exit
-from resilient.launcher.heartbeat import beat_path, read_beat
 
 
 def test_beat_is_read_by_another_process_with_its_age_step_and_generation(tmp_path: Path) -> None:
     path = beat_path(tmp_path, 3)
     code = (
-        "import sys; from pathlib import Path; from resilient.launcher.heartbeat import Heartbeat;"
+        "import sys; from pathlib import Path; from resilient.contract import Heartbeat;"
         f"h = Heartbeat(Path({str(path)!r})); h.generation = 5; h.beat(41); h.close()"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -35,7 +35,7 @@ def test_no_file_or_no_beat_reads_as_none(tmp_path: Path) -> None:
 def test_beating_thread_stops_when_the_process_is_stopped(tmp_path: Path, wait_until: Any) -> None:
     path = beat_path(tmp_path, 0)
     code = (
-        "import time; from pathlib import Path; from resilient.launcher.heartbeat import Heartbeat;"
+        "import time; from pathlib import Path; from resilient.contract import Heartbeat;"
         f"h = Heartbeat(Path({str(path)!r})); h.start(lambda: 7, interval=0.05); time.sleep(60)"
     )
     p = subprocess.Popen([sys.executable, "-c", code])

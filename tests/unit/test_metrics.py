@@ -320,7 +320,7 @@ def served_names(tmp_path: Path) -> set[str]:
     ]
     hb = tmp_path / "hb"
     hb.mkdir()
-    from resilient.launcher.heartbeat import Heartbeat
+    from resilient.contract import Heartbeat
 
     beat = Heartbeat(hb / "rank00000.hb", interval=60)
     beat.beat(5)

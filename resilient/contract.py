@@ -1,0 +1,192 @@
+"""The worker↔launcher contract beyond the environment (:mod:`resilient.launch_env` names the
+variables): what a worker and its ``resilient launch`` agent read and write of each other's.
+
+- **Heartbeats**: a 24-byte shared-memory record per local rank. The worker stores
+  (CLOCK_MONOTONIC ns, step, generation) into a mapped page: no syscall, no lock, nothing the
+  training loop can block on. The agent (and the metrics) map the same files and read them.
+  CLOCK_MONOTONIC is system-wide on Linux, so the two processes' clocks agree. A frozen worker
+  (SIGSTOP, a hang holding the GIL) simply stops storing.
+- **The unhealthy mark**: a worker whose health check failed says which, next to its heartbeat;
+  the agent reads it (once) when it decides what the death means.
+- **The run's namespace** in the job's store: where the runtime's keys live, and where the agent
+  posts a dead rank's fault so that its survivors' listeners wake.
+- **Where the heartbeats live**: one directory per launcher in ``/dev/shm``.
+
+The runtime, the launcher and the metrics import this module; none of them imports another's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from resilient.launch_env import LaunchEnv
+
+_FMT = struct.Struct("<qqq")  # monotonic ns of the last beat, step, in-process generation
+_SHM = Path("/dev/shm")
+
+
+# ---- where things are --------------------------------------------------------------------------
+def heartbeat_dir(run_id: str, launcher_pid: int) -> Path:
+    """The directory one launcher keeps its workers' heartbeats (and standbys' ready marks) in."""
+    return _SHM / f"resilient-hb-{run_id}-{launcher_pid}"
+
+
+def heartbeat_dirs(run_id: str) -> list[Path]:
+    """Every launcher's heartbeat directory of ``run_id`` on this node."""
+    return sorted(_SHM.glob(f"resilient-hb-{run_id}-*"))
+
+
+def run_namespace(run_id: str, attempt: str, engine: str = "") -> str:
+    """The store prefix of one launch attempt's keys (``engine``: a prefix of an engine's own,
+    ``nvrx/``); every rank of the attempt, and its agent, derive the same."""
+    return f"resilient/{run_id}/{engine}a{attempt}"
+
+
+def beat_path(directory: Path, local_rank: int) -> Path:
+    return directory / f"rank{local_rank:05d}.hb"
+
+
+def unhealthy_path(directory: Path, local_rank: int) -> Path:
+    """Where a worker whose health check failed says which (read by the agent, then removed)."""
+    return directory / f"rank{local_rank:05d}.unhealthy"
+
+
+# ---- the unhealthy mark -------------------------------------------------------------------------
+def mark_unhealthy(directory: Path, local_rank: int, check: str, value: Any, detail: str) -> None:
+    """The worker side: its health check ``check`` failed (best effort: a full disk is no reason
+    to hide the failure itself, which the worker raises anyway)."""
+    with contextlib.suppress(OSError):
+        unhealthy_path(directory, local_rank).write_text(
+            json.dumps({"check": check, "value": str(value), "detail": detail})
+        )
+
+
+def is_unhealthy(directory: Path, local_rank: int) -> bool:
+    return unhealthy_path(directory, local_rank).exists()
+
+
+def take_unhealthy(directory: Path, local_rank: int) -> dict[str, Any] | None:
+    """The agent side: the mark of ``local_rank`` (``check``, ``value``, ``detail``), removed as it
+    is read so that one failure counts once; None without a readable mark."""
+    path = unhealthy_path(directory, local_rank)
+    try:
+        mark = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    path.unlink(missing_ok=True)
+    return mark if isinstance(mark, dict) else None
+
+
+def clear_worker(directory: Path, local_rank: int) -> None:
+    """A new process takes ``local_rank``: its predecessor's beat and mark are not its own."""
+    beat_path(directory, local_rank).unlink(missing_ok=True)
+    unhealthy_path(directory, local_rank).unlink(missing_ok=True)
+
+
+# ---- heartbeats -----------------------------------------------------------------------------------
+class Beat(NamedTuple):
+    age_s: float  # seconds since the last beat
+    step: int  # the step it beat at (-1: before the first)
+    generation: int  # the worker's in-process generation then (a replacement joins it)
+
+
+def die_with_launcher(launcher: int | None) -> None:
+    """Under ``resilient launch``: have the kernel SIGKILL this worker when the launcher dies.
+
+    torch's agent starts workers in sessions of their own, so a launcher killed with SIGKILL (no
+    chance to stop them) would leave them running, holding the node's GPUs and ports."""
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != launcher:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Heartbeat:
+    """Worker side: a daemon thread beats every ``interval`` s with the step in progress."""
+
+    def __init__(self, path: Path, interval: float = 1.0) -> None:
+        self.interval = interval
+        self.generation = 0  # set by the engine as it enters each generation
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, _FMT.size)
+            self._mm = mmap.mmap(fd, _FMT.size)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def for_worker(cls, launch: LaunchEnv) -> Heartbeat | None:
+        """The heartbeat the launcher asked for (its directory, this local rank's file), if any."""
+        if launch.heartbeat_dir is None:
+            return None
+        return cls(beat_path(launch.heartbeat_dir, launch.endpoint.local_rank), launch.heartbeat_interval)
+
+    def beat(self, step: int) -> None:
+        _FMT.pack_into(self._mm, 0, time.monotonic_ns(), step, self.generation)
+
+    def start(self, step: Callable[[], int | None], interval: float | None = None) -> None:
+        """Beat from a daemon thread every ``interval`` s. A thread, not the step loop: a Python-level
+        hang in the main thread is the runtime's soft fault to recover in-process, and the beats must
+        go on meanwhile; a process that is stopped or holds the GIL stops them, which is the point."""
+        every = interval or self.interval
+
+        def run() -> None:
+            while not self._halt.wait(every):
+                s = step()
+                self.beat(-1 if s is None else s)
+
+        self.beat(-1)
+        self._thread = threading.Thread(target=run, name="resilient-heartbeat", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._mm.close()
+
+
+def read_beats(directory: Path) -> dict[int, Beat]:
+    """local rank -> last beat, of every worker that beat in ``directory`` (an unreadable file is
+    left out: a worker being replaced, a directory being removed)."""
+    out: dict[int, Beat] = {}
+    for p in sorted(directory.glob("rank*.hb")):
+        with contextlib.suppress(ValueError, OSError):
+            b = read_beat(p)
+            if b is not None:
+                out[int(p.stem[4:])] = b
+    return out
+
+
+def read_beat(path: Path) -> Beat | None:
+    """The last beat of a worker, or None if it never beat."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_FMT.size)
+    except FileNotFoundError:
+        return None
+    if len(raw) < _FMT.size:
+        return None
+    ns, step, generation = _FMT.unpack(raw)
+    if ns == 0:
+        return None
+    return Beat((time.monotonic_ns() - ns) / 1e9, step, generation)
