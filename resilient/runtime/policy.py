@@ -3,21 +3,27 @@
 Every rank evaluates the policy on the same input — the *primary* fault record of the
 generation, which the store holds once for all ranks — so every rank reaches the same verdict
 and nobody waits at a barrier for a rank that already gave up. Clock and randomness are
-injectable so tests never wait on the wall clock.
+injectable so tests never wait on the wall clock. The window and the repeat rule are
+:mod:`resilient.restarts`, shared with the launcher's policy.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 
 from resilient.backoff import Backoff
 from resilient.config import RestartConfig
 from resilient.errors import FaultRepeats, RestartBudgetExhausted
+from resilient.restarts import RestartWindow, repeats
 from resilient.runtime.faults import FaultRecord
+
+
+def _where(fault: FaultRecord) -> tuple[int | None, str]:
+    """A fault is the same fault when it hits the same step with the same signature."""
+    return fault.step, fault.signature
 
 
 class RestartPolicy:
@@ -32,18 +38,9 @@ class RestartPolicy:
         self.cfg = cfg
         self._clock = clock
         self._rng = rng or random.Random()
-        self._restarts: deque[float] = deque()
+        self._window = RestartWindow(cfg.max_restarts, cfg.window_s)
         self.history: list[FaultRecord] = []
         self._backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
-
-    def _repeat_count(self, fault: FaultRecord) -> int:
-        n = 0
-        for past in reversed(self.history):
-            if past.step == fault.step and past.signature == fault.signature:
-                n += 1
-            else:
-                break
-        return n
 
     def admit(self, fault: FaultRecord) -> float:
         """Record ``fault``; return the backoff delay in seconds, or raise if no restart is allowed.
@@ -54,17 +51,14 @@ class RestartPolicy:
         """
         self.history.append(fault)
         hist = [asdict(f) for f in self.history]
-        repeats = self._repeat_count(fault)
-        if repeats >= self.cfg.max_repeats:
-            raise FaultRepeats(fault.step if fault.step is not None else -1, fault.signature, repeats, hist)
+        n = repeats(self.history, _where)
+        if n >= self.cfg.max_repeats:
+            raise FaultRepeats(fault.step if fault.step is not None else -1, fault.signature, n, hist)
         now = fault.ts if fault.ts else self._clock()  # the origin's clock: same verdict on every rank
-        while self._restarts and now - self._restarts[0] > self.cfg.window_s:
-            self._restarts.popleft()
-        if len(self._restarts) >= self.cfg.max_restarts:
+        if not self._window.admit(now):
             raise RestartBudgetExhausted(
-                f"restart budget exhausted: {len(self._restarts)} restarts within {self.cfg.window_s:g}s "
+                f"restart budget exhausted: {self._window.count(now)} restarts within {self.cfg.window_s:g}s "
                 f"(max_restarts={self.cfg.max_restarts}); last fault at step {fault.step}: {fault.signature}",
                 hist,
             )
-        self._restarts.append(now)
-        return self._backoff.delay(len(self._restarts), self._rng)  # n-th restart inside the window
+        return self._backoff.delay(self._window.count(now), self._rng)  # n-th restart inside the window

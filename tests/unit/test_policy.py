@@ -141,3 +141,25 @@ def test_restarts_older_than_the_window_are_forgotten():
 def test_zero_restarts_allowed_stops_at_the_first_fault():
     with pytest.raises(RestartBudgetExhausted):
         policy(max_restarts=0).admit(fault(step=1, ts=T0))
+
+
+# ---- the two rules the runtime and the launcher share (resilient/restarts.py) ----------------------
+def test_restart_window_admits_up_to_its_limit_and_forgets_what_left_it():
+    from resilient.restarts import RestartWindow
+
+    w = RestartWindow(2, span_s=100.0)
+    assert w.admit(T0) and w.admit(T0 + 50)
+    assert not w.admit(T0 + 60) and w.count(T0 + 60) == 2  # a refusal records nothing
+    assert w.left(T0 + 101) == 1 and w.admit(T0 + 101)  # T0 left the window
+    forever = RestartWindow(1, span_s=None)  # no window: every restart of the run counts
+    assert forever.admit(T0) and not forever.admit(T0 + 1e9)
+    assert RestartWindow(-1).left(T0) == 0 and not RestartWindow(-1).admit(T0)
+
+
+def test_repeats_counts_the_run_at_the_end_of_a_history():
+    from resilient.restarts import repeats
+
+    assert repeats([]) == 0
+    assert repeats(["a", "b", "b", "b"]) == 3
+    assert repeats(["b", "b", "a"]) == 1
+    assert repeats([(5, "x", 1), (5, "x", 2)], key=lambda e: e[:2]) == 2
