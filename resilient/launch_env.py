@@ -41,6 +41,8 @@ class Var(str, enum.Enum):
     PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"
     JOIN_GENERATION = "RESILIENT_JOIN_GENERATION"  # a replacement: the generation its survivors left
     METRICS_BY_AGENT = "RESILIENT_METRICS_BY_AGENT"  # the agent serves the metrics: the workers do not
+    # step hooks to load besides entry points: "module:factory,..." (resilient/runtime/hooks.py)
+    HOOKS = "RESILIENT_HOOKS"
 
     def __str__(self) -> str:
         return self.value
@@ -73,6 +75,7 @@ class LaunchEnv:
     launcher_pid: int | None  # `resilient launch`: this worker dies with it
     preempt_signals: tuple[str, ...] | None  # None: the checkpoint config's own list
     join_generation: int | None = None  # a replacement for a dead rank: joins its survivors' recovery
+    hooks: tuple[str, ...] = ()  # step-hook factories ("module:factory") this process loads
 
     @property
     def under_launcher(self) -> bool:
@@ -134,4 +137,5 @@ class LaunchEnv:
             launcher_pid=launcher_pid,
             preempt_signals=tuple(s for s in signals.split(",") if s) if signals else None,
             join_generation=join_generation,
+            hooks=tuple(h.strip() for h in (get(Var.HOOKS) or "").split(",") if h.strip()),
         )

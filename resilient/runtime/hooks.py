@@ -3,12 +3,14 @@
 A hook sees the run start, the start and end of every step, and the run's end. The chaos harness
 is one (it fires planned faults inside a step, logs every step for a certificate's timeline and
 dumps the final state it compares bit for bit); a user's profiler or metrics exporter can be
-another. Hooks come from two places:
+another. Hooks come from three places:
 
 - ``resilient.wrap(hooks=[...])``: objects the caller passes;
 - the ``resilient.hooks`` entry-point group: each entry point names a factory ``() -> hook | None``
-  that an installed package provides; ``None`` means "not active in this process" (the chaos
-  harness's factory returns a hook only when a certificate's environment asks for one).
+  that an installed package provides; ``None`` means "not active in this process";
+- ``RESILIENT_HOOKS`` (:attr:`LaunchEnv.hooks`): comma-separated ``module:factory`` names, each a
+  factory like an entry point's, loaded only in the processes whose environment names them (a
+  chaos job's: ``chaos.hooks:from_env``, so a plain run never imports the harness).
 
 An exception raised by ``before_step`` is a fault in that step (this is how a harness injects
 one); the other methods must not raise.
@@ -18,16 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from loguru import logger
 
+from resilient.launch_env import LaunchEnv
+
 if TYPE_CHECKING:
     from resilient.config import Config
     from resilient.events import EventLog
-    from resilient.launch_env import LaunchEnv
 
 ENTRY_POINT_GROUP = "resilient.hooks"
 
@@ -75,10 +78,17 @@ class Hook:
         return None
 
 
-def discover() -> list[StepHook]:
-    """The hooks installed packages register under ``resilient.hooks`` and that are active now."""
+def discover(launch: LaunchEnv | None = None) -> list[StepHook]:
+    """The hooks that are active now: those installed packages register under ``resilient.hooks``,
+    then those ``RESILIENT_HOOKS`` names (``launch``: the launch environment, read if not given).
+    A factory that fails to load or run is named in a warning and skipped."""
+    if launch is None:
+        launch = LaunchEnv.from_environ()
+    registered = list(entry_points(group=ENTRY_POINT_GROUP))
+    values = {ep.value for ep in registered}  # a factory named both ways is loaded once
+    named = [EntryPoint(name=v, value=v, group=ENTRY_POINT_GROUP) for v in dict.fromkeys(launch.hooks)]
     found: list[StepHook] = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in [*registered, *(ep for ep in named if ep.value not in values)]:
         try:
             hook = ep.load()()
         except Exception as e:  # a broken plug-in is named, and the run goes on without it
