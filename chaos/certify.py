@@ -2,12 +2,15 @@
 the event log, held against its SLOs.
 
 Each trial is one job under ``resilient launch`` (so soft faults are recovered in-process and hard
-ones by the launcher, as in production) with one fault:
+ones by the launcher, as in production) with one fault, started through
+:func:`chaos.arranged.arranged_job` (which arranges what the fault's kind needs: a veth link, a
+memory cgroup, …). Where the fault fires, what proves it was detected and whether a recovery
+follows are its kind's (chaos/faults, ``chaos kinds``):
 
-- in-process faults (exception, hang, oom, gil_hang, stall, kernel_oom) are fired at the start of
-  the step by the harness's step hook (``CHAOS_PLAN``, chaos/hooks.py), so any wrapped script can
-  be certified unchanged; the injector appends what it did, and when, to ``injections.jsonl``;
-- external ones are done by this harness to the rank's process when the rank's ``step_completed``
+- in-process kinds (exception, hang, oom, …) are fired at the start of the step by the harness's
+  step hook (``CHAOS_PLAN``, chaos/hooks.py), so any wrapped script can be certified unchanged;
+  the injector appends what it did, and when, to ``injections.jsonl``;
+- harness kinds are done by this harness to the rank's process when the rank's ``step_completed``
   event shows it reached the step: SIGKILL, SIGSTOP; ``corrupt_checkpoint`` flips bytes in the
   newest committed checkpoint, kills the whole job and starts it again (fresh shared memory), so
   the restart has to read the disk and find the corruption.
@@ -32,17 +35,14 @@ from typing import Any
 
 import torch
 
-from chaos import netns
-from chaos.cgroup import memory_cgroup, remove_cgroup
+from chaos.arranged import Unavailable, arranged_job
 from chaos.compare import assert_bit_exact
+from chaos.faults import CRASH, REGISTRY
 from chaos.job import Job, events, fresh, jsonl
-from chaos.netns import VethLink
-from chaos.runner import HARNESS, Runner
-from chaos.schedule import IN_PROCESS, LINK, Certification, Planned
+from chaos.schedule import Certification, Planned
 from resilient.metrics import account
 
-DETECTION = ("fault_detected", "worker_died", "heartbeat_missed", "checkpoint_rejected")
-SLOW_STORAGE = ("checkpoint_slow",)  # how a slow disk shows (it is no crash: nothing restarts)
+DETECTION = CRASH.detection  # a kind's own: REGISTRY[kind].evidence.detection
 
 
 @dataclass
@@ -127,39 +127,24 @@ def _run_trial(
     cert: Certification, name: str, trial: int, cwd: Path, ref: list[dict[str, Any]], ref_step_s: float
 ) -> Trial:
     c, j = cert.classes[name], cert.job
+    kind = REGISTRY[c.fault]
     step = cert.trial_step(name, trial)
     t = Trial(name, trial, step)
     fault = Planned(fault=c.fault, rank=c.rank, step=step, arg=c.arg, duration=c.duration)
-    plan = fault.spec(step) if c.fault in IN_PROCESS else ""
-    memcg: Path | None = None
-    link: VethLink | None = None
-    if c.fault in LINK:  # the target rank runs behind a veth link of its own
-        why = netns.capability(loss=c.fault == "link_loss")
-        if why is not None:
-            t.skipped = why
-            return t
-        link = VethLink.create(c.rank)
-    if c.fault == "kernel_oom":  # the target rank is moved into a real memory limit before the step
-        memcg, why = memory_cgroup(int(c.arg or 700))
-        if memcg is None:
-            t.skipped = why
-            return t
-    runner = Runner(cert, cwd, plan, time.monotonic() + j.timeout_s, link=link, attempt="0", memcg=memcg)
     rc: int | None = None
     restored: float | None = None
+    deadline = time.monotonic() + j.timeout_s
     try:
-        if c.fault in HARNESS:
+        with arranged_job(cert, cwd, [(step, fault)], deadline, attempt="0", partial=False) as arranged:
+            runner = arranged.runner
             restored = runner.fire(step, fault)
             if runner.skipped:
                 t.skipped = "; ".join(runner.skipped)
                 return t
-        rc = runner.job.stop(max(1.0, runner.deadline - time.monotonic()))
-    finally:
-        runner.job.kill()
-        if memcg is not None:
-            remove_cgroup(memcg)
-        if link is not None:
-            link.remove()
+            rc = runner.job.stop(max(1.0, runner.deadline - time.monotonic()))
+    except Unavailable as e:  # a capability this machine lacks: skipped, never faked
+        t.skipped = str(e)
+        return t
     t.ok = rc == 0
     if rc is None:
         t.error = f"did not finish within {j.timeout_s:g} s"
@@ -172,7 +157,7 @@ def _run_trial(
         t.error = t.error or f"the fault never fired (the rank never reached step {step}?)"
         return t
     inj = injections[0]
-    m = measure(evs, inj["ts"], j.nproc, ref_step_s, SLOW_STORAGE if c.fault == "slow_disk" else DETECTION)
+    m = measure(evs, inj["ts"], j.nproc, ref_step_s, kind.evidence.detection)
     t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
     t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
     t.time_by_cause = {k: round(v, 4) for k, v in account(evs).seconds.items()}  # (as `resilient report`)
@@ -180,9 +165,9 @@ def _run_trial(
         t.recover_after_restore_s = inj["ts"] + t.recover_s - restored
     done = [e for e in evs if e["event"] == "step_completed"]
     t.restarts = len({(e["rank"], e["pid"], e["generation"]) for e in done}) - len({e["rank"] for e in done})
-    corrupted = {i["step"] for i in injections if i["kind"] == "corrupt_checkpoint"}  # not loading: by design
+    corrupted = {i["step"] for i in injections if REGISTRY[i["kind"]].breaks_checkpoint}  # by design
     t.lost_checkpoints = unloadable_checkpoints(cwd / j.checkpoint_dir, j.nproc, skip=corrupted)
-    if c.fault == "corrupt_checkpoint":
+    if kind.breaks_checkpoint:
         loaded = [e for e in evs if e["event"] == "checkpoint_loaded"]
         t.previous_loaded = bool(loaded) and all(e["step"] < inj["step"] for e in loaded)
     finals = _finals(cwd, j.nproc)
@@ -194,7 +179,7 @@ def _run_trial(
             t.bit_exact = False
     t.timeline = {
         "injected": inj["ts"], "detected": m.get("detect_ts"), "restored": restored,
-        "lasting": "disk throttled" if c.fault == "slow_disk" else "link down",
+        "lasting": kind.lasting,
         "steps": [(e["ts"], e["rank"], e["step"]) for e in evs if e["event"] == "step_completed"],
     }  # fmt: skip
     t.failed_slos = _check(t, cert)

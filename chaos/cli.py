@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from chaos.inject import KINDS, Injector
+from chaos.faults import REGISTRY
+from chaos.inject import Injector
 from chaos.schedule import BadInput
 from resilient.argtypes import count
 
@@ -21,7 +22,7 @@ from resilient.argtypes import count
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="chaos", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("kinds", help="list the fault kinds")
+    sub.add_parser("kinds", help="list the fault kinds: where each fires, what it needs, what it does")
     chk = sub.add_parser("check", help="parse a fault plan (kind@step[:rank][=arg][xN],...)")
     chk.add_argument("plan")
     cert = sub.add_parser("certify", help="run every fault class against its SLOs; exit 1 if any fails")
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             return _run(args)
         if args.cmd == "kinds":
-            print("\n".join(KINDS))
+            _kinds()
         else:
             try:
                 faults = Injector.parse(args.plan).faults
@@ -73,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _kinds() -> None:
+    """One line per kind, its name first: ``chaos kinds | cut -d' ' -f1`` lists the names."""
+    for name, k in REGISTRY.items():
+        needs = f" (needs {', '.join(k.needs)})" if k.needs else ""
+        print(f"{name:<19} {k.where.value:<18} {k.summary.replace('`', '')}{needs}")
 
 
 def _certify(args: Any) -> int:

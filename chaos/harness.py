@@ -1,8 +1,9 @@
 """Run a training command as N local ranks (env:// like torchrun) and collect what happened.
 
 Each rank is started in its own session so that everything it spawns can be killed by process
-group; a run that exceeds its timeout is killed, never left behind. Used by the tests, the demo
-and the benchmarks.
+group; a run that exceeds its timeout is killed, never left behind. An ``env`` with a chaos
+variable (``CHAOS_PLAN``, ``CHAOS_FINAL_STATE``, …) gets the harness's step hook named in
+``RESILIENT_HOOKS``. Used by the tests, the demo and the benchmarks.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chaos.hooks import enable
 from resilient.events import read_events
 
 
@@ -81,6 +83,7 @@ def run_ranks(
     base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     base.update({"WORLD_SIZE": str(nproc), "RESILIENT_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"})
     base.update(env or {})
+    enable(base)  # a run that asks for chaos (CHAOS_PLAN, CHAOS_FINAL_STATE, ...) loads its step hook
     procs: list[subprocess.Popen[str]] = []
     outs = []
     t0 = time.monotonic()

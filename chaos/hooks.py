@@ -1,8 +1,9 @@
 """The harness's step hook: how a certificate reaches into any wrapped script, unchanged.
 
-Registered under the ``resilient.hooks`` entry point; :func:`from_env` returns a hook only when a
-chaos job's environment asks for one (the variables of :class:`Var`, which ``chaos/job.py``
-sets), so an ordinary run pays nothing. The hook
+Loaded only in a chaos job: the harness names :data:`FACTORY` in the job's ``RESILIENT_HOOKS``
+(the runtime's hook-loading variable, resilient/runtime/hooks.py; :func:`enable`), so a plain
+training process never imports ``chaos``. :func:`from_env` returns a hook when the job's
+environment asks for one (the variables of :class:`Var`, which ``chaos/job.py`` sets). The hook
 
 - fires the plan's faults at the start of their step, in their rank (:mod:`chaos.inject`);
 - writes a ``step_completed`` event per step (the certificate's timeline);
@@ -14,14 +15,17 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from chaos.inject import Injector
 from resilient.events import Event, EventLog
 from resilient.launch_env import LaunchEnv
+from resilient.launch_env import Var as LaunchVar
 from resilient.runtime.hooks import Hook, RunInfo
+
+FACTORY = "chaos.hooks:from_env"  # what RESILIENT_HOOKS names in a chaos job
 
 
 class Var(str, enum.Enum):
@@ -81,3 +85,13 @@ def from_env(environ: Mapping[str, str] | None = None) -> ChaosHook | None:
     if plan and (only is None or int(only) == LaunchEnv.from_environ(env).restart_count):
         injector = Injector.parse(plan)
     return ChaosHook(injector, step_events, Path(final) if final else None)
+
+
+def enable(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """Name the chaos hook in ``env``'s ``RESILIENT_HOOKS`` (after any hooks already named there)
+    when ``env`` asks for chaos (one of :class:`Var`); returns ``env``."""
+    if any(env.get(v.value) for v in Var):
+        named = [h.strip() for h in env.get(LaunchVar.HOOKS.value, "").split(",") if h.strip()]
+        if FACTORY not in named:
+            env[LaunchVar.HOOKS.value] = ",".join([*named, FACTORY])
+    return env

@@ -1,24 +1,10 @@
 """Fault injectors keyed by (rank, step): each one a real fault, each counting what fired.
 
-A plan is written ``kind@step[:rank][xN]``, comma-separated, e.g. ``exception@5:1,hang@9:0``.
+A plan is written ``kind@step[:rank][=arg][xN]``, comma-separated, e.g. ``exception@5:1,hang@9:0``.
 ``xN`` repeats the fault at that step N times (every time the step is re-run after a restart,
-up to N); without it a fault fires once. Kinds:
-
-- ``exception``: raise :class:`InjectedFault` inside the step.
-- ``hang``: ``time.sleep(3600)`` inside the step — a real hang; only an interrupt ends it.
-- ``stall``: ``time.sleep(seconds)`` before the step's first collective (``stall@4:1=2.5``): a peer's
-  collective waits past its timeout.
-- ``oom``: allocate far more host memory than exists — a real allocation failure from the allocator.
-- ``cuda_oom``: allocate far more device memory than the GPU has — a real ``torch.OutOfMemoryError``.
-- ``kernel_oom``: touch memory until the kernel's OOM killer SIGKILLs the process — only inside a
-  memory-limited cgroup (refused otherwise: it would take the whole machine's memory).
-- ``gil_hang``: a regular-expression match with catastrophic backtracking: C code that holds the
-  GIL for hours, unreachable by signals and other Python threads (a hard fault).
-- ``desync``: the rank skips collectives its peers issue. With a ``DistributedDataParallel`` model
-  among ``objects`` (the runtime passes its tracked state) the rank does not all-reduce that step's
-  gradients (DDP's ``require_backward_grad_sync``, off for this one step); otherwise its next
-  ``torch.distributed`` collective call returns without communicating. Its peers' collectives then
-  pair with the wrong ones: silent corruption unless something compares (runtime/collective_check.py).
+up to N); without it a fault fires once. ``kind`` is one of the in-process kinds of
+:data:`chaos.faults.REGISTRY` (``chaos kinds`` lists them, and what each one does): the
+injector finds the kind there and lets it fire.
 """
 
 from __future__ import annotations
@@ -30,32 +16,16 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-import psutil
-
+from chaos.faults import REGISTRY, InjectedFault, Undo, Where
 from resilient.events import read_events
 
-KINDS = ("exception", "hang", "stall", "oom", "cuda_oom", "kernel_oom", "gil_hang", "desync")
-_COLLECTIVES = (
-    "all_reduce",
-    "broadcast",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "reduce",
-    "all_to_all_single",
-    "barrier",
-    "all_gather_single",
-    "reduce_scatter_single",
-)  # fmt: skip  (FSDP2 calls the last two)
+KINDS = REGISTRY.names(lambda k: k.in_process)  # what a plan can name
 _SPEC = re.compile(
     r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?$"
 )
 
-
-class InjectedFault(Exception):
-    """The exception a chaos injector raises; its message names the injection."""
+__all__ = ["KINDS", "Fault", "InjectedFault", "Injector"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +37,8 @@ class Fault:
     times: int = 1
 
     @property
-    def where(self) -> str:
-        return "before_collective" if self.kind == "stall" else "step"
+    def where(self) -> Where:
+        return REGISTRY[self.kind].where
 
 
 @dataclass
@@ -77,7 +47,7 @@ class Injector:
 
     faults: list[Fault] = field(default_factory=list)
     fired: Counter[Fault] = field(default_factory=Counter)
-    _undo: list[tuple[int, Any]] = field(default_factory=list)  # (step, callable) one-step changes
+    _undo: list[tuple[int, Undo]] = field(default_factory=list)  # (step, undo) of one-step changes
 
     @classmethod
     def parse(cls, plan: str | None) -> Injector:
@@ -111,10 +81,9 @@ class Injector:
                 if _fired_in_job(f) >= f.times:  # an earlier process of this job fired it already
                     continue
                 _record(f)
-                if f.kind == "desync":
-                    self._undo += [(step, u) for u in _desync(objects)]
-                else:
-                    _fire(f)
+                until_next_step = REGISTRY[f.kind].inject(f, objects)
+                if until_next_step is not None:
+                    self._undo.append((step, until_next_step))
 
     def counts(self) -> dict[str, int]:
         return {f"{f.kind}@{f.step}:{f.rank}": self.fired[f] for f in self.faults}
@@ -145,101 +114,3 @@ def _record(f: Fault) -> None:
         os.fsync(fd)  # the next thing may be a hang, an OOM-kill or a GIL-bound loop
     finally:
         os.close(fd)
-
-
-def _fire(f: Fault) -> None:
-    if f.kind == "exception":
-        raise InjectedFault(f"injected exception at step {f.step} on rank {f.rank}")
-    if f.kind == "hang":
-        time.sleep(3600)
-    elif f.kind == "stall":
-        time.sleep(f.arg if f.arg is not None else 5.0)
-    elif f.kind == "oom":
-        # More than the machine has: the allocator fails for real. Under vm.overcommit_memory=1 the
-        # kernel would grant it and the OOM killer would strike later instead: refuse, naming why.
-        import torch
-
-        with open("/proc/sys/vm/overcommit_memory") as fh:
-            if fh.read().strip() == "1":
-                raise RuntimeError("oom injector needs vm.overcommit_memory != 1 (it is 1 here)")
-
-        too_much = int(psutil.virtual_memory().total * 4)
-        torch.empty(too_much, dtype=torch.uint8).fill_(1)
-    elif f.kind == "cuda_oom":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("cuda_oom injector needs a GPU (none is present)")
-        _free, total = torch.cuda.mem_get_info()
-        torch.empty(int(total * 4), dtype=torch.uint8, device="cuda")
-    elif f.kind == "kernel_oom":
-        limit = _cgroup_memory_limit()
-        if limit is None or limit >= psutil.virtual_memory().total:
-            raise RuntimeError("kernel_oom injector needs a memory-limited cgroup (this process has none)")
-        hold = []
-        while True:  # each chunk is written, so its pages are really charged to the cgroup
-            chunk = bytearray(64 << 20)
-            chunk[::4096] = b"\x01" * len(range(0, len(chunk), 4096))
-            hold.append(chunk)
-    elif f.kind == "gil_hang":
-        re.match(r"(a+)+$", "a" * 64 + "b")
-
-
-def _desync(objects: Iterable[object]) -> list[Any]:
-    """Make this rank skip collectives its peers issue; return what undoes it after the step."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = [o for o in objects if isinstance(o, DistributedDataParallel)]
-    if ddp:  # this step's gradient all-reduces are not issued by this rank (DDP's no_sync path)
-        for m in ddp:
-            m.require_backward_grad_sync = False
-        return [lambda m=m: setattr(m, "require_backward_grad_sync", True) for m in ddp]
-    import torch.distributed as dist
-
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-    def restore() -> None:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-    def skipped(*_args: Any, **kwargs: Any) -> Any:  # the next collective call: not issued at all
-        restore()
-        return _Skipped() if kwargs.get("async_op") else None
-
-    for name in originals:
-        setattr(dist, name, skipped)
-    return [restore]
-
-
-class _Skipped:
-    """What a skipped ``async_op=True`` collective hands back: done, with nothing exchanged."""
-
-    def wait(self, *_args: Any) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-def _cgroup_memory_limit() -> int | None:
-    """This process's cgroup memory limit in bytes (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``)."""
-    try:
-        lines = open("/proc/self/cgroup").read().splitlines()  # noqa: SIM115
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
-        elif controllers == "":
-            candidates = [f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup/unified{path}/memory.max"]
-        else:
-            continue
-        for c in candidates:
-            try:
-                raw = open(c).read().strip()  # noqa: SIM115
-            except OSError:
-                continue
-            if raw != "max":
-                return int(raw)
-    return None

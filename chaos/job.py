@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chaos.hooks import Var
+from chaos.hooks import Var, enable
 from chaos.netns import ENV as NETNS_ENV
 from chaos.netns import VethLink
 from chaos.schedule import Certification
@@ -72,8 +72,9 @@ class Job:
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        # the harness's step hook (chaos/hooks.py) fires the fault inside the step (any wrapped
-        # script, unchanged), logs every step and dumps the final state the certificate compares
+        # the harness's step hook (chaos/hooks.py, loaded through RESILIENT_HOOKS) fires the fault
+        # inside the step (any wrapped script, unchanged), logs every step and dumps the final
+        # state the certificate compares
         env[Var.INJECTIONS] = str(cwd / "injections.jsonl")
         env[Var.STEP_EVENTS] = "1"
         env[Var.FINAL_STATE] = str(cwd / "state")
@@ -81,6 +82,7 @@ class Job:
             env[Var.PLAN] = plan
             if attempt is not None:
                 env[Var.PLAN_ATTEMPT] = attempt
+        enable(env)
         env.pop("RESILIENT_RUN_ID", None)
         if link is not None:  # every rank starts through chaos.netns; the target one enters the netns
             env[NETNS_ENV] = link.env()

@@ -1,29 +1,24 @@
-"""The faults the harness does to a running job (everything the runtime cannot fire in-process):
-SIGKILL/SIGSTOP, a kernel OOM-kill (the rank moved into a memory cgroup just before its in-process
-allocation), a slow disk (its writes throttled by a blkio cgroup), a dropped or lossy link (the rank
-runs behind a veth link of its own), a corrupt newest checkpoint (the whole job killed, bytes
-flipped, the job started again on the same directory). Each one fires when the event log shows
-the target rank reached the fault's step; used by ``chaos certify`` (one fault per job) and by
-``chaos run`` / ``chaos stream`` (many).
+"""The harness's side of a job: it watches the event log and, when the target rank reached a
+fault's step, lets the fault's kind act on the rank's process (:meth:`FaultKind.by_harness`:
+a signal, a memory cgroup, a throttled disk, a cut link, a corrupted checkpoint). Used by ``chaos
+certify`` (one fault per job) and by ``chaos run`` / ``chaos stream`` (many), always through
+:func:`chaos.arranged.arranged_job`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from chaos.cgroup import blkio_cgroup, release_blkio
+from chaos.faults import REGISTRY, Arrangement
 from chaos.job import Job, record_injection
-from chaos.netns import VethLink
-from chaos.schedule import LINK, Certification, Planned
+from chaos.schedule import Certification, Planned
 from resilient.events import EventTail
-
-HARNESS = ("sigkill", "sigstop", "corrupt_checkpoint", "slow_disk", "kernel_oom", *LINK)
 
 
 class Tail:
@@ -51,16 +46,19 @@ class Runner:
     cwd: Path
     plan: str  # the in-process faults (chaos/inject.py), fired by the runtime
     deadline: float
-    link: VethLink | None = None
+    arrangement: Arrangement = field(default_factory=lambda: Arrangement(ExitStack()))
     attempt: str | None = None  # "0": in-process faults only in the first launch attempt
-    memcg: Path | None = None  # kernel_oom: the memory cgroup the target rank is moved into
-    skipped: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # "kind: why" of faults that could not fire
     job: Job = field(init=False)
     tail: Tail = field(init=False)
 
     def __post_init__(self) -> None:
-        self.job = Job(self.cert, self.cwd, self.plan, attempt=self.attempt, link=self.link)
+        self.restart()
         self.tail = Tail(self.cwd)
+
+    def restart(self) -> None:
+        """Start the job (again, on the same directory)."""
+        self.job = Job(self.cert, self.cwd, self.plan, attempt=self.attempt, link=self.arrangement.link)
 
     def wait_rank(self, rank: int, step: int) -> tuple[int, int] | None:
         """(step, pid) once ``rank`` completed ``step`` or later; None if the job ended first."""
@@ -73,97 +71,27 @@ class Runner:
         return None
 
     def fire(self, step: int, f: Planned) -> float | None:
-        """Do ``f`` when its rank reaches ``step``. Returns when a fault with a duration ended (the
-        link back, the disk unthrottled), else None."""
-        lead = 3 if f.fault == "kernel_oom" else 1  # into the cgroup a few steps before it allocates
-        hit = self.wait_rank(f.rank, step - lead)
+        """Do the harness's part of ``f`` when its rank reaches ``step`` (nothing for a fault that
+        fires in-process only). Returns when a fault with a duration ended (the link back, the
+        disk unthrottled), else None."""
+        kind = REGISTRY[f.fault]
+        if kind.harness_lead is None:
+            return None
+        hit = self.wait_rank(f.rank, step - kind.harness_lead)
         if hit is None:
             return None
         done, pid = hit
         try:
-            if f.fault in ("sigkill", "sigstop"):
-                os.kill(pid, getattr(signal, f.fault.upper()))
-                record_injection(self.cwd, f.fault, f.rank, done + 1, pid=pid)
-            elif f.fault == "kernel_oom":
-                if self.memcg is None:
-                    self.skipped.append("kernel_oom: no memory cgroup")
-                else:
-                    (self.memcg / "cgroup.procs").write_text(str(pid))  # the runtime then allocates
-            elif f.fault == "slow_disk":
-                return self._slow_disk(f, done, pid)
-            elif f.fault in LINK:
-                return self._link(f, done, pid)
-            elif f.fault == "corrupt_checkpoint":
-                self._corrupt()
+            return kind.by_harness(self, f, done, pid)
         except (ProcessLookupError, OSError):
-            pass  # gone already (another fault's relaunch): not injected, not counted
-        return None
+            return None  # gone already (another fault's relaunch): not injected, not counted
 
-    def _lasts(self, seconds: float) -> float:
+    def record(self, kind: str, rank: int, step: int, **extra: Any) -> float:
+        """Append to the job's ``injections.jsonl`` what the harness did, and when."""
+        return record_injection(self.cwd, kind, rank, step, **extra)
+
+    def lasts(self, seconds: float) -> float:
+        """Wait while a fault lasts (or until the job ends); the time it ended."""
         with contextlib.suppress(subprocess.TimeoutExpired):  # the fault lasts this long by definition
             self.job.p.wait(seconds)
         return time.time()
-
-    def _link(self, f: Planned, done: int, pid: int) -> float:
-        link = self.link
-        assert link is not None, "a link fault needs the job started behind a VethLink"
-        pct = f.arg if f.arg is not None else 30.0
-        extra = {"loss_pct": pct} if f.fault == "link_loss" else {}
-        record_injection(self.cwd, f.fault, f.rank, done + 1, pid=pid, duration_s=f.duration, **extra)
-        if f.fault == "link_drop":
-            link.down()
-        else:
-            link.loss(pct)
-        try:
-            return self._lasts(f.duration)
-        finally:
-            if f.fault == "link_drop":
-                link.up()
-            else:
-                link.loss(0)
-
-    def _slow_disk(self, f: Planned, done: int, pid: int) -> float | None:
-        import psutil
-
-        ck = self.cwd / self.cert.job.checkpoint_dir
-        ck.mkdir(parents=True, exist_ok=True)
-        bps = int((f.arg or 16) * 1024)
-        cg, why = blkio_cgroup(ck, bps)
-        if cg is None:
-            self.skipped.append(f"slow_disk: {why}")
-            return None
-        try:
-            proc = psutil.Process(pid)
-            for p in [proc.pid, *(c.pid for c in proc.children(recursive=True))]:  # writer children too
-                (cg / "cgroup.procs").write_text(str(p))
-            record_injection(self.cwd, "slow_disk", f.rank, done + 1, pid=pid, duration_s=f.duration,
-                             write_bps=bps)  # fmt: skip
-            return self._lasts(f.duration)
-        except psutil.NoSuchProcess:
-            return None
-        finally:
-            release_blkio(cg)
-
-    def _corrupt(self) -> None:
-        """Flip 64 bytes in the middle of the newest committed checkpoint's first shard (two must be
-        committed), kill the whole job with its shared memory, start it again: the restart must
-        read the disk, reject that checkpoint and load the one before."""
-        from resilient.checkpoint.manifest import committed_steps
-
-        ck = self.cwd / self.cert.job.checkpoint_dir
-        while time.monotonic() < self.deadline and self.job.p.poll() is None:
-            if ck.exists() and len(committed_steps(ck)) >= 2:
-                break
-            time.sleep(0.05)
-        else:
-            return
-        self.job.kill()
-        newest = committed_steps(ck)[0]
-        victim = sorted((ck / f"step-{newest:08d}").glob("rank*.bin"))[0]
-        with open(victim, "r+b") as fh:
-            fh.seek(os.path.getsize(victim) // 2)
-            chunk = fh.read(64)
-            fh.seek(-len(chunk), os.SEEK_CUR)
-            fh.write(bytes(b ^ 0xFF for b in chunk))
-        record_injection(self.cwd, "corrupt_checkpoint", -1, newest, file=victim.name)
-        self.job = Job(self.cert, self.cwd, self.plan, attempt=self.attempt, link=self.link)

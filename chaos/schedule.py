@@ -17,26 +17,20 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from chaos.faults import REGISTRY
 from resilient.config import yaml_problem
 
-# in-process faults fire inside the training step (chaos/inject.py); external ones are done to
-# the rank's process by the harness when the event log shows the rank reached the step
-IN_PROCESS = ("exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom", "desync")
-# link faults: the target rank runs in its own network namespace (chaos/netns.py), and the harness
-# takes its veth link down (link_drop) or makes netem drop ``arg`` % of its packets (link_loss) for
-# ``duration`` seconds
-LINK = ("link_drop", "link_loss")
-# slow_disk: the target rank's writes to the checkpoint disk throttled to ``arg`` KiB/s (blkio)
-EXTERNAL = ("sigkill", "sigstop", "corrupt_checkpoint", "slow_disk", *LINK)
-FaultKind = Literal[
-    "exception", "hang", "oom", "gil_hang", "stall", "kernel_oom", "cuda_oom", "desync",
-    "sigkill", "sigstop", "corrupt_checkpoint", "slow_disk", "link_drop", "link_loss",
-]  # fmt: skip
+# the fault kinds' names (chaos/faults): pydantic checks a config's `fault:` against them and names
+# them all when one is unknown
+if TYPE_CHECKING:
+    KindName = str
+else:
+    KindName = Literal[REGISTRY.names()]
 
 
 class BadInput(Exception):
@@ -64,14 +58,23 @@ class SLO(_Model):
 
 
 class FaultClass(_Model):
-    fault: FaultKind
+    fault: KindName
     step: int = Field(..., ge=1, description="the step the fault fires at (first attempt)")
     rank: int = Field(1, ge=0)
     jitter: int = Field(0, ge=0, description="trials draw the step from step ± jitter")
-    arg: float | None = None  # stall: s; kernel_oom: cgroup memory limit, MiB; link_loss: %; slow_disk: KiB/s
+    arg: float | None = None  # the kind's `=arg` (`chaos kinds`: stall s, kernel_oom MiB, ...)
     duration: float = Field(10.0, gt=0, description="link faults, slow_disk: seconds the fault lasts")
     trials: int | None = Field(None, ge=1)
-    slo: SLO = Field(default_factory=SLO)
+    slo: SLO = Field(default_factory=SLO, description="without one: the kind's default SLO, if it has one")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_slo(cls, data: Any) -> Any:
+        name = data.get("fault") if isinstance(data, dict) else None
+        kind = REGISTRY.get(name) if isinstance(name, str) else None
+        if kind is not None and "slo" not in data and kind.default_slo is not None:
+            return {**data, "slo": dict(kind.default_slo)}
+        return data
 
 
 class Job(_Model):
@@ -97,16 +100,15 @@ class Job(_Model):
     timeout_s: float = Field(180.0, gt=0, description="a trial running longer is killed and fails")
 
 
-_STREAM_KINDS: tuple[FaultKind, ...] = ("exception", "hang", "oom", "sigkill")
+_STREAM_KINDS: tuple[KindName, ...] = ("exception", "hang", "oom", "sigkill")
 # every kind a long job can take (cuda_oom: on a GPU); link faults hit the rank behind the veth
-STREAM_KINDS = (*IN_PROCESS, "sigkill", "sigstop", "corrupt_checkpoint", "slow_disk", "link_drop")
-_DEFAULT_ARGS = {"stall": 30.0, "kernel_oom": 700.0, "slow_disk": 16.0, "link_loss": 30.0}
+STREAM_KINDS = REGISTRY.names(lambda k: k.streams)
 
 
 class Planned(_Model):
     """One fault of an explicit schedule (``schedule:``, run by ``chaos run``)."""
 
-    fault: FaultKind
+    fault: KindName
     rank: int = Field(1, ge=0, description="link faults: the rank behind the veth link (one per run)")
     step: int | None = Field(None, ge=1, description="fire when the rank starts this step...")
     at_s: float | None = Field(None, ge=0, description="...or after this much fault-free training time")
@@ -118,13 +120,13 @@ class Planned(_Model):
     def _when(self) -> Planned:
         if (self.step is None) == (self.at_s is None):
             raise ValueError("give exactly one of step / at_s")
-        if self.repeat > 1 and self.fault not in IN_PROCESS:
+        if self.repeat > 1 and not REGISTRY[self.fault].in_process:
             raise ValueError(f"repeat: only in-process faults re-fire, not {self.fault}")
         return self
 
     def spec(self, step: int) -> str:
         """The in-process plan entry (chaos/inject.py) for this fault at ``step``."""
-        arg = self.arg if self.arg is not None else _DEFAULT_ARGS.get(self.fault)
+        arg = self.arg if self.arg is not None else REGISTRY[self.fault].default_arg
         return f"{self.fault}@{step}:{self.rank}" + (f"={arg:g}" if arg is not None else "") + (
             f"x{self.repeat}" if self.repeat > 1 else "")  # fmt: skip
 
@@ -137,7 +139,7 @@ class Stream(_Model):
     mtbf_s: float = Field(60.0, gt=0)
     faults: int = Field(4, ge=1, description="how many faults the run gets (its length follows)")
     random: bool = False
-    kinds: list[FaultKind] = Field(default_factory=lambda: list(_STREAM_KINDS))
+    kinds: list[KindName] = Field(default_factory=lambda: list(_STREAM_KINDS))
     args: dict[str, float] = Field(default_factory=dict, description="per kind, as FaultClass.arg")
     duration_s: float = Field(3.0, gt=0, description="link_drop and slow_disk last this long")
     checkpoint_every: int = Field(100, ge=1)
@@ -162,8 +164,9 @@ class Certification(_Model):
     @model_validator(mode="after")
     def _ranks_exist(self) -> Certification:
         for name, c in self.classes.items():
-            if c.fault == "link_loss" and not (c.arg and 0 < c.arg <= 100):
-                raise ValueError(f"classes.{name}.arg: link_loss needs the % of packets dropped (0-100]")
+            why = REGISTRY[c.fault].check_arg(c.arg)
+            if why is not None:
+                raise ValueError(f"classes.{name}.arg: {why}")
             if c.rank >= self.job.nproc:
                 raise ValueError(f"classes.{name}.rank: {c.rank} but job.nproc is {self.job.nproc}")
             if c.step + c.jitter >= self.job.steps - 1:
@@ -177,7 +180,7 @@ class Certification(_Model):
             if f.step is not None and f.step >= self.job.steps - 1:
                 raise ValueError(f"schedule.{i}.step: {f.step} leaves no step after it (job.steps is "
                                  f"{self.job.steps})")  # fmt: skip
-        links = {f.rank for f in self.schedule if f.fault in LINK}
+        links = {f.rank for f in self.schedule if REGISTRY[f.fault].on_link}
         if len(links) > 1:
             raise ValueError(
                 f"schedule: link faults on ranks {sorted(links)}; one rank per run sits behind the veth"

@@ -10,6 +10,9 @@ process when the event log shows the rank reached the step: SIGKILL/SIGSTOP, a k
 (the process moved into a memory cgroup just before its in-process allocation), a slow disk (its
 writes throttled), a dropped link (the rank runs behind a veth link of its own), a corrupt newest
 checkpoint (the whole job killed, bytes flipped, the job started again on the same directory).
+Each as its kind says (chaos/faults), in one job started by :func:`chaos.arranged.arranged_job`,
+the same context a certificate's trial runs in; a fault this machine cannot do is left out and
+named in ``skipped``.
 
 Reported: faults planned / injected (what fired, from ``injections.jsonl``) / detected /
 recovered, per kind; goodput; committed checkpoints that no longer load (must be 0); the final
@@ -24,13 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chaos.certify import DETECTION, SLOW_STORAGE, _finals, measure, reference, unloadable_checkpoints
-from chaos.cgroup import memory_cgroup, remove_cgroup
+from chaos.arranged import arranged_job
+from chaos.certify import _finals, measure, reference, unloadable_checkpoints
 from chaos.compare import assert_bit_exact
+from chaos.faults import REGISTRY
 from chaos.job import events, fresh, jsonl
-from chaos.netns import VethLink, capability
-from chaos.runner import HARNESS, Runner
-from chaos.schedule import IN_PROCESS, LINK, Certification, Planned
+from chaos.schedule import Certification, Planned
 from resilient.metrics import account
 
 
@@ -44,7 +46,7 @@ def plan(cert: Certification, step_s: float) -> tuple[list[Planned], int]:
     for _ in range(st.faults):
         t += rng.expovariate(1 / st.mtbf_s) if st.random else st.mtbf_s
         kind, rank = rng.choice(st.kinds), rng.randrange(cert.job.nproc)
-        rank = link_rank if kind in LINK else rank
+        rank = link_rank if REGISTRY[kind].on_link else rank
         out.append(Planned(fault=kind, rank=rank, at_s=t, arg=st.args.get(kind), duration=st.duration_s))
     steps = int((t + st.mtbf_s / 2) / step_s) + 1  # half an interval of clean running at the end
     return out, steps
@@ -75,42 +77,15 @@ def run_schedule(
               "max_restarts": 10 * len(faults) + 3}  # fmt: skip
     long = cert.model_copy(update={"job": cert.job.model_copy(update=update)})
     ref, ref_step_s = reference(long, out / "reference")
-    kinds = {f.fault for _, f in placed}
-    in_process = ",".join(f.spec(s) for s, f in placed if f.fault in IN_PROCESS)
     cwd = fresh(out / "run")
-    link: VethLink | None = None
-    skipped: list[str] = []
-    if kinds & set(LINK):
-        why = capability()
-        if why is None:
-            link = VethLink.create(next(f.rank for _, f in placed if f.fault in LINK))
-        else:
-            skipped.append(f"link faults: {why}")
-            placed = [(s, f) for s, f in placed if f.fault not in LINK]
-    memcg: Path | None = None
-    if "kernel_oom" in kinds:
-        mib = next(int(f.arg or 700) for _, f in placed if f.fault == "kernel_oom")
-        memcg, why = memory_cgroup(mib)
-        if memcg is None:  # without the cgroup the injector would refuse: leave those faults out
-            skipped.append(f"kernel_oom: {why}")
-            placed = [(s, f) for s, f in placed if f.fault != "kernel_oom"]
-            in_process = ",".join(f.spec(s) for s, f in placed if f.fault in IN_PROCESS)
-    runner = Runner(long, cwd, in_process, time.monotonic() + timeout, link=link, memcg=memcg)
-    hung = False
     rc: int | None = None
-    try:
-        for step, f in placed:
-            if f.fault in HARNESS:
-                runner.fire(step, f)
+    with arranged_job(long, cwd, placed, time.monotonic() + timeout) as arranged:
+        runner = arranged.runner
+        for step, f in arranged.placed:
+            runner.fire(step, f)
         rc = runner.job.stop(max(1.0, runner.deadline - time.monotonic()))
-        hung = rc is None
-    finally:
-        runner.job.kill()
-        if link is not None:
-            link.remove()
-        if memcg is not None:
-            remove_cgroup(memcg)
-    return _report(long, cwd, ref, ref_step_s, rc, hung, len(placed), skipped + runner.skipped)
+    skipped = arranged.skipped + runner.skipped
+    return _report(long, cwd, ref, ref_step_s, rc, rc is None, len(arranged.placed), skipped)
 
 
 def _report(
@@ -131,7 +106,8 @@ def _report(
     by_kind: dict[str, dict[str, int]] = {}
     for inj in injected:
         kind = inj["kind"]
-        detection = SLOW_STORAGE if kind == "slow_disk" else DETECTION
+        evidence = REGISTRY[kind].evidence
+        detection = evidence.detection
         window = [e for e in evs if inj["ts"] <= e["ts"] < inj["ts"] + 60]
         # another fault while this one lasted (or within 5 s): its restart can mask this one (a slow
         # disk is only seen when a save waits on it; a relaunch replaces the throttled process)
@@ -140,7 +116,7 @@ def _report(
         detected = any(e["event"] in detection for e in window)
         recovered = any(e["ts"] > inj["ts"] for e in steps_ev)
         m = measure(window, inj["ts"], j.nproc, ref_step_s, detection)
-        if kind == "slow_disk":  # nothing restarts: there is no recovery to time
+        if not evidence.restarts:  # (a slow disk) nothing restarts: there is no recovery to time
             m.pop("recover_s", None)
         per_fault.append({
             "kind": kind, "rank": inj["rank"], "step": inj["step"], "detected": detected,
@@ -155,7 +131,7 @@ def _report(
     distinct = len({e["step"] for e in steps_ev})
     end = max((e["ts"] for e in evs if e["event"] in ("run_finished", "step_completed")), default=0.0)
     wall = end - steps_ev[0]["ts"] + ref_step_s if steps_ev else 0.0
-    corrupted = {i["step"] for i in injected if i["kind"] == "corrupt_checkpoint"}
+    corrupted = {i["step"] for i in injected if REGISTRY[i["kind"]].breaks_checkpoint}
     lost = unloadable_checkpoints(cwd / j.checkpoint_dir, j.nproc, skip=corrupted)
     finals = _finals(cwd, j.nproc)
     exact = False
