@@ -22,6 +22,7 @@ import torch
 
 from resilient.errors import CheckpointError
 from resilient.state.snapshot import Frozen
+from resilient.state.tree import map_with_path
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -105,11 +106,10 @@ def encode(tree: Any) -> tuple[Any, list[Leaf]]:
     """Split ``tree`` into a JSON-able skeleton and its tensor leaves (not copied)."""
     leaves: list[Leaf] = []
 
-    def walk(obj: Any, path: str) -> Any:
-        if isinstance(obj, Frozen):
-            obj = obj.value
-        if obj is None or isinstance(obj, bool | int | float | str):
-            return obj
+    def node(obj: Any, path: str) -> Any:
+        return map_with_path(leaf, obj, path, leaf_types=torch.Tensor, wrap=tag)
+
+    def leaf(obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.is_sparse or obj.is_quantized or obj.is_nested:
                 raise CheckpointError(f"cannot checkpoint {path or '/'}: sparse/quantized/nested tensor")
@@ -121,29 +121,33 @@ def encode(tree: Any) -> tuple[Any, list[Leaf]]:
             dtype_name(obj.dtype)
             leaves.append(Leaf(path, obj.detach()))
             return {"T": len(leaves) - 1}
+        if obj is None or isinstance(obj, bool | int | float | str):
+            return obj
+        if isinstance(obj, Frozen):
+            return node(obj.value, path)
         if isinstance(obj, np.ndarray):
             leaves.append(Leaf(path, torch.from_numpy(np.ascontiguousarray(obj))))
             return {"a": len(leaves) - 1}
         if isinstance(obj, np.generic):
-            return walk(obj.item(), path)
+            return node(obj.item(), path)
         if isinstance(obj, torch.dtype):
             return {"dt": dtype_name(obj)}
         if isinstance(obj, bytes):
             return {"b": base64.b64encode(obj).decode()}
-        if isinstance(obj, dict):
-            if all(isinstance(k, str) for k in obj):
-                return {"d": {k: walk(v, f"{path}/{k}") for k, v in obj.items()}}
-            return {"D": [[walk(k, f"{path}/<key>"), walk(v, f"{path}/{k}")] for k, v in obj.items()]}
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return {"t": [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return {"l": [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]}
         raise CheckpointError(
             f"cannot checkpoint {path or '/'}: {type(obj).__name__} is not a tensor, array, number, "
             "string, bytes, dtype or container of those"
         )
 
-    return walk(tree, ""), leaves
+    def tag(obj: Any, out: Any, path: str) -> Any:
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) for k in obj):
+                return {"d": out}
+            # (keys are encoded after the values: only a tensor used as a key would notice)
+            return {"D": [[node(k, f"{path}/<key>"), v] for k, v in out.items()]}
+        return {"l": out} if isinstance(obj, list) else {"t": list(out)}
+
+    return node(tree, ""), leaves
 
 
 def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:

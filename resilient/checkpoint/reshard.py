@@ -28,7 +28,7 @@ import torch
 from resilient.checkpoint.codec import decode, dtype_from_name
 from resilient.checkpoint.manifest import Manifest, RankEntry
 from resilient.errors import CheckpointError, StateRestoreError
-from resilient.state.dtensor import MARK, mesh_layout
+from resilient.state.dtensor import MARK, mesh_layout, placement_from_json
 
 Indices = list[torch.Tensor]  # per tensor dimension, the sorted global indices a rank holds
 
@@ -36,8 +36,6 @@ Indices = list[torch.Tensor]  # per tensor dimension, the sorted global indices 
 def held_indices(spec: dict[str, Any], rank: int) -> Indices | None:
     """The global indices along each dimension that global ``rank`` holds of a DTensor laid out
     as ``spec`` (a portable leaf's layout), or None if ``rank`` is not on its mesh."""
-    from resilient.state.dtensor import _placement_from_json
-
     mesh = spec["mesh"]
     if rank not in mesh["ranks"]:
         return None
@@ -53,7 +51,7 @@ def held_indices(spec: dict[str, Any], rank: int) -> Indices | None:
             raise StateRestoreError("a DTensor with a Partial placement (an unreduced sum) cannot reshard")
         if p[0] in ("shard", "strided"):
             d = int(p[1])  # the same placement, on the one dimension of that dimension's index vector
-            along = _placement_from_json([p[0], 0, *p[2:]])
+            along = placement_from_json([p[0], 0, *p[2:]])
             idx[d] = along._split_tensor(idx[d], size, with_padding=False)[0][coord]
     return idx
 

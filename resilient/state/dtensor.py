@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from resilient.errors import StateRestoreError
+from resilient.state.tree import any_leaf, map_leaves, map_with_path
 
 MARK = "__dtensor__"
 
@@ -37,7 +38,7 @@ def mesh_layout(mesh: Any) -> dict[str, Any]:
     }
 
 
-def _placement_to_json(p: Any) -> list[Any]:
+def placement_to_json(p: Any) -> list[Any]:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -52,7 +53,7 @@ def _placement_to_json(p: Any) -> list[Any]:
     raise TypeError(f"DTensor placement {p!r} is not supported")
 
 
-def _placement_from_json(p: list[Any]) -> Any:
+def placement_from_json(p: list[Any]) -> Any:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -74,24 +75,18 @@ def to_portable(tree: Any) -> Any:
     if dt is None:
         return tree
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, dt):
-            spec = {
-                "mesh": mesh_layout(obj.device_mesh),
-                "placements": [_placement_to_json(p) for p in obj.placements],
-                "shape": list(obj.shape),
-                "stride": list(obj.stride()),
-            }
-            return {MARK: spec, "local": obj.to_local()}
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(walk(v) for v in obj)
-        return obj
+    def portable(obj: Any) -> Any:
+        if not isinstance(obj, dt):
+            return obj
+        spec = {
+            "mesh": mesh_layout(obj.device_mesh),
+            "placements": [placement_to_json(p) for p in obj.placements],
+            "shape": list(obj.shape),
+            "stride": list(obj.stride()),
+        }
+        return {MARK: spec, "local": obj.to_local()}
 
-    return walk(tree)
+    return map_leaves(portable, tree, leaf_types=torch.Tensor)
 
 
 def _is_portable(obj: Any) -> bool:
@@ -100,13 +95,7 @@ def _is_portable(obj: Any) -> bool:
 
 def holds_dtensors(tree: Any) -> bool:
     """Whether ``tree`` (a portable state) has any DTensor leaf."""
-    if _is_portable(tree):
-        return True
-    if isinstance(tree, dict):
-        return any(holds_dtensors(v) for v in tree.values())
-    if isinstance(tree, list | tuple):
-        return any(holds_dtensors(v) for v in tree)
-    return False
+    return any_leaf(_is_portable, tree, leaf_types=torch.Tensor, stop=_is_portable)
 
 
 def _key(layout: dict[str, Any]) -> tuple[Any, ...]:
@@ -156,30 +145,24 @@ def from_portable(tree: Any, meshes: dict[tuple[Any, ...], Any], where: str) -> 
         return tree
     from torch.distributed.tensor import DTensor
 
-    def walk(obj: Any, path: str) -> Any:
-        if _is_portable(obj):
-            spec = obj[MARK]
-            mesh = meshes.get(_key(spec["mesh"]))
-            if mesh is None:
-                raise StateRestoreError(
-                    f"{where}{path}: saved as a DTensor on the device mesh {spec['mesh']}, but no tracked "
-                    f"object lives on such a mesh now (meshes found: {[list(k) for k in meshes] or 'none'}); "
-                    "track the model (and its optimizer) built on the same mesh"
-                )
-            return DTensor.from_local(
-                obj["local"],
-                mesh,
-                [_placement_from_json(p) for p in spec["placements"]],
-                run_check=False,
-                shape=torch.Size(spec["shape"]),
-                stride=tuple(spec["stride"]),
+    def restore(obj: Any, path: str) -> Any:
+        if not _is_portable(obj):
+            return obj
+        spec = obj[MARK]
+        mesh = meshes.get(_key(spec["mesh"]))
+        if mesh is None:
+            raise StateRestoreError(
+                f"{where}{path}: saved as a DTensor on the device mesh {spec['mesh']}, but no tracked "
+                f"object lives on such a mesh now (meshes found: {[list(k) for k in meshes] or 'none'}); "
+                "track the model (and its optimizer) built on the same mesh"
             )
-        if isinstance(obj, dict):
-            return {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
-        return obj
+        return DTensor.from_local(
+            obj["local"],
+            mesh,
+            [placement_from_json(p) for p in spec["placements"]],
+            run_check=False,
+            shape=torch.Size(spec["shape"]),
+            stride=tuple(spec["stride"]),
+        )
 
-    return walk(tree, "")
+    return map_with_path(restore, tree, stop=_is_portable)

@@ -24,6 +24,7 @@ from resilient.errors import SnapshotError, StateRestoreError
 from resilient.state import dtensor
 from resilient.state.loader import make_resumable
 from resilient.state.snapshot import Frozen
+from resilient.state.tree import map_leaves
 
 RNG = "__rng__"
 GRAD = "__grad__"  # in a module's state: its gradients, when a step ended inside an accumulation window
@@ -160,15 +161,11 @@ class Registry:
 
 
 def _owned_copy(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _owned_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_owned_copy(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_owned_copy(v) for v in obj)
-    return obj
+    return map_leaves(_clone, obj, leaf_types=torch.Tensor)
+
+
+def _clone(obj: Any) -> Any:
+    return obj.clone() if isinstance(obj, torch.Tensor) else obj
 
 
 def _into_optimizer_state(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from resilient.errors import SnapshotError, StateRestoreError
+from resilient.state.tree import map_leaves, map_with_path
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class SnapshotRing:
         cuda_copies = False
         at = ""  # the leaf being copied, for the error
 
-        def walk(obj: Any, path: str) -> Any:
+        def copy_leaf(obj: Any, path: str) -> Any:
             nonlocal cuda_copies, at
             at = path
             if isinstance(obj, torch.Tensor):
@@ -96,15 +97,10 @@ class SnapshotRing:
                 return _Ref(path, str(src.device), obj.requires_grad)
             if isinstance(obj, Frozen):
                 return obj
-            if isinstance(obj, dict):
-                return {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
-            if isinstance(obj, list | tuple) and not _is_namedtuple(obj):
-                items = [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
-                return items if isinstance(obj, list) else tuple(items)
             return copy.deepcopy(obj)
 
         try:
-            slot.tree = walk(state, "")
+            slot.tree = map_with_path(copy_leaf, state, leaf_types=torch.Tensor)
         except Exception as e:
             name, _, leaf = at.lstrip("/").partition("/")
             raise SnapshotError(
@@ -131,28 +127,18 @@ class SnapshotRing:
             except Exception as e:
                 raise StateRestoreError(f"adopted snapshot of step {step} does not load: {e}") from e
 
-        def walk(obj: Any) -> Any:
+        def restore_leaf(obj: Any) -> Any:
             if isinstance(obj, _Ref):
                 t = slot.buffers[obj.path].to(obj.device, copy=True)
                 return t.requires_grad_(obj.requires_grad) if t.is_floating_point() else t
             if isinstance(obj, Frozen):
                 return obj.value
-            if isinstance(obj, dict):
-                return {k: walk(v) for k, v in obj.items()}
-            if isinstance(obj, list):
-                return [walk(v) for v in obj]
-            if isinstance(obj, tuple) and not _is_namedtuple(obj):
-                return tuple(walk(v) for v in obj)
             return copy.deepcopy(obj)
 
-        return dict(walk(slot.tree))
+        return dict(map_leaves(restore_leaf, slot.tree, leaf_types=_Ref))
 
     def drop_after(self, step: int) -> None:
         """Invalidate snapshots newer than ``step`` (after restoring an older one)."""
         for s in self._slots:
             if s.valid and s.step > step:
                 s.valid = False
-
-
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_fields")
