@@ -27,7 +27,6 @@ from loguru import logger
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-from torch.distributed.launcher.api import _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from resilient import PYNVML_NOISE
@@ -37,7 +36,9 @@ from resilient.contract import heartbeat_dir
 from resilient.errors import ExitCode
 from resilient.events import Event, EventLog
 from resilient.launch_env import Var
-from resilient.launcher.agent import ResilientAgent, leave_rendezvous
+from resilient.launcher.agent import ResilientAgent
+from resilient.launcher.elastic import Elastic
+from resilient.launcher.policy import LaunchConfig, LaunchPolicy
 
 
 def parser() -> Any:
@@ -134,7 +135,7 @@ def _forward_preemption(agent: ResilientAgent) -> None:
 
     def forward(signum: int, _frame: Any) -> None:
         logger.info(f"launcher got {signal.Signals(signum).name}: forwarding SIGUSR1 to the workers")
-        for w in agent._worker_group.workers:
+        for w in agent.workers():
             if isinstance(w.id, int):
                 try:
                     os.kill(w.id, signal.SIGUSR1)
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
-    master_addr, master_port = _get_addr_and_port(rdzv)
+    master_addr, master_port = Elastic.master_address(rdzv)
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
@@ -214,10 +215,20 @@ def main(argv: list[str] | None = None) -> int:
         master_port=master_port,
         local_addr=config.local_addr,
     )
+    policy = LaunchPolicy(
+        LaunchConfig(
+            replace=args.replace,
+            max_restarts=config.max_restarts,
+            restart_window_s=args.restart_window,
+            max_repeats=args.max_repeats,
+            max_health_failures=args.max_health_failures,
+        )
+    )
     agent = ResilientAgent(
         spec=spec,
         logs_specs=config.logs_specs,
         start_method=config.start_method,
+        policy=policy,
         heartbeat_dir=hb_dir,
         heartbeat_timeout=args.heartbeat_timeout,
         startup_timeout=args.startup_timeout,
@@ -225,10 +236,6 @@ def main(argv: list[str] | None = None) -> int:
         backoff_initial_s=args.backoff_initial,
         backoff_max_s=args.backoff_max,
         admit_waiting=args.admit_waiting,
-        max_health_failures=args.max_health_failures,
-        restart_window_s=args.restart_window,
-        max_repeats=args.max_repeats,
-        replace=args.replace,
         standby=max(0, args.standby) if args.replace == "rank" else 0,
     )
     _forward_preemption(agent)
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             args.events_dir / config.run_id / "events.jsonl",
             run_id=config.run_id,
             heartbeat_dir=hb_dir,
-            global_ranks=lambda: {w.local_rank: w.global_rank for w in agent._worker_group.workers},
+            global_ranks=lambda: {w.local_rank: w.global_rank for w in agent.workers()},
         )
         exporter = Exporter(metrics, args.metrics_port, args.metrics_addr)
         if not exporter.start():
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             exporter.close(linger_s=max(0.0, args.metrics_linger))
         agent.close_standbys()
         if agent.excluded:
-            leave_rendezvous(spec.rdzv_handler)  # the others go on without this node
+            agent.elastic.leave_rendezvous()  # the others go on without this node
         else:
             spec.rdzv_handler.shutdown()
         events.close()
@@ -273,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resilient launch: giving up: {agent.failures[-1]['cause']}", file=sys.stderr)
         return agent.verdict
     if agent.excluded:
-        last = agent.health_failures[-1]["checks"][0]
+        last = agent.health_failures[-1]["checks"][0] if agent.health_failures else {}
+        n = agent.policy.history.health_failures
         print(
-            f"resilient launch: this node left the job after {len(agent.health_failures)} failed health "
+            f"resilient launch: this node left the job after {n} failed health "
             f"checks (last: {last.get('check')}: {last.get('detail')}); replace or repair it",
             file=sys.stderr,
         )

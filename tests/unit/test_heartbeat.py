@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient.contract import beat_path, read_beat
-from resilient.launcher.agent import describe_exit
+from resilient.launcher.causes import describe_exit
 
 
 def test_beat_is_read_by_another_process_with_its_age_step_and_generation(tmp_path: Path) -> None:

@@ -1,0 +1,202 @@
+"""The one door into torch elastic's private state.
+
+``resilient launch`` extends torch's ``LocalElasticAgent`` and its c10d rendezvous in ways their
+public API does not offer: replace one worker's process, bound restarts over a window, count the
+waiting nodes its own way, leave a rendezvous without closing it. Every private attribute, method
+or function of torch that this needs is reached here and nowhere else, so a torch upgrade that
+renames one breaks one class, and :data:`PRIVATE` (checked against the installed torch by
+``tests/unit/test_launch_policy.py``) says which names to look for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from loguru import logger
+
+# (where, name): every private name of torch this module reaches (torch 2.13).
+PRIVATE: tuple[tuple[str, str], ...] = (
+    ("torch.distributed.elastic.agent.server.api:SimpleElasticAgent", "_remaining_restarts"),
+    ("torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent", "_pcontext"),
+    ("torch.distributed.elastic.multiprocessing.api:SubprocessContext", "_running_local_ranks"),
+    ("torch.distributed.elastic.multiprocessing.api:SubprocessContext", "subprocess_handlers"),
+    ("torch.distributed.elastic.multiprocessing.subprocess_handler:SubprocessHandler", "_stdout"),
+    ("torch.distributed.elastic.multiprocessing.subprocess_handler:SubprocessHandler", "_stderr"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous:DynamicRendezvousHandler", "_state_holder"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous:DynamicRendezvousHandler", "_op_executor"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous:DynamicRendezvousHandler", "_stop_heartbeats"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous:_RendezvousState", "round"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous:_RendezvousState", "participants"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous:_RendezvousState", "wait_list"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous:_RendezvousState", "closed"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousExitOp"),
+    ("torch.distributed.launcher.api", "_get_addr_and_port"),
+)
+
+_UNBOUNDED = 1 << 30
+
+
+@dataclass(frozen=True)
+class RendezvousView:
+    """The c10d rendezvous as this node last synced it (node descriptors are opaque)."""
+
+    round: int | None
+    participants: frozenset[Any]  # the nodes of the running round
+    wait_list: frozenset[Any]  # nodes waiting for the next round
+    closed: bool
+
+
+class Elastic:
+    """torch elastic's agent, its workers' processes and its rendezvous handler, as the launcher
+    needs them. Built around a started-or-not ``LocalElasticAgent``; reads through to it."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    @property
+    def _spec(self) -> Any:
+        return self._agent.get_worker_group().spec
+
+    @property
+    def _pc(self) -> Any:
+        return self._agent._pcontext
+
+    # ---- the restart count torch keeps (TORCHELASTIC_RESTART_COUNT is derived from it) ----------
+    @property
+    def restarts_left(self) -> int:
+        return int(self._agent._remaining_restarts)
+
+    @restarts_left.setter
+    def restarts_left(self, n: int) -> None:
+        self._agent._remaining_restarts = n
+
+    def unbound_restarts(self) -> None:
+        """torch stops restarting only when told (``restarts_left = 0``); its restart count still
+        counts up from 0 for the workers' ``TORCHELASTIC_RESTART_COUNT``."""
+        self._spec.max_restarts = self._agent._remaining_restarts = _UNBOUNDED
+
+    # ---- the workers' processes (torch's SubprocessContext) --------------------------------------
+    def processes(self) -> bool:
+        """The workers run as subprocesses whose handlers can be swapped (``resilient launch``
+        always starts a binary; a function entry point runs under multiprocessing instead)."""
+        return hasattr(self._pc, "subprocess_handlers")
+
+    def exited(self) -> list[tuple[int, int]]:
+        """(local rank, exit code) of the running workers that ended with an error since torch last
+        polled, in local rank order (negative: killed by that signal)."""
+        pc = self._pc
+        out = []
+        for local_rank in sorted(pc._running_local_ranks):
+            code = pc.subprocess_handlers[local_rank].proc.poll()
+            if code is not None and code != 0:
+                out.append((local_rank, code))
+        return out
+
+    def process(self, local_rank: int) -> Any:
+        """The handler of ``local_rank``'s process (``proc`` is its ``Popen``)."""
+        return self._pc.subprocess_handlers.get(local_rank)
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """The environment torch gave ``local_rank``'s worker (``RANK``, the store, ...)."""
+        return dict(self._pc.envs[local_rank])
+
+    def command(self, local_rank: int) -> tuple[str, tuple[str, ...]]:
+        return str(self._spec.entrypoint), tuple(self._pc.args[local_rank])
+
+    def outputs(self, local_rank: int) -> tuple[str | None, str | None]:
+        """Where ``local_rank``'s stdout and stderr go (None: the agent's own)."""
+        pc = self._pc
+        return pc.stdouts.get(local_rank) or None, pc.stderrs.get(local_rank) or None
+
+    def start(self, local_rank: int, env: dict[str, str]) -> Any:
+        """A new process for ``local_rank`` as torch starts one (its session, its output files)."""
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+        entrypoint, args = self.command(local_rank)
+        stdout, stderr = self.outputs(local_rank)
+        return SubprocessHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+                                 local_rank_id=local_rank, numa_options=None)  # fmt: skip
+
+    def swap(self, local_rank: int, new: Any) -> None:
+        """``new`` is ``local_rank``'s process from now on: torch monitors, signals and stops it.
+        The old handler's output files are closed (its process is dead)."""
+        pc = self._pc
+        old = pc.subprocess_handlers.get(local_rank)
+        with contextlib.suppress(Exception):
+            for f in (getattr(old, "_stdout", None), getattr(old, "_stderr", None)):
+                if f is not None:
+                    f.close()
+        pc.subprocess_handlers[local_rank] = new
+
+    # ---- the rendezvous (c10d's DynamicRendezvousHandler) ----------------------------------------
+    @property
+    def _handler(self) -> Any:
+        return self._spec.rdzv_handler
+
+    def rendezvous(self) -> RendezvousView | None:
+        """The rendezvous state as last synced; None for a handler without one (static, etcd)."""
+        state = getattr(getattr(self._handler, "_state_holder", None), "state", None)
+        if state is None:
+            return None
+        round_no = getattr(state, "round", None)
+        return RendezvousView(
+            round=round_no if isinstance(round_no, int) else None,
+            participants=frozenset(getattr(state, "participants", ())),
+            wait_list=frozenset(getattr(state, "wait_list", ())),
+            closed=bool(getattr(state, "closed", False)),
+        )
+
+    def count_waiting(self, count: Callable[[int, RendezvousView | None], int]) -> None:
+        """torch's agent restarts a healthy group when ``num_nodes_waiting() > 0``: from now on
+        ``count(torch's number, the state that call just synced)`` says how many wait."""
+        handler = self._handler
+        waiting = handler.num_nodes_waiting
+
+        def num_nodes_waiting() -> int:
+            n = int(waiting())  # syncs the rendezvous state, dropping nodes whose keep-alive expired
+            return count(n, self.rendezvous())
+
+        handler.num_nodes_waiting = num_nodes_waiting
+
+    def publish_store_address(self) -> None:
+        """torch (2.13) re-uses node 0's cached store address in later rounds without writing it to
+        the new round's keys, so a node joining in a later round (a spare, a replacement) waits
+        for ``MASTER_ADDR`` until it times out. Group rank 0 writes it for every round."""
+        handler = self._handler
+        nxt = handler.next_rendezvous
+
+        def next_rendezvous() -> Any:
+            info = nxt()
+            boot = getattr(info, "bootstrap_store_info", None)
+            if info.rank == 0 and boot is not None:
+                from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo as Info
+
+                info.store.set(Info.MASTER_ADDR_KEY, boot.master_addr)
+                info.store.set(Info.MASTER_PORT_KEY, str(boot.master_port))
+            return info
+
+        handler.next_rendezvous = next_rendezvous
+
+    def leave_rendezvous(self) -> None:
+        """Leave the rendezvous without closing it (``shutdown()`` would end it for every node)."""
+        handler = self._handler
+        try:
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+            handler._stop_heartbeats()
+            handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 30)
+        except Exception as e:  # private API: the keep-alive expiry removes this node anyway
+            logger.warning(
+                f"could not leave the rendezvous at once ({e}); peers drop it at keep-alive expiry"
+            )
+
+    @staticmethod
+    def master_address(rdzv: Any) -> tuple[str | None, int | None]:
+        """torchrun's ``MASTER_ADDR``/``MASTER_PORT`` for a static rendezvous (None otherwise)."""
+        from torch.distributed.launcher.api import _get_addr_and_port
+
+        return _get_addr_and_port(rdzv)

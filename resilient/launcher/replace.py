@@ -1,0 +1,139 @@
+"""A new process in one dead rank's place, its survivors left running (``--replace rank``).
+
+The agent decides (:mod:`resilient.launcher.policy`); this does it. It kills what the dead worker
+left in its session, posts the death to the job's store as the fault of the generation the worker
+was in (its heartbeat says which), so that the survivors' listeners wake at once and recover in
+their own processes, then starts one process with the dead rank's identity, a warm standby if one
+waits (:mod:`resilient.launcher.standby`), and has torch monitor that one from now on. The new
+process restores the rank's snapshot from this node's shared memory and joins the survivors'
+recovery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from resilient.contract import Beat, beat_path, read_beat, run_namespace
+from resilient.events import Event
+from resilient.launch_env import Var
+from resilient.launcher.elastic import Elastic
+from resilient.launcher.standby import Standby, target
+
+STANDBY_DELAY_S = 2.0
+
+
+class Replacer:
+    """Replaces dead ranks' processes and keeps ``standby`` warm standbys waiting for that."""
+
+    def __init__(
+        self, elastic: Elastic, heartbeat_dir: Path, emit: Callable[..., None], standby: int
+    ) -> None:
+        self.elastic = elastic
+        self.heartbeat_dir = heartbeat_dir
+        self.standby_count = standby
+        self._emit = emit
+        self._standbys: list[Standby] = []
+        self._store_client: Any = None  # the workers' store, where a death is posted as a fault
+
+    def replace(self, worker: Any, beat: Beat, cause: str) -> int:
+        """A new process for torch's ``worker`` (its ``id`` becomes the new pid) that joins the
+        survivors in ``beat.generation``; returns its pid."""
+        local_rank = worker.local_rank
+        old = self.elastic.process(local_rank)
+        old_pid = old.proc.pid
+        with contextlib.suppress(Exception):
+            old.proc.wait(timeout=10)  # (one SIGKILLed just now after a missed heartbeat)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(old_pid, signal.SIGKILL)  # what it left in its session (loader workers)
+        self.elastic.restarts_left -= 1  # a replacement is a restart for TORCHELASTIC_RESTART_COUNT
+        t0 = time.time()
+        env = {**self.elastic.env(local_rank), Var.JOIN_GENERATION.value: str(beat.generation)}
+        posted = self._post_death(env, worker.global_rank, beat, f"rank {worker.global_rank} {cause}")
+        beat_path(self.heartbeat_dir, local_rank).unlink(missing_ok=True)
+        new, warm = self._spawn(local_rank, env)
+        self.elastic.swap(local_rank, new)
+        worker.id = new.proc.pid
+        self._emit(Event.RANK_REPLACED, global_rank=worker.global_rank, local_rank=local_rank,
+                   old_pid=old_pid, new_pid=new.proc.pid, standby=warm, join_generation=beat.generation,
+                   last_step=beat.step, fault_posted=posted, duration_s=time.time() - t0, cause=cause,
+                   restarts_left=self.elastic.restarts_left)  # fmt: skip
+        logger.info(
+            f"rank {worker.global_rank} replaced by pid {new.proc.pid} "
+            f"({'warm standby' if warm else 'new process'}); "
+            f"survivors stay in generation {beat.generation}"
+        )
+        return int(new.proc.pid)
+
+    def _post_death(self, env: dict[str, str], global_rank: int, beat: Beat, message: str) -> bool:
+        """The dead rank's fault in the workers' store: its survivors' listeners wake at once."""
+        from resilient.runtime.coordinator import Coordinator, client
+        from resilient.runtime.faults import FaultKind, FaultRecord, Severity, signature
+
+        try:
+            if self._store_client is None:
+                self._store_client = client(env["MASTER_ADDR"], int(env["MASTER_PORT"]), 10.0)
+            run_id = os.environ.get(Var.RUN_ID.value) or env.get(Var.ELASTIC_RUN_ID.value, "")
+            attempt = os.environ.get(Var.LAUNCH_ROUND.value) or env.get(Var.RESTART_COUNT.value, "0")
+            coord = Coordinator(self._store_client, run_namespace(run_id, attempt), -1, 0, 10.0)
+            rec = FaultRecord(
+                rank=global_rank,
+                generation=beat.generation,
+                step=beat.step,
+                kind=FaultKind.DIED.value,
+                severity=Severity.SOFT.value,
+                signature=signature(FaultKind.DIED, RuntimeError(message.split(" ", 2)[-1])),
+                message=f"worker process of {message}",
+            )
+            coord.post_fault(rec)
+            return True
+        except Exception as e:  # the survivors still notice: their collectives with it fail
+            logger.warning(f"could not post rank {global_rank}'s death to the store: {e}")
+            self._store_client = None
+            return False
+
+    def _spawn(self, local_rank: int, env: dict[str, str]) -> tuple[Any, bool]:
+        """A process for ``local_rank`` with ``env``: a promoted standby if one waits, else a new one."""
+        tgt = target(*self.elastic.command(local_rank))
+        stdout, stderr = self.elastic.outputs(local_rank)
+        while self._standbys and tgt is not None:
+            sb = self._standbys.pop(0)
+            if sb.alive():
+                sb.promote(local_rank, {**os.environ, **env}, tgt, stdout, stderr)
+                return sb, True
+        return self.elastic.start(local_rank, env), False
+
+    def keep_standbys(self, workers: Sequence[Any], newest_start: float) -> None:
+        """Start a standby when fewer than asked wait, once every worker is stepping and the
+        newest has been for ``STANDBY_DELAY_S`` (a standby's imports would compete with a starting
+        worker's, or slow a replacement's first steps on a node with few cores)."""
+        self._standbys = [s for s in self._standbys if s.alive()]
+        for sb in self._standbys:
+            if not sb.announced and sb.ready():
+                sb.announced = True
+                self._emit(Event.STANDBY_READY, standby_pid=sb.proc.pid, standbys=len(self._standbys))
+        if len(self._standbys) >= self.standby_count:
+            return
+        if time.monotonic() - newest_start < STANDBY_DELAY_S:
+            return
+        for w in workers:
+            beat = read_beat(beat_path(self.heartbeat_dir, w.local_rank))
+            if beat is None or beat.step < 0:
+                return
+        self._standbys.append(Standby({**os.environ, **self.elastic.env(0)}, self.heartbeat_dir))
+
+    def close(self) -> None:
+        """Stop the standbys that wait (they exit when their stdin closes, or by SIGTERM)."""
+        for s in self._standbys:
+            s.close()
+        for s in self._standbys:
+            with contextlib.suppress(Exception):
+                s.proc.wait(timeout=10)
+        self._standbys = []
