@@ -20,17 +20,20 @@ caller is told which objects those were.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from resilient.checkpoint.codec import decode, dtype_from_name
-from resilient.checkpoint.manifest import Manifest, RankEntry
+from resilient.checkpoint.manifest import Manifest, RankEntry, TensorEntry
 from resilient.errors import CheckpointError, StateRestoreError
 from resilient.state.dtensor import MARK, mesh_layout, placement_from_json
 
 Indices = list[torch.Tensor]  # per tensor dimension, the sorted global indices a rank holds
+# (root, entry) -> the tensor, read and checked against its checksum: the loader's own read
+ReadTensor = Callable[[Path, TensorEntry], torch.Tensor]
 
 
 def held_indices(spec: dict[str, Any], rank: int) -> Indices | None:
@@ -114,8 +117,9 @@ def _copy_overlap(dst: torch.Tensor, dst_idx: Indices, src: torch.Tensor, src_id
 class _OldRanks:
     """The old ranks' entries of one checkpoint, their tensors read (and verified) on demand."""
 
-    def __init__(self, root: Path, manifest: Manifest) -> None:
+    def __init__(self, root: Path, manifest: Manifest, read: ReadTensor) -> None:
         self.root = root
+        self._read = read
         self.entries: dict[int, RankEntry] = {e.rank: e for e in manifest.ranks}
         self.leaves: dict[int, dict[str, tuple[dict[str, Any], int]]] = {}
         for q, e in self.entries.items():
@@ -124,9 +128,7 @@ class _OldRanks:
             self.leaves[q] = found
 
     def tensor(self, q: int, i: int) -> torch.Tensor:
-        from resilient.checkpoint.reader import read_tensor
-
-        return read_tensor(self.root, self.entries[q].tensors[i])
+        return self._read(self.root, self.entries[q].tensors[i])
 
     def state(self, q: int) -> Any:
         entry = self.entries[q]
@@ -147,11 +149,14 @@ class _OldRanks:
 
 
 def reshard_rank(
-    root: Path, path: Path, manifest: Manifest, rank: int, meshes: list[Any]
+    root: Path, path: Path, manifest: Manifest, rank: int, meshes: list[Any], read: ReadTensor
 ) -> tuple[dict[str, Any], dict[str, int]]:
     """New ``rank``'s state (portable form, onto ``meshes``, today's) from a checkpoint written at
-    another world size, and the per-rank objects taken from an old rank (name -> old rank)."""
-    old = _OldRanks(root, manifest)
+    another world size, and the per-rank objects taken from an old rank (name -> old rank).
+
+    ``read`` reads one old tensor (the loader's ``read_tensor``, passed in so that this module
+    and the loader do not import each other)."""
+    old = _OldRanks(root, manifest, read)
     base = rank % manifest.world_size
     state = old.state(base)
     if not isinstance(state, dict):

@@ -20,6 +20,7 @@ from typing import Any
 import xxhash
 from loguru import logger
 
+from resilient.checkpoint.integrity import digest, file_digest
 from resilient.checkpoint.manifest import (
     MANIFEST,
     FileEntry,
@@ -49,20 +50,6 @@ def part_name(rank: int) -> str:
 
 def error_name(rank: int) -> str:
     return f"rank{rank:05d}.error.json"
-
-
-def digest(data: memoryview) -> str:
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-def file_digest(path: Path, chunk: int = 16 << 20) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(view):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def _write_all(fd: int, data: memoryview) -> None:
