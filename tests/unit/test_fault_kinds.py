@@ -35,7 +35,7 @@ def test_every_kind_says_where_it_fires_and_implements_that() -> None:
 
 
 def test_a_plan_names_in_process_kinds_only() -> None:
-    assert Injector.parse("desync@7:1").faults[0].where == "step"
+    assert Injector.parse("segfault@7:1").faults[0].where == "step"
     with pytest.raises(ValueError, match="bad fault spec 'sigkill@7:1'"):
         Injector.parse("sigkill@7:1")  # the harness does it, not the rank itself
 
@@ -64,7 +64,8 @@ def test_a_class_without_slo_gets_its_kind_s_default_and_one_with_slo_keeps_it()
 
 
 def test_stream_kinds_and_default_args_come_from_the_kinds() -> None:
-    assert "link_loss" not in schedule.STREAM_KINDS and "desync" in schedule.STREAM_KINDS
+    assert "link_loss" not in schedule.STREAM_KINDS and "segfault" in schedule.STREAM_KINDS
+    assert "segfault" not in schedule.Stream().kinds  # not among the default stream's kinds
     p = schedule.Planned(fault="kernel_oom", step=9)
     assert p.spec(9) == "kernel_oom@9:1=700"
     with pytest.raises(ValueError, match="repeat: only in-process faults re-fire, not sigkill"):
