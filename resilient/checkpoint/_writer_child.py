@@ -6,5 +6,5 @@ from multiprocessing.connection import Connection
 from resilient.checkpoint.procwriter import child_main
 
 if __name__ == "__main__":
-    fd, arena, root, rank, world, token, keep = sys.argv[1:8]
-    child_main(Connection(int(fd)), arena, root, int(rank), int(world), token, int(keep))
+    fd, arena = sys.argv[1:3]
+    child_main(Connection(int(fd)), arena)

@@ -10,20 +10,19 @@ Pipelined mode (``save(..., pipeline=[optimizer])``) does not even wait for the 
 writer thread while the caller computes the next forward/backward, and a step pre-hook on each
 optimizer blocks only if the optimizer would modify tensors not yet copied.
 
-Why a thread and not a process: writing and hashing release the GIL (``os.write``, xxhash), so the
-writer costs the training thread little; a process would need the staged bytes in shared memory
-and a second copy of the commit logic's state. ``benchmarks/checkpoint.py`` measures both.
+Who persists and where copies go are collaborators (``backends.py``): a writer (``"thread"`` by
+default, or ``"process"``), and with ``persistent_url`` a tier and rank 0's uploader, built from the
+validated :class:`~resilient.config.CheckpointConfig` unless handed in (``backends=``, e.g. fakes
+in a test). ``benchmarks/checkpoint.py`` measures both writers.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import enum
 import functools
 import os
 import re
-import shutil
 import threading
 import time
 import uuid
@@ -35,21 +34,24 @@ from typing import Any
 
 import torch
 from loguru import logger
+from pydantic import ValidationError
 
+from resilient.checkpoint.backends import Backends, ShardWriter, Storage, build_backends
 from resilient.checkpoint.codec import encode
-from resilient.checkpoint.manifest import MANIFEST, Manifest, read_manifest, step_name, tmp_name
-from resilient.checkpoint.procwriter import ProcessWriter
-from resilient.checkpoint.reader import Loaded, load_latest, load_step
-from resilient.checkpoint.shm import SHM
-from resilient.checkpoint.staging import Arena, Slot
-from resilient.checkpoint.writer import (
-    commit,
-    discard,
-    persist_rank,
-    remove_stale,
-    report_failure,
-    retain,
+from resilient.checkpoint.manifest import (
+    MANIFEST,
+    Manifest,
+    committed_steps,
+    quarantine,
+    read_manifest,
+    step_name,
+    tmp_name,
 )
+from resilient.checkpoint.persistent import Uploads, restore_from_tier
+from resilient.checkpoint.reader import Loaded, load_latest
+from resilient.checkpoint.staging import Slot
+from resilient.checkpoint.writer import SaveJob, remove_stale
+from resilient.config import CheckpointConfig
 from resilient.errors import CheckpointError
 
 
@@ -90,9 +92,18 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         any_busy: Callable[[int, bool], bool] | None = None,
         writer: str = "thread",
+        backends: Backends | None = None,
     ) -> None:
+        """``backends``: the writer, tier and uploader to use instead of the ones ``writer``,
+        ``persistent_url`` and ``storage_options`` describe (which must then be left unset)."""
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1 (the newest checkpoint is never deleted), got {keep}")
+        self.on_busy = OnBusy(on_busy)
+        cfg = _validated(root=Path(root), keep=keep, incremental=incremental, on_busy=self.on_busy.value,
+                         writer=writer, persistent_url=persistent_url, storage_options=storage_options or {},
+                         commit_timeout=commit_timeout)  # fmt: skip
+        if backends is not None and (writer != "thread" or persistent_url or storage_options):
+            raise CheckpointError("Checkpointer: pass backends= or writer=/persistent_url=, not both")
         self.root = Path(root)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -101,26 +112,14 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.token = token or default_token()
         self.keep, self.incremental = keep, incremental
-        self.on_busy = OnBusy(on_busy)
         self.commit_timeout = commit_timeout
-        self.tier: Any = None
-        self._uploader: Any = None
-        if persistent_url:
-            from resilient.checkpoint.tiers import AsyncUploader, PersistentTier
-
-            self.tier = PersistentTier(persistent_url, **(storage_options or {}))
-            if rank == 0:
-                self._uploader = AsyncUploader(self.tier)
-        if writer not in ("thread", "process"):
-            raise CheckpointError(f"writer must be 'thread' or 'process', got {writer!r}")
-        self._procw: ProcessWriter | None = None
-        self._arena_path: Path | None = None
-        if writer == "process":  # staged bytes in /dev/shm, mapped by the child
-            self._arena_path = SHM / f"resilient-ckpt-{self.token}-r{rank:05d}-{os.getpid()}.bin"
-            self._procw = ProcessWriter(self._arena_path, self.root, rank, world_size, self.token, keep)
-        self._arena = Arena(self._arena_path)
-        self._pinned: dict[int, set[str]] = {}  # step -> local step dirs its pending upload reads
-        self._pin_lock = threading.Lock()
+        if backends is None:
+            backends = build_backends(cfg, rank=rank, world_size=world_size, token=self.token)
+        self.writer: ShardWriter = backends.writer
+        self.tier: Storage | None = backends.tier
+        self._uploads: Uploads | None = None  # rank 0's, with a persistent tier
+        if backends.tier is not None and backends.uploader is not None:
+            self._uploads = Uploads(backends.tier, backends.uploader, keep)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="resilient-ckpt")
         self._inflight: Future[Manifest | None] | None = None
         self._inflight_step = -1
@@ -138,6 +137,24 @@ class Checkpointer:
             for path in remove_stale(self.root, self.token):
                 logger.info(f"removed {path.name}, left by a writer that died mid-save")
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: CheckpointConfig,
+        *,
+        rank: int,
+        world_size: int,
+        token: str | None = None,
+        any_busy: Callable[[int, bool], bool] | None = None,
+    ) -> Checkpointer:
+        """The ``Checkpointer`` that ``cfg`` (a runtime's ``checkpoint:`` section) describes."""
+        if cfg.dir is None:
+            raise CheckpointError("checkpoint.dir is not set: there is nowhere to write checkpoints")
+        return cls(cfg.dir, rank=rank, world_size=world_size, token=token, keep=cfg.keep,
+                   incremental=cfg.incremental, on_busy=cfg.on_busy, commit_timeout=cfg.commit_timeout_s,
+                   persistent_url=cfg.persistent_url, storage_options=dict(cfg.storage_options),
+                   any_busy=any_busy, writer=cfg.writer)  # fmt: skip
 
     # ---- saving ---------------------------------------------------------------------------------
     def save(
@@ -192,7 +209,7 @@ class Checkpointer:
             self._staged.clear()
             fut = self._pool.submit(self._save_job, step, None, leaves, skeleton, extra, dcp_files)
         else:
-            slots = self._arena.stage(leaves)
+            slots = self.writer.arena.stage(leaves)
             fut = self._pool.submit(self._save_job, step, slots, None, skeleton, extra, dcp_files)
         self.last_block_s = time.perf_counter() - t0
         self._inflight, self._inflight_step, self._inflight_t0 = fut, step, time.perf_counter()
@@ -219,82 +236,14 @@ class Checkpointer:
     ) -> Manifest | None:
         if slots is None:
             try:
-                slots = self._arena.stage(leaves)
+                slots = self.writer.arena.stage(leaves)
             finally:
                 self._staged.set()
-        with self._pin_lock:
-            pinned = set().union(*self._pinned.values()) if self._pinned else set()
-        if self._procw is not None:
-            job = {"step": step, "slots": slots, "skeleton": skeleton, "extra": extra,
-                   "dcp_files": dcp_files, "incremental": self.incremental,
-                   "timeout": self.commit_timeout, "pinned": pinned}  # fmt: skip
-            reply = self._procw.run(job, timeout=self.commit_timeout + 60)
-            if self.rank != 0:
-                return None
-            manifest = Manifest.model_validate_json(reply["manifest"])
-        else:
-            manifest_or_none = self._persist_here(step, slots, skeleton, extra, dcp_files, pinned)
-            if manifest_or_none is None:
-                return None
-            manifest = manifest_or_none
-        if self._uploader is not None:
-            files = [f.path for f in manifest.files()]
-            with self._pin_lock:  # local retention keeps what a queued upload still has to copy
-                self._pinned[step] = {p.split("/", 1)[0] for p in files}
-            up = self._uploader.submit(self.root, step_name(step), files)
-            up.add_done_callback(functools.partial(self._uploaded, step))  # on the uploader thread
+        pinned = self._uploads.pinned() if self._uploads is not None else frozenset()
+        manifest = self.writer.write(SaveJob(step, slots, skeleton, extra, dcp_files, pinned))
+        if manifest is not None and self._uploads is not None:
+            self._uploads.submit(self.root, manifest)
         return manifest
-
-    def _persist_here(
-        self,
-        step: int,
-        slots: list[Slot],
-        skeleton: Any,
-        extra: dict[str, Any] | None,
-        dcp_files: list[str],
-        pinned: set[str],
-    ) -> Manifest | None:
-        """The thread writer: this rank's shard, then (rank 0) the commit and retention."""
-        try:
-            entry = persist_rank(self.root, step, self.token, self.rank, self._arena, slots, skeleton,
-                                 incremental=self.incremental, sharded_files=dcp_files)  # fmt: skip
-        except Exception as e:
-            # give the space back (a full disk); rank 0 will not commit, so the whole directory goes
-            discard(self.root, step, self.token, None if self.rank == 0 else self.rank)
-            if self.rank != 0:
-                report_failure(self.root, step, self.token, self.rank, e)
-            raise
-        if self.rank != 0:
-            return None
-        try:
-            manifest = commit(self.root, step, self.token, self.world_size, timeout=self.commit_timeout,
-                              extra=extra, own=entry)  # fmt: skip
-        except Exception:
-            discard(self.root, step, self.token, None)
-            raise
-        for s in retain(self.root, self.keep, self.token, pinned):
-            logger.debug(f"retention: deleted {step_name(s)}")
-        return manifest
-
-    def _uploaded(self, step: int, upload: Future[None]) -> None:
-        with self._pin_lock:
-            self._pinned.pop(step, None)
-        if upload.exception() is None:
-            self._prune_remote()
-
-    def _prune_remote(self) -> None:
-        """Persistent-tier retention, after a successful upload: the same rule as the local one."""
-        try:
-            names = self.tier.committed()
-            needed: set[str] = set()
-            for name in names[-self.keep :]:
-                m = Manifest.model_validate_json(self.tier.read_bytes(f"{name}/{MANIFEST}"))
-                needed |= {f.path.split("/", 1)[0] for f in m.files()} | {name}
-            for name in names[: -self.keep]:
-                if name not in needed:
-                    self.tier.delete(name)
-        except (CheckpointError, OSError, ValueError) as e:  # the next upload prunes again
-            logger.warning(f"pruning {self.tier.url} failed: {e}")
 
     @staticmethod
     def _log_failure(step: int, fut: Future[Manifest | None]) -> None:
@@ -335,16 +284,11 @@ class Checkpointer:
         self._closed = True
         try:
             self._wait_inflight()
-            if self._uploader is not None:
-                self._uploader.close()
+            if self._uploads is not None:
+                self._uploads.close()
         finally:
             self._pool.shutdown(wait=True)
-            self._arena.release()
-            if self._procw is not None:
-                self._procw.close()
-            if self._arena_path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    self._arena_path.unlink()
+            self.writer.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -367,49 +311,40 @@ class Checkpointer:
                 raise
             loaded = None
         if loaded is None and self.tier is not None:
-            loaded = self._load_from_tier(sharded)
+            loaded = self.load_from_tier(sharded)
         elif loaded is not None and self.rank == 0:  # every rank voted these bad: out of the way
-            from resilient.checkpoint.manifest import quarantine
-
             for bad in loaded.rejected_steps:
                 if (moved := quarantine(self.root, bad)) is not None:
                     logger.warning(f"checkpoint step {bad} does not verify: moved to {moved}")
         return loaded
 
-    def _load_from_tier(self, sharded: dict[str, Any] | None) -> Loaded | None:
-        """Fetch the newest persistent checkpoint into a cache root beside the local one and load it.
+    def load_from_tier(self, sharded: dict[str, Any] | None = None) -> Loaded | None:
+        """The newest checkpoint of the persistent tier that loads on this rank (None without a tier,
+        or when none loads), fetched into a cache beside the local root."""
+        if self.tier is None:
+            return None
+        return restore_from_tier(self.tier, self.root, self.rank, self.world_size, sharded)
 
-        The cache is its own checkpoint root (manifest written after the files), so a fetch cut
-        short never looks like a committed local checkpoint.
-        """
-        cache = self.root / ".persistent-cache" / f"rank{self.rank:05d}"
-        for name in reversed(self.tier.committed()):
-            try:
-                manifest = Manifest.model_validate_json(self.tier.read_bytes(f"{name}/{MANIFEST}"))
-                need = {f.path for f in manifest.sharded_files()} if sharded is not None else set()
-                if manifest.world_size == self.world_size:
-                    need |= {f.path for f in manifest.rank(self.rank).files}
-                self.tier.fetch(sorted(need), cache)
-                (cache / name).mkdir(parents=True, exist_ok=True)
-                (cache / name / MANIFEST).write_bytes(manifest.model_dump_json().encode())
-                loaded = load_step(cache, manifest.step, self.rank, self.world_size, sharded=sharded)
-                logger.info(f"restored {name} from the persistent tier {self.tier.url}")
-                return loaded
-            except (CheckpointError, ValueError, OSError) as e:
-                logger.warning(f"persistent checkpoint {name} does not load: {e}; trying the previous one")
-            finally:
-                shutil.rmtree(cache, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    cache.parent.rmdir()  # only once every rank's cache is gone
-        return None
+    _load_from_tier = load_from_tier  # (the name resilient/runtime/persist.py still calls)
 
     def committed(self) -> list[int]:
-        from resilient.checkpoint.manifest import committed_steps
-
         return committed_steps(self.root)
 
     def manifest(self, step: int) -> Manifest:
         return read_manifest(self.root / step_name(step) / MANIFEST)
+
+
+_ARGS = {"dir": "root", "commit_timeout_s": "commit_timeout"}  # config field -> argument name
+
+
+def _validated(*, root: Path, commit_timeout: float, **kw: Any) -> CheckpointConfig:
+    """The arguments as the one validated checkpoint config; an error names the argument."""
+    try:
+        return CheckpointConfig(dir=root, commit_timeout_s=commit_timeout, **kw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = _ARGS.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else "?"
+        raise CheckpointError(f"Checkpointer({name}={err.get('input')!r}): {err['msg']}") from None
 
 
 def _any_rank_busy(step: int, busy: bool) -> bool:

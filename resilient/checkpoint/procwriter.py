@@ -21,18 +21,24 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from loguru import logger
+
+from resilient.checkpoint.manifest import Manifest, step_name
+from resilient.checkpoint.shm import SHM
+from resilient.checkpoint.staging import Arena, Slot
+from resilient.checkpoint.writer import SaveJob, WriterSpec, persist
 from resilient.errors import CheckpointError
 
 
 class _MappedArena:
-    """The child's read-only view of the staged bytes (``persist_rank`` only calls ``bytes_of``)."""
+    """The child's read-only view of the staged bytes (``persist`` only calls ``bytes_of``)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._mm: mmap.mmap | None = None
         self._size = -1
 
-    def bytes_of(self, slot: Any) -> memoryview:
+    def bytes_of(self, slot: Slot) -> memoryview:
         size = os.path.getsize(self.path)
         if self._mm is None or size != self._size:  # the parent grew the arena
             if self._mm is not None:
@@ -43,64 +49,50 @@ class _MappedArena:
         return memoryview(self._mm)[slot.offset : slot.offset + slot.nbytes]
 
 
-def child_main(
-    conn: Any, arena_path: str, root: str, rank: int, world_size: int, token: str, keep: int
-) -> None:
-    from resilient.checkpoint.writer import commit, discard, persist_rank, report_failure, retain
-
-    arena = _MappedArena(arena_path)
-    root_p = Path(root)
-    while True:
-        job = conn.recv()
-        if job is None:
-            return
-        step = job["step"]
+def child_main(conn: Connection, arena_path: str) -> None:
+    """The child's loop: the writer's spec first, then one job after another until None."""
+    spec: WriterSpec = conn.recv()
+    staged = _MappedArena(arena_path)
+    while (job := conn.recv()) is not None:
         try:
-            entry = persist_rank(root_p, step, token, rank, arena, job["slots"], job["skeleton"],  # type: ignore[arg-type]
-                                 incremental=job["incremental"], sharded_files=job["dcp_files"])  # fmt: skip
+            manifest, deleted = persist(spec, job, staged)
         except Exception as e:
-            discard(root_p, step, token, None if rank == 0 else rank)
-            if rank != 0:
-                report_failure(root_p, step, token, rank, e)
             conn.send({"error": f"{type(e).__name__}: {e}"})
             continue
-        if rank != 0:
-            conn.send({"manifest": None})
-            continue
-        try:
-            manifest = commit(
-                root_p, step, token, world_size, timeout=job["timeout"], extra=job["extra"], own=entry
-            )
-            deleted = retain(root_p, keep, token, job["pinned"])
-        except Exception as e:
-            discard(root_p, step, token, None)
-            conn.send({"error": f"{type(e).__name__}: {e}"})
-            continue
-        conn.send({"manifest": manifest.model_dump_json(), "deleted": deleted})
+        conn.send({"manifest": None if manifest is None else manifest.model_dump_json(), "deleted": deleted})
 
 
 class ProcessWriter:
-    """One child process that persists the jobs it is sent, one at a time.
+    """One child process that persists the jobs it is sent, one at a time; the tensors are staged
+    in a file in ``/dev/shm`` that the child maps.
 
     Started with ``python -m resilient.checkpoint._writer_child`` and a socket pair, not with
     ``multiprocessing``'s spawn: spawn re-imports the user's ``__main__``, which runs a training
     script without an ``if __name__ == "__main__"`` guard a second time.
     """
 
-    def __init__(
-        self, arena_path: Path, root: Path, rank: int, world_size: int, token: str, keep: int
-    ) -> None:
+    def __init__(self, spec: WriterSpec, shm: Path = SHM) -> None:
+        self.spec = spec
+        # the pid keeps two Checkpointers of one rank (a test, a relaunch overlapping) apart
+        path = shm / f"resilient-ckpt-{spec.token}-r{spec.rank:05d}-{os.getpid()}.bin"
+        self.arena = Arena(path)
         ours, theirs = socket.socketpair()
-        args = [str(arena_path), str(root), str(rank), str(world_size), token, str(keep)]
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "resilient.checkpoint._writer_child", str(theirs.fileno()), *args],
+            [sys.executable, "-m", "resilient.checkpoint._writer_child", str(theirs.fileno()), str(path)],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
         )
         theirs.close()
         self._conn = Connection(ours.detach())
+        self._conn.send(spec)
 
-    def run(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def write(self, job: SaveJob) -> Manifest | None:
+        reply = self._run(job, timeout=self.spec.commit_timeout + 60)
+        for s in reply["deleted"]:
+            logger.debug(f"retention: deleted {step_name(s)}")
+        return None if reply["manifest"] is None else Manifest.model_validate_json(reply["manifest"])
+
+    def _run(self, job: SaveJob, timeout: float) -> dict[str, Any]:
         """Send one job and wait for its reply; raises CheckpointError if the child died or timed out."""
         try:
             self._conn.send(job)
@@ -114,6 +106,8 @@ class ProcessWriter:
         return reply
 
     def close(self, timeout: float = 30.0) -> None:
+        """Stop the child and remove the staging file (a second call finds nothing left to do)."""
+        self.arena.release()
         if self._proc.poll() is None:
             with contextlib.suppress(OSError):
                 self._conn.send(None)
@@ -123,3 +117,6 @@ class ProcessWriter:
                 self._proc.kill()
                 self._proc.wait(5)
         self._conn.close()
+        if self.arena.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.arena.path.unlink()

@@ -16,6 +16,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -37,6 +38,13 @@ class Slot:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+
+
+class StagedBytes(Protocol):
+    """Where a writer reads the staged bytes of a slot: the :class:`Arena` itself, or (in the writer
+    process) a read-only mapping of its file."""
+
+    def bytes_of(self, slot: Slot) -> memoryview: ...
 
 
 def plan(leaves: Sequence[Leaf], start: int = 0) -> list[Slot]:
@@ -63,7 +71,7 @@ class Arena:
     """A reused uint8 host buffer; ``stage`` copies leaves into it following a layout."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self._path = path  # None: anonymous memory; else a file mapped shared (e.g. in /dev/shm)
+        self.path = path  # None: anonymous memory; else a file mapped shared (e.g. in /dev/shm)
         self._mm: mmap.mmap | None = None
         self.buf = torch.empty(0, dtype=torch.uint8)
         self.slots: list[Slot] = []
@@ -73,13 +81,13 @@ class Arena:
         return self.buf.numel()
 
     def _reserve(self, size: int, pin: bool) -> None:
-        if size <= self.capacity and (not pin or self.buf.is_pinned() or self._path is not None):
+        if size <= self.capacity and (not pin or self.buf.is_pinned() or self.path is not None):
             return
-        if self._path is None:
+        if self.path is None:
             self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
             return
         self.release()
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size)

@@ -1,10 +1,13 @@
-"""Persisting one rank's staged tensors, committing a step, and retention.
+"""Persisting one rank's staged tensors, committing a step, and retention; the thread writer.
 
 Every rank writes ``rank<R>.bin`` (only the tensors whose bytes changed since the newest committed
 checkpoint) and a small part file into the step's temporary directory. Rank 0 waits for every
 part, writes the manifest, fsyncs, and renames the directory to its final name: the commit is the
 last thing written. Retention then keeps the newest ``keep`` checkpoints plus every older one that a
 kept checkpoint still points to.
+
+:func:`persist` is that sequence for one save; :class:`ThreadWriter` runs it on the
+``Checkpointer``'s background thread and the writer process (``procwriter.py``) runs it in a child.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +39,7 @@ from resilient.checkpoint.manifest import (
     tmp_name,
     write_json_durable,
 )
-from resilient.checkpoint.staging import Arena, Slot, aligned
+from resilient.checkpoint.staging import Arena, Slot, StagedBytes, aligned
 from resilient.errors import CheckpointError
 
 _ZEROS = bytes(64)
@@ -73,7 +77,7 @@ def persist_rank(
     step: int,
     token: str,
     rank: int,
-    arena: Arena,
+    staged: StagedBytes,
     slots: list[Slot],
     skeleton: Any,
     *,
@@ -96,7 +100,7 @@ def persist_rank(
     fd, size, hasher = -1, 0, xxhash.xxh3_128()
     try:
         for slot in slots:
-            data = arena.bytes_of(slot)
+            data = staged.bytes_of(slot)
             h = digest(data)
             prev = base_tensors.get(slot.key)
             if (
@@ -268,3 +272,75 @@ def remove_stale(root: Path, live_token: str) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             gone.append(path)
     return gone
+
+
+@dataclass(frozen=True)
+class WriterSpec:
+    """Where and how one rank's saves are written: all a writer (thread or process) is told."""
+
+    root: Path
+    rank: int
+    world_size: int
+    token: str
+    keep: int
+    incremental: bool = True
+    commit_timeout: float = 600.0
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """One save handed to a writer, its tensors staged into the writer's arena."""
+
+    step: int
+    slots: list[Slot]
+    skeleton: Any
+    extra: dict[str, Any] | None = None
+    dcp_files: list[str] = field(default_factory=list)  # written by DCP into the temporary directory
+    pinned: frozenset[str] = frozenset()  # step directories a queued upload still reads: kept
+
+
+def persist(spec: WriterSpec, job: SaveJob, staged: StagedBytes) -> tuple[Manifest | None, list[int]]:
+    """This rank's shard, then (rank 0) the commit and retention: the committed manifest (None on
+    other ranks) and the steps retention deleted. A failure removes the bytes this save wrote and,
+    on a rank other than 0, tells rank 0 that this rank's part will never come."""
+    root, step, token, rank = spec.root, job.step, spec.token, spec.rank
+    try:
+        entry = persist_rank(root, step, token, rank, staged, job.slots, job.skeleton,
+                             incremental=spec.incremental, sharded_files=job.dcp_files)  # fmt: skip
+    except Exception as e:
+        # give the space back (a full disk); rank 0 will not commit, so the whole directory goes
+        discard(root, step, token, None if rank == 0 else rank)
+        if rank != 0:
+            report_failure(root, step, token, rank, e)
+        raise
+    if rank != 0:
+        return None, []
+    try:
+        manifest = commit(root, step, token, spec.world_size, timeout=spec.commit_timeout,
+                          extra=job.extra, own=entry)  # fmt: skip
+    except Exception:
+        discard(root, step, token, None)
+        raise
+    return manifest, retain(root, spec.keep, token, job.pinned)
+
+
+class ThreadWriter:
+    """The default writer: :func:`persist` in the thread that calls :meth:`write` (the
+    ``Checkpointer``'s background thread), the tensors staged in anonymous host memory.
+
+    Writing and hashing release the GIL (``os.write``, xxhash), so this costs the training thread
+    little; ``writer="process"`` moves even the syscalls' GIL hand-offs out of the process.
+    """
+
+    def __init__(self, spec: WriterSpec) -> None:
+        self.spec = spec
+        self.arena = Arena()
+
+    def write(self, job: SaveJob) -> Manifest | None:
+        manifest, deleted = persist(self.spec, job, self.arena)
+        for s in deleted:
+            logger.debug(f"retention: deleted {step_name(s)}")
+        return manifest
+
+    def close(self) -> None:
+        self.arena.release()

@@ -16,6 +16,7 @@ import torch
 from resilient.checkpoint.codec import decode, encode
 from resilient.checkpoint.manager import Checkpointer
 from resilient.checkpoint.manifest import MANIFEST, committed_steps, manifest_digest, step_name
+from resilient.checkpoint.procwriter import ProcessWriter
 from resilient.checkpoint.reader import load_latest, load_step
 from resilient.errors import CheckpointError, ExitCode
 from resilient.state.registry import Registry
@@ -326,7 +327,7 @@ def test_process_writer_round_trip_incremental_and_cleanup(tmp_path: Path) -> No
         ck.wait()
         ck.save(2, {"s": state, "frozen": frozen})
         ck.wait()
-        arena = ck._arena_path
+        arena = ck.writer.arena.path
         assert arena is not None and arena.exists()
         m = ck.manifest(2)
     assert arena is not None and not arena.exists()  # the /dev/shm staging file is removed on close
@@ -343,9 +344,9 @@ def test_process_writer_death_is_a_checkpoint_error(tmp_path: Path) -> None:
     try:
         ck.save(1, {"x": torch.ones(4)})
         ck.wait()
-        assert ck._procw is not None
-        ck._procw._proc.send_signal(_signal.SIGKILL)  # a real kill of the writer process
-        ck._procw._proc.wait()
+        assert isinstance(ck.writer, ProcessWriter)
+        ck.writer._proc.send_signal(_signal.SIGKILL)  # a real kill of the writer process
+        ck.writer._proc.wait()
         ck.save(2, {"x": torch.ones(4)})
         with pytest.raises(CheckpointError, match="writer process died"):
             ck.wait()
