@@ -14,7 +14,7 @@ from resilient.checkpoint.codec import decode, encode
 from resilient.errors import CheckpointError
 from resilient.state import SnapshotRing
 from resilient.state.dtensor import MARK, holds_dtensors
-from resilient.state.registry import _owned_copy
+from resilient.state.registry import Registry
 from resilient.state.snapshot import Frozen
 from resilient.state.tree import any_leaf, is_namedtuple, map_leaves, map_with_path
 
@@ -98,10 +98,25 @@ def test_holds_dtensors_finds_a_portable_leaf_at_any_depth() -> None:
     assert not holds_dtensors({"a": [torch.zeros(1), {"local": 1}]})
 
 
-def test_owned_copy_clones_tensors_and_keeps_the_rest() -> None:
+class Keeper:
+    """Keeps the state it is loaded with (as an optimizer does): the registry must hand it copies."""
+
+    got: Any = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.got = state
+
+
+def test_a_mapped_state_is_loaded_as_copies_of_its_tensors_and_the_rest_as_is() -> None:
     t = torch.ones(2)
     p = Point(t, 1)
-    out = _owned_copy({"t": t, "l": [t], "tu": (t,), "p": p})
+    registry, keeper = Registry(), Keeper()
+    registry.add("k", keeper)
+    registry.load("k", {"t": t, "l": [t], "tu": (t,), "p": p}, owned=False)
+    out = keeper.got
     assert out["t"].data_ptr() != t.data_ptr() and torch.equal(out["t"], t)
     assert out["l"][0].data_ptr() != t.data_ptr() and out["tu"][0].data_ptr() != t.data_ptr()
     assert out["p"] is p  # a namedtuple is a leaf: kept, not rebuilt
