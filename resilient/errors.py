@@ -44,6 +44,15 @@ class SoftFault(ResilienceError):
     """A fault the runtime itself detected inside a step and recovers from in-process."""
 
 
+class CollectiveDesync(SoftFault):
+    """Ranks issued different numbers of collectives in one window (recovered in-process).
+    ``window_end``: the step that closed the window; state kept after it is not a good state."""
+
+    def __init__(self, message: str, window_end: int) -> None:
+        super().__init__(message)
+        self.window_end = window_end
+
+
 class SnapshotError(SoftFault):
     """Copying a tracked object's state failed; the message names the object and the leaf."""
 

@@ -37,28 +37,30 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 
-from resilient.errors import SoftFault
+from resilient.errors import CollectiveDesync
+from resilient.runtime.node import NodeLink, NodeLinkLost
 
-if TYPE_CHECKING:
-    from resilient.runtime.coordinator import Coordinator
+__all__ = ["CollectiveCount", "CollectiveDesync", "issued_on_default_group"]
 
 _ABSENT = "\x00absent"  # never a count: what a read of a key not posted yet returns
 
 
-class CollectiveDesync(SoftFault):
-    """Ranks issued different numbers of collectives in one window (recovered in-process).
-    ``window_end``: the step that closed the window; state kept after it is not a good state."""
+class NodeLinkHolder(Protocol):
+    """What the count needs of the coordinator: its node link while it lasts, and the switch to
+    the job's store when the node's store fails (see :meth:`Coordinator.lose`)."""
 
-    def __init__(self, message: str, window_end: int) -> None:
-        super().__init__(message)
-        self.window_end = window_end
+    node: NodeLink | None
+
+    def lose(self, e: BaseException) -> NodeLinkLost: ...
 
 
-def _seq() -> int:
+def issued_on_default_group() -> int:
+    """How many collectives the default process group has issued (its sequence number); -1
+    without a group (destroyed) or on a backend that does not count."""
     try:
         pg = dist.distributed_c10d._get_default_group()
         return int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
@@ -71,14 +73,14 @@ class CollectiveCount:
     the ``k``-th check of the generation (every rank checks at the same steps)."""
 
     def __init__(
-        self, store: dist.Store, prefix: str, rank: int, world_size: int, coord: Coordinator | None = None
+        self, store: dist.Store, prefix: str, rank: int, world_size: int, coord: NodeLinkHolder | None = None
     ) -> None:
         self.store, self.prefix, self.rank, self.world = store, prefix, rank, world_size
         self.coord = coord  # its node link, while it lasts
         self.step: int | None = None
         self.checks = 0  # windows closed so far
         self._since: int | None = None  # the first step of the open window
-        self._base = _seq()
+        self._base = issued_on_default_group()
         self._posted: list[tuple[int, dist.Store]] = []  # own keys not yet deleted, and where
         self._pending: tuple[int, int, int, int] | None = None  # (k, count, first step, last step)
 
@@ -92,7 +94,7 @@ class CollectiveCount:
 
     def issued(self) -> int:
         """Collectives this rank issued in the open window."""
-        return _seq() - self._base
+        return issued_on_default_group() - self._base
 
     @property
     def pending(self) -> int | None:
@@ -105,7 +107,7 @@ class CollectiveCount:
         unverified). A window still unsettled is settled first, waiting if need be."""
         if self._pending is not None:
             self.settle(block=True)
-        seq = _seq()
+        seq = issued_on_default_group()
         n, since = seq - self._base, self._since if self._since is not None else step
         k = self.checks
         try:

@@ -12,18 +12,32 @@ import torch
 T = TypeVar("T")
 
 
-class Engine(Protocol):
-    """What a :class:`Context` needs of an engine (both :class:`~resilient.runtime.native.NativeEngine`
-    and :class:`~resilient.runtime.nvrx.NvrxEngine` provide it, through their shared core)."""
+class Loop(Protocol):
+    """What a :class:`Context` needs of the runtime: the step loop (:class:`~resilient.runtime.
+    steps.StepLoop`, the same under both engines)."""
 
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    generation: int
-    restore_step: int | None
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def restored_step(self) -> int | None: ...
+
+    @property
+    def run_dir(self) -> Path: ...
+
     step: int | None
-    run_dir: Path | None
 
     def track(self, objects: dict[str, Any]) -> None: ...
 
@@ -37,7 +51,7 @@ class Engine(Protocol):
 class Context:
     """Handle to the runtime for one entry of the training function (one generation)."""
 
-    def __init__(self, runtime: Engine) -> None:
+    def __init__(self, runtime: Loop) -> None:
         self._rt = runtime
 
     @property
@@ -64,8 +78,10 @@ class Context:
 
     @property
     def restored_step(self) -> int | None:
-        """The step this entry resumes at after a restart, else ``None``."""
-        return self._rt.restore_step if self._rt.generation > 0 else None
+        """The step this entry resumed at after a restart, else ``None``: after an in-process
+        restart, from the function's entry on; in a process that ``resilient launch`` started
+        again (or that replaced a dead rank), once ``ctx.steps``/``ctx.epochs`` restored it."""
+        return self._rt.restored_step
 
     @property
     def step(self) -> int | None:

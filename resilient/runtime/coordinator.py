@@ -40,41 +40,9 @@ import torch.distributed as dist
 
 from resilient.errors import CoordinationError, PeerAborted
 from resilient.launch_env import Endpoint, LaunchEnv
+from resilient.runtime.agreement import REDUCE, restore_plan
 from resilient.runtime.faults import FaultRecord
 from resilient.runtime.node import NodeLink, NodeLinkLost
-
-
-def restore_plan(payloads: list[str]) -> str:
-    """The recovery barrier's reduction: the newest snapshot step every rank holds (``step``),
-    the ranks that hold none (``empty``), and every rank's steps only when there is no common one
-    (the error names them)."""
-    held: list[list[int]] = []
-    malformed = []
-    for r, p in enumerate(payloads):
-        try:
-            steps = json.loads(p)
-        except (ValueError, RecursionError):
-            steps = None
-        if not isinstance(steps, list) or any(type(s) is not int or s < 0 for s in steps):
-            malformed.append(r)  # (a peer's garbage: named, and no step is trusted from it)
-            steps = []
-        held.append(steps)
-    if malformed:
-        return json.dumps({"step": None, "empty": [], "malformed": malformed})
-    empty = [r for r, s in enumerate(held) if not s]
-    common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
-    plan: dict[str, Any] = {"step": max(common) if common else None, "empty": empty}
-    if not common and not empty:
-        plan["held"] = held
-    return json.dumps(plan)
-
-
-REDUCE: dict[str, Callable[[list[str]], str]] = {
-    "any": lambda vs: "1" if any(v == "1" for v in vs) else "0",
-    "all": lambda vs: "1" if all(v == "1" for v in vs) else "0",
-    "first": lambda vs: vs[0],  # rank 0's
-    "same": lambda vs: "1" if len(set(vs)) <= 1 else "0",
-}
 
 OK = "ok"
 _NEVER = "\x00never"  # an expected value no key holds: compare_set(k, _NEVER, _NEVER) only reads k
@@ -153,7 +121,7 @@ class Coordinator:
         self.barrier_timeout = barrier_timeout
         self.blocks = blocks
         self.node = node
-        self._on_lost = on_lost
+        self.on_lost = on_lost  # (any thread) the node's store is gone: why
         self._lost_lock = threading.Lock()
 
     def key(self, generation: int, *parts: object) -> str:
@@ -167,8 +135,8 @@ class Coordinator:
             node, self.node = self.node, None
             if node is not None and node.lost is None:
                 node.lost = f"{type(e).__name__}: {e}".splitlines()[0]
-                if self._on_lost is not None:
-                    self._on_lost(node.lost)
+                if self.on_lost is not None:
+                    self.on_lost(node.lost)
         return NodeLinkLost(f"rank {self.rank}: the node's store is gone ({node.lost if node else e})")
 
     def _node_call(self, fn: Callable[[dist.Store], Any], store: str = "store") -> tuple[bool, Any]:

@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from resilient.errors import StepInterrupted
-from resilient.runtime.collective_check import CollectiveDesync
+from resilient.errors import CollectiveDesync, StepInterrupted
 
 
 class FaultKind(str, enum.Enum):

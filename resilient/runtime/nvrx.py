@@ -39,21 +39,25 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch.distributed as dist
 from loguru import logger
 
 from resilient.config import Config
+from resilient.contract import die_with_launcher
 from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted, SetupFailed
 from resilient.events import Event
-from resilient.launch_env import LaunchEnv
 from resilient.runtime import pg
-from resilient.runtime.core import EngineCore, Wiring, common_restore_step, main_thread_where
+from resilient.runtime.agreement import common_restore_step
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
-from resilient.runtime.health import Check
-from resilient.runtime.hooks import StepHook
+from resilient.runtime.policy import RestartPolicy
+from resilient.runtime.session import Session
+from resilient.runtime.stacks import main_thread_where
+from resilient.runtime.steps import RingOnly, StepLoop
+from resilient.runtime.wiring import Setup, WiringFactory, wire
+from resilient.state import SnapshotRing
 
 S = datetime.timedelta
 
@@ -82,26 +86,46 @@ def wrapper_kwargs(cfg: Config) -> dict[str, Any]:
     }
 
 
-class NvrxEngine(EngineCore):
-    """Engine behind ``resilient.wrap(engine="nvrx")``; the same surface :class:`Context` uses."""
+class NvrxEngine:
+    """Engine behind ``resilient.wrap(engine="nvrx")``: ``run(fn)`` calls ``fn(loop)`` once per
+    NVRx restart iteration, as the native engine does once per generation."""
 
-    engine = "nvrx"
+    name = "nvrx"
 
-    def __init__(
-        self,
-        cfg: Config,
-        checks: Sequence[Check] = (),
-        *,
-        launch: LaunchEnv | None = None,
-        hooks: Sequence[StepHook] = (),
-        wiring: Callable[[EngineCore], Wiring] | None = None,
-    ) -> None:
-        if cfg.checkpoint.dir is not None:
+    def __init__(self, setup: Setup, *, wiring: WiringFactory = wire) -> None:
+        if setup.cfg.checkpoint.dir is not None:
             raise ConfigError(
                 "engine: nvrx does not write durable checkpoints (checkpoint.dir is set): use "
                 "engine: resilient, or NVRx's own checkpointing beside this engine"
             )
-        super().__init__(cfg, checks, launch=launch, hooks=hooks, wiring=wiring)
+        self.setup = setup
+        self._wire = wiring
+
+    def run(self, fn: Callable[[StepLoop], Any]) -> Any:
+        try:
+            import nvidia_resiliency_ext.inprocess as inprocess
+        except ImportError as e:
+            raise ConfigError(f"engine: nvrx needs nvidia-resiliency-ext importable: {e}") from e
+        die_with_launcher(self.setup.launch.launcher_pid)
+        w = self._wire(self.setup)
+        session = Session(self.setup, w, engine=self.name, namespace="nvrx/")
+        # NVRx's monitor thread runs the abort: it gets a store connection of its own
+        return NvrxRun(session, w.side_store(session.t.barrier)).run(fn, inprocess)
+
+
+class NvrxRun:
+    """One run under NVRx's ``Wrapper``: the session, the step loop (the ring alone keeps
+    snapshots), our restart policy and health checks as NVRx strategies."""
+
+    def __init__(self, session: Session, monitor_store: dist.Store) -> None:
+        self.session = s = session
+        self.t = s.t
+        self.ring = SnapshotRing()
+        self.loop = StepLoop(s, RingOnly(self.ring), self.ring, liveness=self._ping)
+        self.policy = RestartPolicy(s.cfg.restart)
+        self.monitor_store = monitor_store
+        self.nvrx_port = -1  # NVRx's own store, hosted by rank 0 (see _nvrx_store_port)
+        self._verdict: ResilienceError | None = None
         self._fault: FaultRecord | None = None
         self._cw: Any = None
         self._signal: signal.Signals | None = None
@@ -110,9 +134,9 @@ class NvrxEngine(EngineCore):
 
     # -- setup ------------------------------------------------------------------------------------
     def _start(self) -> None:
-        w = self._open("nvrx/")
-        # NVRx's monitor thread runs the abort: it gets a store connection of its own
-        self.monitor_store = w.side_store(self.t.barrier)
+        s = self.session
+        s.open(lambda: self.loop.step)
+        self.loop.start(joining=s.launch.join_generation is not None)
         self.nvrx_port = self._nvrx_store_port()
         pg.protect_store_port(self.nvrx_port)  # NVRx's monitor opens store clients while groups are built
 
@@ -120,17 +144,18 @@ class NvrxEngine(EngineCore):
         """NVRx keeps its barriers and records in a store of its own, with no namespace for the
         launch attempt: a relaunched job meeting the previous attempt's keys fails NVRx's initial
         barrier. Each attempt gets a fresh NVRx store, hosted by rank 0 on a free port it posts."""
-        key = f"{self.ns}/nvrx_store_port"
-        if self.rank == 0:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            self.store.set(key, str(port))
+        s = self.session
+        key = f"{s.ns}/nvrx_store_port"
+        if s.rank == 0:
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                port = sock.getsockname()[1]
+            s.store.set(key, str(port))
             return port
-        return int(self.store.get(key))
+        return int(s.store.get(key))
 
     def _wrapper(self, inprocess: Any) -> Any:
-        rt = self
+        rt, s = self, self.session
 
         class Unblock(inprocess.abort.Abort):
             """Wake a main thread blocked in a gloo collective (destroying the group does not) or
@@ -138,9 +163,9 @@ class NvrxEngine(EngineCore):
             Python code: the interrupt signal's no-op handler is such code)."""
 
             def __call__(self, state: Any) -> Any:
-                rt._aborted = (rt.generation, time.time())
+                rt._aborted = (rt.session.generation, time.time())
                 rt._post_diagnosis()  # before the group is gone: it reads the group's sequence number
-                group = rt.group
+                group = rt.loop.gen.group
                 if group is not None:
                     group.abort()
                 rt._nudge()
@@ -163,19 +188,19 @@ class NvrxEngine(EngineCore):
         class Checks(inprocess.health_check.HealthCheck):
             def __call__(self, state: Any) -> Any:
                 if state.iteration > 0:
-                    rt._check_health(state.iteration - 1, rt.step)
+                    s = rt.session
+                    s.check_health(state.iteration - 1, rt.loop.step, s.store, lambda gen, why: None)
                 return state
 
         abort = inprocess.Compose(inprocess.abort.AbortTorchDistributed(), Unblock())
         initialize = inprocess.Compose(
-            Admit(), inprocess.initialize.RetryController(max_iterations=self.cfg.restart.max_restarts + 1)
+            Admit(), inprocess.initialize.RetryController(max_iterations=s.cfg.restart.max_restarts + 1)
         )
-        assert self.run_dir is not None  # (started)
-        logfile = self.run_dir / f"nvrx_monitor_{self.rank}.log"
+        logfile = s.run_dir / f"nvrx_monitor_{s.rank}.log"
         return inprocess.Wrapper(
             store_factory=inprocess.store.TCPStore,
             store_kwargs={
-                "host_name": self.ep.host,
+                "host_name": s.launch.endpoint.host,
                 "port": self.nvrx_port,
                 "timeout": S(seconds=self.t.barrier),
             },
@@ -183,16 +208,12 @@ class NvrxEngine(EngineCore):
             abort=abort,
             health_check=Checks(),
             monitor_process_logfile=str(logfile.absolute()),
-            **wrapper_kwargs(self.cfg),
+            **wrapper_kwargs(s.cfg),
         )
 
     # -- the run ----------------------------------------------------------------------------------
-    def run(self, fn: Callable[[], Any]) -> Any:
-        try:
-            import nvidia_resiliency_ext.inprocess as inprocess
-        except ImportError as e:
-            raise ConfigError(f"engine: nvrx needs nvidia-resiliency-ext importable: {e}") from e
-        self._verdict: ResilienceError | None = None
+    def run(self, fn: Callable[[StepLoop], Any], inprocess: Any) -> Any:
+        s = self.session
         self._start()
         self._install_interrupt()
         wrapped = self._wrapper(inprocess)
@@ -205,11 +226,11 @@ class NvrxEngine(EngineCore):
         attempt.__annotations__ = {"call_wrapper": Optional[inprocess.CallWrapper]}  # noqa: UP045
         try:
             result = wrapped(attempt)()
-            self._finished()
+            self.loop.finished()
             return result
         except BaseException as e:  # NVRx's RestartAbort is one; recorded, then raised on
             err = self._verdict or e
-            self._ev.emit(Event.RUN_FAILED, generation=self.generation, step=self.step, error=str(err))
+            s.events.emit(Event.RUN_FAILED, generation=s.generation, step=self.loop.step, error=str(err))
             if self._verdict is not None:
                 raise self._verdict from e
             raise
@@ -218,7 +239,7 @@ class NvrxEngine(EngineCore):
 
     def _install_interrupt(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            self._signal = signal.Signals[self.cfg.interrupt_signal]
+            self._signal = signal.Signals[self.session.cfg.interrupt_signal]
             signal.signal(self._signal, lambda *_: None)  # running it delivers NVRx's pending exception
 
     def _nudge(self) -> None:
@@ -241,19 +262,21 @@ class NvrxEngine(EngineCore):
     def _close(self) -> None:
         if self._signal is not None:
             signal.signal(self._signal, signal.SIG_DFL)
-        self._close_core()  # the event log last: run_finished / run_failed are written first
+        self.loop.close()
+        self.session.close()  # the event log last: run_finished / run_failed are written first
         self.monitor_store = None  # type: ignore[assignment]  # release the connection
 
-    def _attempt(self, fn: Callable[[], Any], cw: Any) -> Any:
+    def _attempt(self, fn: Callable[[StepLoop], Any], cw: Any) -> Any:
+        s, loop = self.session, self.loop
         it = cw.iteration
         self._cw = cw
         t0 = time.time()
         if it > 0:
             gc.collect()  # the failed iteration's model, DDP and group, in order, not at exit
-        self.generation = it
+        s.generation = it
         if it > 0:
-            self._settle_before_restore()  # the failed iteration's counts, before they are replaced
-        self._new_group(it)
+            loop.settle_before_restore()  # the failed iteration's counts, before they are replaced
+        loop.begin_generation(it, None)
         if it > 0:
             try:
                 self._restore_agreed(it, t0)
@@ -264,25 +287,25 @@ class NvrxEngine(EngineCore):
                 raise RestartAbort(str(e)) from e
         self._in_fn = it
         try:
-            result = fn()
-            self._settle_at_end()
+            result = fn(loop)
+            loop.settle_at_end()
             return result
         except BaseException as exc:  # NVRx's interrupt (RankShouldRestart) is one; always re-raised
             self._in_fn = None
             # a fault of its own, not NVRx's interrupt nor what the abort did to this rank
             if type(exc).__name__ != "RankShouldRestart" and self._aborted[0] != it:
-                rec = FaultRecord.from_exception(exc, rank=self.rank, generation=it, step=self.step)
+                rec = FaultRecord.from_exception(exc, rank=s.rank, generation=it, step=loop.step)
                 if rec.kind == FaultKind.COLLECTIVE.value:  # timed out waiting for a skipped one?
-                    rec = self._desync(self.store) or rec
+                    rec = self._desync(s.store) or rec
                 # a collective that timed out is a victim's view: the peer it waited for may be
                 # the one that hangs, and that rank's record (posted at NVRx's abort) comes first
                 weak = rec.kind == FaultKind.COLLECTIVE.value
-                self.store.compare_set(self._fault_key(it, weak), "", rec.to_json())
+                s.store.compare_set(self._fault_key(it, weak), "", rec.to_json())
             traceback.clear_frames(exc.__traceback__)
             raise
         finally:
             self._in_fn = None
-            self.group = None  # NVRx's abort destroyed it (or it finished); the next gc frees it
+            loop.gen.group = None  # NVRx's abort destroyed it (or it finished); the next gc frees it
 
     def _previous_fault(self, gen: int) -> FaultRecord:
         """The first fault any rank posted for iteration ``gen``; a hang posts none (NVRx's soft
@@ -290,16 +313,17 @@ class NvrxEngine(EngineCore):
         if self._fault is not None and self._fault.generation == gen:
             return self._fault
         raw = b""
+        store = self.session.store
         for key in (self._fault_key(gen, weak=False), self._fault_key(gen, weak=True)):
-            if self.store.check([key]):
-                raw = self.store.get(key)
+            if store.check([key]):
+                raw = store.get(key)
                 break
         if raw:
             rec = FaultRecord.parse(raw, gen)
         else:  # NVRx interrupted every rank before any raised: its progress timeout (a hang)
             aborted = self._aborted[1] if self._aborted[0] == gen else time.time()
             rec = FaultRecord(
-                rank=-1, generation=gen, step=self.step, kind=FaultKind.HANG.value,
+                rank=-1, generation=gen, step=self.loop.step, kind=FaultKind.HANG.value,
                 severity=Severity.SOFT.value, signature="hang: NVRx soft timeout",
                 message="no rank raised: NVRx's progress timeout interrupted the ranks", ts=aborted,
             )  # fmt: skip
@@ -309,7 +333,7 @@ class NvrxEngine(EngineCore):
     def _fault_key(self, gen: int, weak: bool) -> str:
         """Where iteration ``gen``'s fault is posted; the first post wins. A weak record (a victim's
         collective timeout) is read only when no rank posted a strong one."""
-        return f"{self.ns}/g{gen}/fault" + ("/weak" if weak else "")
+        return f"{self.session.ns}/g{gen}/fault" + ("/weak" if weak else "")
 
     def _post_diagnosis(self) -> None:
         """From NVRx's monitor thread, at the abort, so every rank restarts knowing the cause:
@@ -324,13 +348,14 @@ class NvrxEngine(EngineCore):
                 self.monitor_store.compare_set(self._fault_key(rec.generation, weak=False), "", rec.to_json())
 
     def _own_hang(self) -> FaultRecord | None:
-        idle = self.clock() - self._progress
-        limit = self.t.hang if self._stepped else self.t.startup
+        s, gen = self.session, self.loop.gen
+        idle = s.clock() - gen.progress
+        limit = self.t.hang if gen.stepped else self.t.startup
         where, in_collective = main_thread_where()
         if in_collective or idle < limit:
             return None
         return FaultRecord(
-            rank=self.rank, generation=self.generation, step=self.step, kind=FaultKind.HANG.value,
+            rank=s.rank, generation=s.generation, step=self.loop.step, kind=FaultKind.HANG.value,
             severity=Severity.SOFT.value, signature="hang: no step progress", latency_s=idle,
             message=f"no step progress for {idle:.2f}s (limit {limit:g}s); main thread at {where}",
         )  # fmt: skip
@@ -338,29 +363,32 @@ class NvrxEngine(EngineCore):
     def _desync(self, store: dist.Store) -> FaultRecord | None:
         """A desync record if this rank waits in a collective its neighbour finished the step
         without (fewer collectives counted), else None. Needs the group: before the abort."""
-        if self.fp is None:
+        s, count = self.session, self.loop.gen.count
+        if count is None:
             return None
         try:
-            why = self.fp.diagnose(store)
+            why = count.diagnose(store)
         except Exception as e:  # no diagnosis: the fault stays what it looked like
-            logger.debug("rank {}: no desync diagnosis: {}", self.rank, e)
+            logger.debug("rank {}: no desync diagnosis: {}", s.rank, e)
             return None
         if why is None:
             return None
         return FaultRecord(
-            rank=self.rank, generation=self.generation, step=self.fp.step, kind=FaultKind.DESYNC.value,
+            rank=s.rank, generation=s.generation, step=count.step, kind=FaultKind.DESYNC.value,
             severity=Severity.SOFT.value, signature="desync: collective count", message=why,
         )  # fmt: skip
 
     def _restore_agreed(self, it: int, t0: float) -> None:
+        s, loop = self.session, self.loop
         primary = self._previous_fault(it - 1)
-        self._fault_detected(it - 1, self.step, primary, "nvrx restart iteration")
-        self._ev.emit(Event.GROUP_REBUILT, generation=it, step=None, duration_s=time.time() - t0)
-        held: list[list[int]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(held, self.snapshots.steps())
-        self._prepare_restore(common_restore_step(held, primary), self.step, primary.ts)
+        s.fault_detected(it - 1, loop.step, primary, "nvrx restart iteration")
+        s.events.emit(Event.GROUP_REBUILT, generation=it, step=None, duration_s=time.time() - t0)
+        held: list[list[int]] = [[] for _ in range(s.world_size)]
+        dist.all_gather_object(held, self.ring.steps())
+        step = common_restore_step(held, primary)
+        loop.gen.resume_from(loop.prepare_restore(it, step, loop.step, primary.ts, s.all_hold))
 
     # -- each completed step ------------------------------------------------------------------------
-    def _on_step(self, step: int) -> None:
+    def _ping(self, step: int) -> None:
         if self._cw is not None:
             self._cw.ping()  # NVRx's progress timeout starts with the first ping of an iteration

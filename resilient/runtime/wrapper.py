@@ -6,19 +6,38 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import Any, Protocol, TypeVar, overload
 
 from resilient.config import Config, load_config
 from resilient.runtime import hooks as hooks_mod
 from resilient.runtime.context import Context
+from resilient.runtime.exits import excepthook_exit_codes
 from resilient.runtime.health import Check
 from resilient.runtime.hooks import StepHook
-from resilient.runtime.native import NativeEngine, excepthook_exit_codes
-
-if TYPE_CHECKING:
-    from resilient.runtime.nvrx import NvrxEngine
+from resilient.runtime.native import NativeEngine
+from resilient.runtime.steps import StepLoop
+from resilient.runtime.wiring import Setup
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Engine(Protocol):
+    """What an engine is to the decorator: configured with a :class:`Setup`, it runs the
+    function once per generation, handing it the step loop (``ctx``'s runtime side)."""
+
+    name: str
+
+    def run(self, fn: Callable[[StepLoop], Any]) -> Any: ...
+
+
+def engine_for(setup: Setup) -> Engine:
+    """The engine ``engine:`` names (``resilient``: the native one; ``nvrx``: NVRx's Wrapper)."""
+    if setup.cfg.engine == "nvrx":
+        from resilient.runtime.nvrx import NvrxEngine
+
+        return NvrxEngine(setup)
+    return NativeEngine(setup)
+
 
 _current: Context | None = None
 
@@ -76,17 +95,11 @@ def wrap(
             global _current
             excepthook_exit_codes()
             active = [*hooks, *hooks_mod.discover()]
-            rt: NativeEngine | NvrxEngine
-            if cfg.engine == "nvrx":
-                from resilient.runtime.nvrx import NvrxEngine
+            rt = engine_for(Setup.of(cfg, checks, hooks=active))
 
-                rt = NvrxEngine(cfg, checks, hooks=active)
-            else:
-                rt = NativeEngine(cfg, checks, hooks=active)
-
-            def entry() -> Any:
+            def entry(loop: StepLoop) -> Any:
                 global _current
-                ctx = Context(rt)  # (either engine: the same surface)
+                ctx = Context(loop)  # (either engine: the same surface)
                 _current = ctx
                 return f(*args, ctx=ctx, **kwargs) if wants_ctx else f(*args, **kwargs)
 

@@ -24,7 +24,7 @@ class _Seq:
 @pytest.fixture
 def seq(monkeypatch: pytest.MonkeyPatch) -> _Seq:
     s = _Seq()
-    monkeypatch.setattr(fingerprint, "_seq", lambda: s.value)
+    monkeypatch.setattr(fingerprint, "issued_on_default_group", lambda: s.value)
     return s
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from resilient.errors import CoordinationError, PeerAborted, SetupFailed, StateRestoreError
+from resilient.runtime.agreement import plan_step
 from resilient.runtime.coordinator import Coordinator, Endpoint, agree_run_id, endpoint_from_env
-from resilient.runtime.core import plan_step
 from resilient.runtime.faults import FaultRecord
 
 NS = "resilient/run1/a0"

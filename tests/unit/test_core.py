@@ -22,10 +22,13 @@ from resilient.errors import FaultRepeats, HealthCheckFailed, StateRestoreError
 from resilient.events import EventLog, read_events
 from resilient.launch_env import LaunchEnv
 from resilient.runtime import collective_check as fingerprint
-from resilient.runtime.core import EngineCore, Wiring, common_restore_step
+from resilient.runtime.agreement import common_restore_step
+from resilient.runtime.context import Context
 from resilient.runtime.health import CheckResult, HealthInput
 from resilient.runtime.hooks import Hook, RunInfo
 from resilient.runtime.native import NativeEngine
+from resilient.runtime.steps import StepLoop
+from resilient.runtime.wiring import Setup, Wiring
 
 STEPS = 12
 
@@ -51,7 +54,7 @@ class Fakes:
         self.groups: list[str] = []
         self.tmp = tmp
 
-    def wiring(self, core: EngineCore) -> Wiring:
+    def wiring(self, setup: Setup) -> Wiring:
         def build(generation: int, namespace: str) -> Any:
             self.groups.append(f"build g{generation} {namespace}")
             return FakeGroup(generation, self.groups)
@@ -60,7 +63,7 @@ class Fakes:
             store=self.store,
             side_store=lambda _timeout: self.store,
             run_id="unit",
-            events=EventLog(self.tmp / "unit" / "events.jsonl", core.rank),
+            events=EventLog(self.tmp / "unit" / "events.jsonl", setup.rank),
             build_group=build,
         )
 
@@ -74,16 +77,19 @@ def _cfg(**overrides: Any) -> Config:
     return load_config(None, **{**base, **overrides})
 
 
-def _train(rt: NativeEngine, fault_at: Callable[[int, int], bool]) -> Callable[[], dict[str, torch.Tensor]]:
+def _train(
+    rt: NativeEngine, fault_at: Callable[[int, int], bool]
+) -> Callable[[StepLoop], dict[str, torch.Tensor]]:
     """A model with dropout and an optimizer; ``fault_at(generation, step)`` raises in that step."""
 
-    def fn() -> dict[str, torch.Tensor]:
+    def fn(loop: StepLoop) -> dict[str, torch.Tensor]:
+        ctx = Context(loop)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        rt.track({"model": model, "opt": opt})
-        for step in rt.steps(STEPS):
-            if fault_at(rt.generation, step):
+        ctx.track(model=model, opt=opt)
+        for step in ctx.steps(STEPS):
+            if fault_at(ctx.generation, step):
                 raise ValueError(f"boom at step {step}")
             loss = model(torch.randn(4, 8)).pow(2).mean()
             opt.zero_grad()
@@ -95,7 +101,7 @@ def _train(rt: NativeEngine, fault_at: Callable[[int, int], bool]) -> Callable[[
 
 
 def _runtime(fakes: Fakes, cfg: Config | None = None, **kw: Any) -> NativeEngine:
-    return NativeEngine(cfg or _cfg(), launch=LaunchEnv.from_environ({}), wiring=fakes.wiring, **kw)
+    return NativeEngine(Setup.of(cfg or _cfg(), launch=LaunchEnv.from_environ({}), **kw), wiring=fakes.wiring)
 
 
 def test_an_exception_is_recovered_in_process_and_ends_bit_exact(tmp_path: Path) -> None:
@@ -106,7 +112,7 @@ def test_an_exception_is_recovered_in_process_and_ends_bit_exact(tmp_path: Path)
     got = rt.run(_train(rt, lambda g, s: g == 0 and s == 7))
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
-    assert rt.generation == 1
+    assert fakes.events("run_finished")[0]["generation"] == 1
     (fault,) = fakes.events("fault_detected")
     assert fault["kind"] == "exception" and fault["origin_step"] == 7
     (restored,) = fakes.events("state_restored")
@@ -140,8 +146,7 @@ def test_a_failed_health_check_tells_the_agent_and_is_raised_typed(tmp_path: Pat
     def disk_gone(inp: HealthInput) -> CheckResult:
         return CheckResult("scratch_disk", False, "0 MB", "the node's scratch disk vanished")
 
-    rt = NativeEngine(_cfg(), [disk_gone], launch=launch, wiring=fakes.wiring)
-    rt.heartbeat = None
+    rt = NativeEngine(Setup.of(_cfg(), [disk_gone], launch=launch), wiring=fakes.wiring)
     with pytest.raises(HealthCheckFailed, match="scratch_disk"):
         rt.run(_train(rt, lambda g, s: s == 3))
     verdict = json.loads((hb / "rank00000.unhealthy").read_text())
@@ -215,11 +220,12 @@ def test_a_restart_that_tracks_fewer_objects_is_refused_by_name(tmp_path: Path) 
     fakes = Fakes(tmp_path)
     rt = _runtime(fakes)
 
-    def fn() -> None:
+    def fn(loop: StepLoop) -> None:
+        ctx = Context(loop)
         model = torch.nn.Linear(2, 2)
-        rt.track({"model": model} if rt.generation else {"model": model, "ema": torch.nn.Linear(2, 2)})
-        for step in rt.steps(6):
-            if rt.generation == 0 and step == 2:
+        ctx.track(**({"model": model} if ctx.generation else {"model": model, "ema": torch.nn.Linear(2, 2)}))
+        for step in ctx.steps(6):
+            if ctx.generation == 0 and step == 2:
                 raise ValueError("boom")
 
     with pytest.raises(StateRestoreError, match="ema"):
@@ -245,24 +251,27 @@ def test_a_rank_holding_no_snapshot_failed_before_its_first_step() -> None:
         common_restore_step([[], [0]], culprit)
 
 
-def _epochs_train(rt: NativeEngine, fault_at: Callable[[int, int], bool]) -> Callable[[], dict[str, Any]]:
+def _epochs_train(
+    rt: NativeEngine, fault_at: Callable[[int, int], bool]
+) -> Callable[[StepLoop], dict[str, Any]]:
     """A tutorial epoch loop: a shuffled DataLoader, dropout, and end-of-epoch code that uses the
     epoch's last loss and steps a per-epoch scheduler."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    def fn() -> dict[str, Any]:
+    def fn(loop: StepLoop) -> dict[str, Any]:
+        ctx = Context(loop)
         torch.manual_seed(0)
         data = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
         loader = DataLoader(data, batch_size=4, shuffle=True)  # 4 batches a pass: steps 0-3, 4-7, 8-11
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        rt.track({"model": model, "opt": opt, "sched": sched, "loader": loader})
+        ctx.track(model=model, opt=opt, sched=sched, loader=loader)
         ends = []
-        for epoch in rt.epochs(3):
-            for x, y in rt.steps_over(loader):
-                if fault_at(rt.generation, rt.step):
-                    raise ValueError(f"boom at step {rt.step}")
+        for epoch in ctx.epochs(3):
+            for x, y in ctx.steps(loader):
+                if fault_at(ctx.generation, ctx.step):
+                    raise ValueError(f"boom at step {ctx.step}")
                 loss = (model(x) - y).pow(2).mean()
                 opt.zero_grad()
                 loss.backward()

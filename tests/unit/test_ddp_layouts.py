@@ -64,16 +64,14 @@ def test_a_bad_layout_file_is_ignored(tmp_path: Path) -> None:
 
 def _all_hold(values: list[str]) -> list[bool]:
     import threading
-    from types import SimpleNamespace
 
-    from resilient.runtime.core import EngineCore
+    from resilient.runtime.agreement import all_hold
 
     store = dist.HashStore()
     out: list[bool] = [False] * len(values)
 
     def rank(r: int) -> None:
-        me = SimpleNamespace(ns="job/a0", store=store, world_size=len(values))
-        out[r] = EngineCore._all_hold(me, "ddp_layout/g0", values[r], 30.0)  # type: ignore[arg-type]
+        out[r] = all_hold(store, "job/a0/ddp_layout/g0", len(values), values[r], 30.0)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(values))]
     for t in threads:

@@ -132,7 +132,7 @@ def test_an_abort_releases_the_nodes_waiting_ranks(job: dist.Store) -> None:
 @pytest.fixture
 def seq(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     value = [0]
-    monkeypatch.setattr(fingerprint, "_seq", lambda: value[0])
+    monkeypatch.setattr(fingerprint, "issued_on_default_group", lambda: value[0])
     yield value
 
 

@@ -29,8 +29,10 @@ def test_bad_engine_names_the_field() -> None:
 
 
 def test_durable_checkpoints_under_nvrx_are_refused_with_the_reason(tmp_path, monkeypatch) -> None:
+    from resilient.launch_env import LaunchEnv
     from resilient.runtime.nvrx import NvrxEngine
+    from resilient.runtime.wiring import Setup
 
     cfg = load_config(None, engine="nvrx", checkpoint={"dir": tmp_path})
     with pytest.raises(ConfigError, match="engine: nvrx does not write durable checkpoints"):
-        NvrxEngine(cfg)
+        NvrxEngine(Setup.of(cfg, launch=LaunchEnv.from_environ({})))

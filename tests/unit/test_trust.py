@@ -435,8 +435,8 @@ def test_a_malformed_barrier_payload_fails_every_rank_alike_naming_it() -> None:
     import torch.distributed as dist
 
     from resilient.errors import CoordinationError
+    from resilient.runtime.agreement import plan_step
     from resilient.runtime.coordinator import restore_plan
-    from resilient.runtime.core import plan_step
     from tests.unit.test_coordinator import Concurrently, ranks
 
     c = ranks(3, store=dist.HashStore())

@@ -1,0 +1,82 @@
+"""What the ranks agree on, reduced once from every rank's payload: the step a recovery restores
+(the newest snapshot step every rank holds), the outcome of a vote, whether every rank holds the
+same value. Pure functions of the payloads, plus :func:`all_hold`, the flat count on the store
+that needs no barrier (the runtime's start-up check, before the coordinator exists)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from resilient.errors import CoordinationError, SetupFailed, StateRestoreError
+from resilient.runtime.faults import FaultRecord
+
+
+def restore_plan(payloads: list[str]) -> str:
+    """The recovery barrier's reduction: the newest snapshot step every rank holds (``step``),
+    the ranks that hold none (``empty``), and every rank's steps only when there is no common one
+    (the error names them)."""
+    held: list[list[int]] = []
+    malformed = []
+    for r, p in enumerate(payloads):
+        try:
+            steps = json.loads(p)
+        except (ValueError, RecursionError):
+            steps = None
+        if not isinstance(steps, list) or any(type(s) is not int or s < 0 for s in steps):
+            malformed.append(r)  # (a peer's garbage: named, and no step is trusted from it)
+            steps = []
+        held.append(steps)
+    if malformed:
+        return json.dumps({"step": None, "empty": [], "malformed": malformed})
+    empty = [r for r, s in enumerate(held) if not s]
+    common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
+    plan: dict[str, Any] = {"step": max(common) if common else None, "empty": empty}
+    if not common and not empty:
+        plan["held"] = held
+    return json.dumps(plan)
+
+
+REDUCE: dict[str, Callable[[list[str]], str]] = {
+    "any": lambda vs: "1" if any(v == "1" for v in vs) else "0",
+    "all": lambda vs: "1" if all(v == "1" for v in vs) else "0",
+    "first": lambda vs: vs[0],  # rank 0's
+    "same": lambda vs: "1" if len(set(vs)) <= 1 else "0",
+}
+
+
+def plan_step(plan: dict[str, Any], primary: FaultRecord | None = None) -> int:
+    """The step of a recovery barrier's :func:`restore_plan`, or the error every rank raises alike."""
+    if plan.get("malformed"):
+        raise CoordinationError(
+            f"ranks {plan['malformed']} posted malformed snapshot lists to the recovery barrier"
+        )
+    empty = plan["empty"]
+    if empty:  # (a peer pulled out before its own first step holds none either: the fault names who)
+        if primary is not None and primary.rank in empty:
+            raise SetupFailed(f"rank {primary.rank} failed before the first step: {primary.message}", empty)
+        raise SetupFailed(f"ranks {empty} hold no snapshot: they failed before the first step", empty)
+    if plan["step"] is None:
+        raise StateRestoreError(f"no snapshot step held by every rank: {plan.get('held')}")
+    return int(plan["step"])
+
+
+def common_restore_step(steps_by_rank: Sequence[Sequence[int]], primary: FaultRecord | None = None) -> int:
+    """The newest snapshot step every rank holds. A rank holding none failed before its first
+    step: :class:`SetupFailed`, naming it (and the fault, when it is that rank's)."""
+    return plan_step(json.loads(restore_plan([json.dumps(list(s)) for s in steps_by_rank])), primary)
+
+
+def all_hold(store: dist.Store, base: str, world_size: int, value: str, timeout: float) -> bool:
+    """Whether every rank holds ``value``: each counts itself under its value, then under the
+    arrivals; the last to arrive releases the others. A few store calls per rank at any size."""
+    mine = f"{base}/v/{value or '-'}"
+    store.add(mine, 1)  # before the arrival: once all arrived, every count is final
+    if store.add(f"{base}/n", 1) == world_size:
+        store.set(f"{base}/done", "1")
+    store.wait([f"{base}/done"], timedelta(seconds=timeout))
+    return store.add(mine, 0) == world_size

@@ -1,0 +1,180 @@
+"""Fault detection for the native engine: how a rank learns that its step must end.
+
+Three ways, all ending alike for the main thread (the generation's group is aborted so a blocked
+collective fails now, here and on the peers; the main thread is interrupted with a signal whose
+handler raises :class:`~resilient.errors.StepInterrupted`):
+
+- a peer's fault: the listener thread hears it from the store the moment it is posted;
+- a hang of this rank (or a wait for a peer that never comes): the monitor thread sees no step
+  completed for ``hang_timeout``, diagnoses it (a collective a neighbour never issued is a
+  desync), posts it and reports every thread's stack;
+- a hang that holds the GIL, which no thread can reach: the ``SIGALRM`` timer the step loop
+  re-arms at every step kills the process, for the launcher.
+
+:class:`Detection` owns those threads and the interrupter, and answers the monitor
+(:class:`~resilient.runtime.watchdog.Watched`). The engine tells it which generation may be
+interrupted (``running``); the step loop tells it where the step is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from resilient.runtime.coordinator import Coordinator
+from resilient.runtime.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.session import Session
+from resilient.runtime.stacks import all_stacks, main_thread_where
+from resilient.runtime.steps import StepLoop
+from resilient.runtime.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
+
+
+class Detection:
+    """See the module docstring. ``running()``: the generation whose step may be interrupted now
+    (None while recovering or finishing); ``busy()``: the main thread waits on purpose (a save in
+    flight), which is progress, not a hang."""
+
+    def __init__(
+        self,
+        session: Session,
+        coord: Coordinator,
+        loop: StepLoop,
+        hard_timer: HardHangTimer,
+        *,
+        running: Callable[[], int | None],
+        busy: Callable[[], bool],
+        monitor_store: dist.Store,
+        listener_store: dist.Store,
+    ) -> None:
+        self.session = session
+        self.t = session.t
+        self.coord = coord
+        self.loop = loop
+        self.hard_timer = hard_timer
+        self._running = running
+        self._busy = busy
+        self.monitor_store = monitor_store
+        self.listener_store = listener_store
+        # constructed without side effects; start() installs and starts them
+        self.interrupter = MainThreadInterrupter(session.cfg.interrupt_signal, self._interruptible)
+        self.monitor = Monitor(self, self.t)
+        self.listener = FaultListener(self._wait_for_fault, self._on_listened_fault)
+        self._remote: dict[int, FaultRecord] = {}
+        self._remote_handled: set[int] = set()
+        self._remote_lock = threading.Lock()
+        self._last_nudge = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def install(self, stack: contextlib.ExitStack) -> None:
+        """The signal handlers (main thread only); ``stack`` undoes them."""
+        self.interrupter.install()
+        stack.callback(self.interrupter.uninstall)
+        self.hard_timer.install()
+        stack.callback(self.hard_timer.uninstall)
+
+    def start(self, stack: contextlib.ExitStack) -> None:
+        """The monitor and listener threads; ``stack`` stops them."""
+        self.monitor.start()
+        stack.callback(self.monitor.stop)
+        self.listener.start()
+        stack.callback(self.listener.stop)
+
+    def release(self) -> None:
+        """Our threads must be finished before the interpreter finalizes: a daemon thread that
+        returns from a store call during finalization is unwound through C++ frames and the
+        process aborts ("terminate called without an active exception"). A listener still blocked
+        on this generation's fault key is released with the closing sentinel (a no-op if a fault
+        was posted; peers of a finished generation have closed it already)."""
+        if self.listener.is_alive():
+            with contextlib.suppress(Exception):
+                self.coord.close_generation(self.session.generation)
+
+    def watch(self, generation: int) -> None:
+        """``generation`` runs: listen for its faults."""
+        self.listener.watch(generation)
+
+    def heard(self, generation: int) -> FaultRecord | None:
+        """The fault of ``generation`` the listener heard, if any (no store traffic)."""
+        return self._remote.get(generation)
+
+    # -- the listener's ---------------------------------------------------------------------------------
+    def _wait_for_fault(self, generation: int) -> FaultRecord | None:
+        return self.coord.wait_fault(generation, self.listener_store)
+
+    def _on_listened_fault(self, generation: int, fault: object) -> None:
+        assert isinstance(fault, FaultRecord)
+        self._remote[generation] = fault
+        if fault.rank != self.session.rank and self._interruptible(generation):
+            self.on_remote_fault(generation, fault)
+
+    def _interruptible(self, generation: int) -> bool:
+        return self._running() == generation
+
+    # -- the monitor's (watchdog.Watched) ----------------------------------------------------------------
+    def running_generation(self) -> int | None:
+        return self._running()
+
+    def last_progress(self) -> tuple[float, bool]:
+        gen = self.loop.gen
+        if self._busy():  # waiting for the previous checkpoint's commit is progress, not a hang
+            return time.monotonic(), gen.stepped
+        return gen.progress, gen.stepped
+
+    def remote_fault(self, generation: int) -> FaultRecord | None:
+        f = self._remote.get(generation)  # what the listener heard: no store traffic here
+        return f if f is not None and f.rank != self.session.rank else None
+
+    def on_remote_fault(self, generation: int, fault: object) -> None:
+        assert isinstance(fault, FaultRecord)
+        with self._remote_lock:  # the listener and the monitor may both report it
+            if generation in self._remote_handled:
+                return
+            self._remote_handled.add(generation)
+        self._abort_group(generation)
+        self.interrupter.interrupt(
+            generation, f"peer: rank {fault.rank} faulted at step {fault.step}: {fault.signature}"
+        )
+
+    def main_thread_where(self) -> tuple[str, bool]:
+        return main_thread_where()
+
+    def on_hang(self, generation: int, idle_s: float) -> None:
+        where, _ = self.main_thread_where()
+        gen = self.loop.gen
+        limit = self.t.hang if gen.stepped else self.t.startup
+        msg = f"no step progress for {idle_s:.2f}s (limit {limit:g}s); main thread at {where}"
+        kind, sig = FaultKind.HANG, "hang: no step progress"
+        count = gen.count
+        desync = count.diagnose(self.monitor_store) if count is not None else None
+        if desync is not None:  # waiting in a collective a neighbour finished the step without
+            kind, msg = FaultKind.DESYNC, f"{desync} ({msg})"
+            sig = "desync: ranks issued different collectives in a step"
+        rec = FaultRecord(
+            rank=self.session.rank,
+            generation=generation,
+            step=self.loop.step,
+            kind=kind.value,
+            severity=Severity.SOFT.value,
+            signature=sig,
+            message=msg,
+            latency_s=idle_s,
+        )
+        self.coord.post_fault(rec, store=self.monitor_store)
+        self.session.fault_report(rec, stacks=all_stacks())  # (before the interrupt moves the main thread)
+        self._abort_group(generation)
+        self.interrupter.interrupt(generation, f"{kind.value}: {msg}")
+
+    def nudge(self, generation: int) -> None:
+        now = time.monotonic()
+        if now - self._last_nudge > 0.5:
+            self._last_nudge = now
+            self.interrupter.resend(generation)
+
+    def _abort_group(self, generation: int) -> None:
+        group = self.loop.gen.group  # the main thread may drop it concurrently
+        if group is not None and group.generation == generation:
+            group.abort()

@@ -1,0 +1,85 @@
+"""What one generation holds: the state an entry of the training function lives in.
+
+A generation is one life of the process group: built on its own store prefix, entered by the
+training function once, ended by a fault or by the function's return. Everything that belongs to
+that life is in :class:`Generation` and goes with it: the group, the objects the function tracked
+in it, its collective count, the restore it resumes from, where ``ctx.epochs`` and ``ctx.steps``
+are. The next generation starts with a fresh one; what outlives generations (the snapshot ring,
+the schedule, the event log) belongs to the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient.runtime.collective_check import CollectiveCount
+from resilient.runtime.pg import Group
+from resilient.state import Registry
+
+
+@dataclass
+class PendingRestore:
+    """The agreed snapshot, loaded into each object as the re-entered function tracks it."""
+
+    step: int
+    state: dict[str, Any]
+    owned: bool  # False: its tensors are views of a mapped snapshot, copied as they are loaded
+    fault_step: int | None  # the step the fault interrupted (steps re-run: fault_step - step)
+    fault_ts: float | None  # when it was detected (the resume events' since_fault_s)
+    loaded: set[str] = field(default_factory=set)  # the names tracked (and loaded) so far
+
+
+class EpochPosition:
+    """``ctx.epochs``' position, kept with the tracked state: the epoch, and whether its last batch
+    was stepped (a snapshot at an epoch's end resumes at the next epoch, not in an empty pass of
+    this one, whose end-of-epoch code would run twice)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.done = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "done": self.done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.done = bool(state.get("done", False))  # (snapshots from before the flag: not done)
+
+
+class Generation:
+    """One generation's state (see the module docstring). ``progress``: the clock when the last
+    step completed (or the generation began), which the hang monitor compares with its limit."""
+
+    def __init__(
+        self,
+        number: int,
+        group: Group | None,
+        count: CollectiveCount | None,
+        restore: PendingRestore | None,
+        now: float,
+        restored_step: int | None = None,
+    ) -> None:
+        self.number = number
+        self.group = group
+        self.count = count  # collective counts per check window (None: the check is off)
+        self.registry = Registry()
+        self.restore = restore
+        # the step this entry resumed at: an in-process restore's, or what a (re)started
+        # process restored from shared memory, a peer or a checkpoint
+        self.restored_step = restore.step if restore is not None else restored_step
+        self.resume_pending = restore is not None  # the first step after the restore: an event
+        self.fault_ts = restore.fault_ts if restore is not None else None
+        self.begun = False  # the entry's first ctx.steps / ctx.epochs began its steps
+        self.epochs: EpochPosition | None = None
+        self.deferred: int | None = None  # an epoch's last step, completed when the epoch ends
+        self.next_step = 0
+        self.progress = now
+        self.stepped = False  # a step completed in this generation (hang limit: startup before)
+
+    def resume_from(self, restore: PendingRestore) -> None:
+        """A restore agreed once the group was built (``engine: nvrx`` agrees over the group)."""
+        self.restore = restore
+        self.restored_step = restore.step
+        self.resume_pending = True
+        self.fault_ts = restore.fault_ts

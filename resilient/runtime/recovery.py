@@ -1,0 +1,185 @@
+"""What every rank does between a failed generation and the next (the native engine's RECOVERING
+phase): the fault posted and reported, the group aborted, the restart policy's verdict, the health
+checks, the newest snapshot step every rank holds agreed on, and the restore prepared for the next
+generation. Also the two ways into a recovery that are not a fault of this process's: a
+replacement joining its dead predecessor's survivors, and a preemption (a final checkpoint, then
+the requeue exit)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+
+from loguru import logger
+
+from resilient.errors import (
+    HardFault,
+    Preempted,
+    RestartBudgetExhausted,
+    SetupFailed,
+    StateRestoreError,
+    StepInterrupted,
+)
+from resilient.events import Event
+from resilient.runtime.agreement import plan_step
+from resilient.runtime.coordinator import Coordinator
+from resilient.runtime.detection import Detection
+from resilient.runtime.exits import raised_as_itself
+from resilient.runtime.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.generation import PendingRestore
+from resilient.runtime.keeping import Mirrors
+from resilient.runtime.policy import RestartPolicy
+from resilient.runtime.steps import StepLoop
+
+
+class Recovery:
+    """See the module docstring; ``recover`` and ``join_survivors`` return the restore the next
+    generation resumes from, or raise what ends the run (typed)."""
+
+    def __init__(
+        self,
+        loop: StepLoop,
+        coord: Coordinator,
+        keeper: Mirrors,
+        detection: Detection,
+        policy: RestartPolicy,
+    ) -> None:
+        self.session = loop.session
+        self.t = loop.session.t
+        self.loop = loop
+        self.coord = coord
+        self.keeper = keeper
+        self.detection = detection
+        self.hard_timer = detection.hard_timer
+        self.policy = policy
+
+    def recover(self, exc: BaseException | None) -> PendingRestore:
+        s, loop = self.session, self.loop
+        gen, step = s.generation, loop.step
+        fault_ts = time.time()
+        rec: FaultRecord | None = None
+        if exc is not None:
+            rec = FaultRecord.from_exception(exc, rank=s.rank, generation=gen, step=step)
+            tb = "".join(traceback.format_exception(exc))
+            # The traceback pins the failed generation's frames, and through them its model, DDP
+            # reducer and process group, in a reference cycle. Left to a random GC pass (or to
+            # interpreter exit, where gloo's destructors abort the process), they must go now.
+            traceback.clear_frames(exc.__traceback__)
+            # (a fault this rank already heard of is not asked of the job's store again)
+            primary = self.coord.post_fault(rec, known=self.detection.remote_fault(gen))
+            if primary.rank == s.rank and primary.kind == rec.kind:  # this rank's own fault
+                s.fault_report(rec, tb=tb)
+        else:  # we had returned; a peer faulted before everyone finished
+            found = self.detection.heard(gen) or self.coord.primary_fault(gen)
+            if found is None:
+                raise HardFault(f"generation {gen} released without a fault record")
+            primary = found
+        s.fault_detected(gen, step, primary, rec.message if rec else "finished; a peer faulted")
+        t0 = time.time()
+        n = 0
+        group = loop.gen.group
+        if group is not None:  # (None: this generation's group was never built)
+            n = group.abort()
+            group.destroy()
+            loop.gen.group = None
+        s.events.emit(
+            Event.GROUP_ABORTED, generation=gen, step=step, connections=n, duration_s=time.time() - t0
+        )
+        if rec is not None and rec.severity == Severity.HARD.value:
+            self.coord.abort_generation(gen, f"hard fault: {rec.signature}")
+            raise HardFault(f"rank {s.rank} cannot recover in-process: {rec.message}") from exc
+        if primary.kind == FaultKind.PREEMPT.value:
+            self._preempt(gen, primary)
+        self.hard_timer.arm(self.t.barrier + 10.0)
+        try:
+            delay = self.policy.admit(primary)
+        except RestartBudgetExhausted as e:
+            try:  # diagnosis only
+                seen = "; ".join(f"rank {o['rank']}: {o['message']}" for o in self.coord.observations(gen))
+            except Exception as store_gone:
+                seen = f"unavailable ({type(store_gone).__name__}: {store_gone})"
+            logger.error("rank {}: giving up: {} (last fault as each rank saw it: {})", s.rank, e, seen)
+            # every rank reaches the same verdict from the same agreed faults, some later than
+            # others: the store's host must not leave while a slower peer still posts its fault
+            self._depart(gen)
+            raise
+        self.check_health(gen, step)
+        if delay > 0:
+            time.sleep(delay)
+        persist = self.keeper.persist
+        if persist is not None:
+            # a write still in flight would make this rank alone wait at its next save, a wait its
+            # peers see as a hang: finish it here, where the recovery barrier holds them
+            self.hard_timer.arm(s.cfg.checkpoint.commit_timeout_s + self.t.barrier + 10.0)
+            persist.settle(gen, step)
+        loop.settle_before_restore()
+        own: BaseException | None = None
+        try:
+            restore = self._agree_restore_step(gen, primary)
+        except SetupFailed as e:
+            self._depart(gen)
+            if exc is None or s.rank not in e.ranks or isinstance(exc, StepInterrupted):
+                raise  # (a rank pulled out by the culprit: the error names it)
+            s.events.emit(Event.RUN_FAILED, generation=gen, step=step, error=str(e))
+            own = exc
+        except StateRestoreError as e:
+            if not s.launch.under_launcher:
+                raise
+            # (a replacement whose predecessor's snapshots no survivor holds any more): the whole
+            # group restarts, and resumes from shared memory or the checkpoint
+            self._depart(gen)
+            raise HardFault(f"rank {s.rank}: {e}; the launcher restarts the group") from e
+        if own is not None:  # raised outside the handler: the user's exception keeps its own chain
+            raise raised_as_itself(own, s.rank)
+        pending = loop.prepare_restore(gen, restore, step, fault_ts, self.coord.same)
+        if persist is not None:  # a rank the fault interrupted before its save must not differ
+            persist.rebase(restore)
+        s.generation = gen + 1
+        return pending
+
+    def _agree_restore_step(self, gen: int, primary: FaultRecord | None = None) -> int:
+        return plan_step(self.coord.recovery_barrier(gen, self.keeper.held_steps()), primary)
+
+    def check_health(self, gen: int, step: int | None) -> None:
+        node = self.coord.node  # the store this rank uses: its round trip is timed
+        store = node.store if node is not None and not node.leader else self.session.store
+        self.session.check_health(gen, step, store, self._tell_peers)
+
+    def _tell_peers(self, gen: int, reason: str) -> None:
+        """This rank cannot go on in generation ``gen``: its peers' barriers are released."""
+        try:
+            self.coord.abort_generation(gen, reason)
+        except Exception as e:  # the store's host (rank 0) may have exited first, failing its own
+            logger.warning(f"rank {self.session.rank}: could not tell the peers (store unreachable: {e})")
+
+    def join_survivors(self, gen: int) -> PendingRestore:
+        """A replacement for a dead rank (started by ``resilient launch`` with the dead rank's
+        identity): its survivors are in generation ``gen``'s recovery, waiting for this rank. It
+        offers the snapshots its predecessor left in this node's shared memory, agrees on the
+        step to resume with them, and enters generation ``gen + 1`` as they do."""
+        s = self.session
+        s.generation = gen
+        if s.heartbeat is not None:
+            s.heartbeat.generation = gen
+        self.keeper.adopt_predecessor()
+        return self.recover(StepInterrupted(f"peer: rank {s.rank} replaced, joins generation {gen}"))
+
+    def _preempt(self, gen: int, primary: FaultRecord) -> None:
+        """Every rank left its step: save the newest state all ranks hold, then exit for requeue."""
+        self.loop.settle_before_restore()
+        step = self._agree_restore_step(gen)
+        persist = self.keeper.persist
+        if persist is None:
+            self._depart(gen)
+            raise Preempted(f"preempted ({primary.message}); no checkpoint.dir, nothing saved", step)
+        self.hard_timer.arm(self.session.cfg.checkpoint.commit_timeout_s + self.t.barrier)
+        persist.final(step, self.loop.ring.materialize(step), gen)
+        self._depart(gen)
+        raise Preempted(f"preempted ({primary.message}); final checkpoint at step {step} committed", step)
+
+    def _depart(self, gen: int) -> None:
+        """Every rank leaves after this generation's last barrier: the store's host last, or it
+        resets its peers' connections while they still read."""
+        with contextlib.suppress(Exception):
+            self.coord.depart(gen, self.session.launch.endpoint.hosts_store)

@@ -1,0 +1,403 @@
+"""The step loop: what ``ctx.track``, ``ctx.steps`` and ``ctx.epochs`` do, the same under both
+engines.
+
+Each step begins (the heartbeat, the hooks, the collective count's window) and completes (the
+liveness signal, the collective check where state is kept, the in-memory snapshot when the
+schedule says so, the events). The state of the generation being run is a
+:class:`~resilient.runtime.generation.Generation`; what outlives generations (the snapshot ring,
+the cost) is here.
+
+The engines differ in a step at one seam, a :class:`Keeper`: where the state goes besides the
+ring, and how a process's first entry starts (the native engine resumes what a previous process
+left in shared memory, a peer or a checkpoint, and mirrors snapshots there; ``engine: nvrx``
+keeps the ring alone, :class:`RingOnly`). The engine's liveness signal (re-arming the native
+engine's hard-hang timer, pinging NVRx's progress watchdog) is ``liveness``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sized
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from loguru import logger
+
+from resilient.errors import CollectiveDesync, StateRestoreError
+from resilient.events import Event
+from resilient.runtime.buckets import AllSame, DdpBuckets
+from resilient.runtime.collective_check import CollectiveCount, NodeLinkHolder
+from resilient.runtime.generation import EpochPosition, Generation, PendingRestore
+from resilient.runtime.session import Session
+from resilient.state import SnapshotRing
+from resilient.state.loader import finish_pass
+from resilient.state.registry import EPOCHS, RNG, restore_rng
+
+
+class Keeper(Protocol):
+    """Where an engine keeps state besides the in-memory ring (see the module docstring)."""
+
+    def first_step(self, gen: Generation, total: int | None, fresh: bool) -> tuple[int, bool]:
+        """The step a ``ctx.steps`` with nothing to restore starts at, its state kept; and whether
+        it was restored (``fresh``: the process's first entry, which may resume a predecessor)."""
+        ...
+
+    def due(self, nxt: int, total: int | None) -> bool:
+        """Whether the state after ``nxt`` completed steps is kept somewhere besides the ring."""
+        ...
+
+    def keep(self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None,
+             step_s: float | None) -> None:  # fmt: skip
+        """After each step (``state``: what was captured for the ring, if anything was)."""
+        ...
+
+    def materialize(self, step: int) -> tuple[dict[str, Any], bool]:
+        """A fresh copy of the state of ``step``, and whether its tensors are its own (False:
+        views of a mapped snapshot, copied as each object loads them)."""
+        ...
+
+
+class RingOnly:
+    """The keeper of an engine that keeps its snapshots in the ring alone."""
+
+    def __init__(self, ring: SnapshotRing) -> None:
+        self.ring = ring
+
+    def first_step(self, gen: Generation, total: int | None, fresh: bool) -> tuple[int, bool]:
+        self.ring.capture(0, gen.registry.capture())
+        return 0, False
+
+    def due(self, nxt: int, total: int | None) -> bool:
+        return False
+
+    def keep(self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None,
+             step_s: float | None) -> None:  # fmt: skip
+        return None
+
+    def materialize(self, step: int) -> tuple[dict[str, Any], bool]:
+        return self.ring.materialize(step), True
+
+
+@dataclass
+class Cost:
+    """What the runtime costs the main thread in steady state (reported in ``run_finished``)."""
+
+    steps: int = 0
+    snapshots: int = 0
+    hook_s: float = 0.0  # time in the per-step hook: progress, timer, snapshot copy
+
+
+class StepLoop:
+    """``ctx``'s runtime side (see the module docstring). ``count_via``: the coordinator whose
+    node link the collective count posts through, if any."""
+
+    def __init__(
+        self,
+        session: Session,
+        keeper: Keeper,
+        ring: SnapshotRing,
+        *,
+        liveness: Callable[[int], None] = lambda step: None,
+        count_via: NodeLinkHolder | None = None,
+    ) -> None:
+        self.session = session
+        self.keeper = keeper
+        self.ring = ring
+        self.liveness = liveness
+        self.count_via = count_via
+        self.buckets = DdpBuckets(session.run_dir)
+        self.gen = Generation(0, None, None, None, session.clock())  # (none built yet)
+        self.step: int | None = None  # the step being run; across generations, the one a fault hit
+        self.cost = Cost()
+        self._progress_at: tuple[float, int] | None = None  # (clock, steps) of the last progress event
+
+    # -- what Context reads ----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.session.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.session.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.session.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.session.device
+
+    @property
+    def run_dir(self) -> Path:
+        return self.session.run_dir
+
+    @property
+    def generation(self) -> int:
+        return self.session.generation
+
+    @property
+    def restored_step(self) -> int | None:
+        return self.gen.restored_step
+
+    # -- a generation ------------------------------------------------------------------------------------
+    def start(self, *, joining: bool) -> None:
+        """Before the first generation: DDP's layouts from a previous process (agreed at start
+        unless this process replaces one rank: ``joining``), then the hooks' ``on_start``."""
+        self.buckets.load()
+        if not joining:
+            t = self.session.t
+            self.buckets.agree_at_start(self.session.all_hold, t.startup + t.barrier)
+        self.session.start_hooks()
+
+    def begin_generation(self, number: int, restore: PendingRestore | None) -> Generation:
+        """Build generation ``number``'s group; the function's next entry tracks its objects
+        afresh (and loads ``restore`` into them). A group that fails to build changes nothing."""
+        s = self.session
+        group = s.wiring.build_group(number, s.ns)
+        if s.heartbeat is not None:  # the generation a replacement for this rank would join
+            s.heartbeat.generation = number
+        count = None
+        if s.cfg.collective_check:
+            count = CollectiveCount(s.store, f"{s.ns}/g{number}/fp", s.rank, s.world_size, self.count_via)
+        self.gen = Generation(number, group, count, restore, s.clock())
+        return self.gen
+
+    def prepare_restore(
+        self, generation: int, step: int, fault_step: int | None, fault_ts: float | None, all_same: AllSame
+    ) -> PendingRestore:
+        """The agreed ``step``'s snapshot, to be loaded into each object as the function tracks
+        it in the next generation (``generation``: the one that ended)."""
+        self.buckets.at_recovery(
+            self.gen.registry.objects(), generation, step, all_same, self.session.t.barrier
+        )
+        state, owned = self.keeper.materialize(step)
+        self.ring.drop_after(step)
+        return PendingRestore(step, state, owned, fault_step, fault_ts)
+
+    def close(self) -> None:
+        self.buckets.release()
+        group, self.gen.group = self.gen.group, None
+        if group is not None:
+            group.destroy(abort=False)
+
+    # -- what Context calls -------------------------------------------------------------------------------
+    def track(self, objects: dict[str, Any]) -> None:
+        gen = self.gen
+        for name, obj in objects.items():
+            gen.registry.add(name, obj)
+            r = gen.restore
+            if r is not None:
+                if name not in r.state:
+                    raise StateRestoreError(
+                        f"{name!r} is tracked now but was not in the snapshot of step {r.step} "
+                        f"(snapshot holds {sorted(k for k in r.state if k != RNG)})"
+                    )
+                gen.registry.load(name, r.state[name], owned=r.owned)
+                r.loaded.add(name)
+
+    def epochs(self, total: int) -> Iterator[int]:
+        """Epoch numbers up to ``total``, resuming at the epoch of the restored step. Begins the
+        run (a relaunched worker restores here), so an epoch loop's body sees its state."""
+        progress = EpochPosition()
+        self.track({EPOCHS: progress})
+        self.gen.epochs = progress
+        self._ensure_begun()
+        if progress.done:  # restored at an epoch's end: the tracked loaders' next pass is a new one
+            for obj in self.gen.registry.objects():
+                finish_pass(obj)
+        for epoch in range(progress.epoch + progress.done, total):
+            progress.epoch, progress.done = epoch, False
+            yield epoch
+            last, self.gen.deferred = self.gen.deferred, None
+            if last is not None:  # the epoch's own code ran: its last step is complete now
+                progress.done = True
+                self._complete(last, None)
+        progress.epoch, progress.done = total, False
+
+    def steps_over(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Each item of ``batches`` is one step; the step count runs on across calls (epochs)."""
+        step = self._ensure_begun()
+        n = len(batches) if isinstance(batches, Sized) else None  # (a DataLoader: batches per pass)
+        pos = getattr(batches, "_resilient_pos", None)  # a tracked loader counts skipped batches too
+        for i, item in enumerate(batches):
+            self._step_begins(step)
+            yield item
+            if self.gen.epochs is not None and n is not None and (pos.consumed if pos else i + 1) >= n:
+                # an epoch's last batch: its step completes (and may be kept) once the code after
+                # the batch loop ran too (ctx.epochs resumes), so that code is never lost to a
+                # restore nor run twice
+                self.gen.deferred = step
+            else:
+                self._complete(step, None)
+            step += 1
+            self.gen.next_step = step
+
+    def steps(self, total: int) -> Iterator[int]:
+        start = self._begin_steps(total)
+        for step in range(start, total):
+            self._step_begins(step)
+            yield step
+            self._complete(step, total)
+
+    # -- a step ------------------------------------------------------------------------------------------
+    def _ensure_begun(self) -> int:
+        """The next step to run; the first call of a generation begins it (restore or step 0)."""
+        gen = self.gen
+        if not gen.begun:
+            gen.next_step = self._begin_steps(None)
+            gen.begun = True
+        return gen.next_step
+
+    def _begin_steps(self, total: int | None) -> int:
+        self.buckets.release()  # (every tracked DDP is built by now)
+        gen = self.gen
+        if gen.restore is None:
+            fresh = self.session.generation == 0 and self.step is None
+            start, restored = self.keeper.first_step(gen, total, fresh)
+            if restored:
+                gen.restored_step = start
+            return start
+        return self._resume_restored(gen.restore)
+
+    def _resume_restored(self, r: PendingRestore) -> int:
+        """At ``ctx.steps`` after a restart: every object of the snapshot was tracked again and
+        loaded; the RNGs are restored last, and the step to resume at is returned."""
+        missing = [n for n in r.state if n != RNG and n not in r.loaded]
+        if missing:
+            raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
+        restore_rng(r.state[RNG])
+        self.session.events.emit(
+            Event.STATE_RESTORED,
+            generation=self.session.generation,
+            step=r.step,
+            objects=sorted(r.loaded),
+            steps_rerun=(r.fault_step if r.fault_step is not None else r.step) - r.step,
+            since_fault_s=time.time() - (r.fault_ts or time.time()),
+            snapshot_interval=self.session.schedule.interval,
+        )
+        self.gen.restore = None
+        self.step = r.step
+        return r.step
+
+    def _step_begins(self, step: int) -> None:
+        self.step = step
+        gen, hooks = self.gen, self.session.hooks
+        gen.registry.step_begins()
+        if self.session.heartbeat is not None:  # the step a hard fault hits, exactly, for the agent
+            self.session.heartbeat.beat(step)
+        if gen.count is not None:
+            gen.count.begin(step)
+        if hooks:
+            objects = gen.registry.objects()
+            for h in hooks:
+                h.before_step(step, objects)
+
+    def _complete(self, step: int, total: int | None) -> None:
+        s, gen = self.session, self.gen
+        now = s.clock()
+        step_s = now - gen.progress if gen.stepped else None
+        gen.progress, gen.stepped = now, True
+        self.liveness(step)
+        nxt = step + 1
+        capture_s = None
+        state: dict[str, Any] | None = None
+        count = gen.count
+        if count is not None and count.pending is not None:  # the last kept snapshot, verified now
+            self._verified(count.settle, False)
+        ring_due = s.schedule.due(nxt, total)
+        leaves = self.keeper.due(nxt, total) or nxt == total  # (the last: returned to the caller)
+        if ring_due or leaves:
+            if count is not None:  # every rank issued the same collectives, or nothing is kept
+                # state that leaves the process is verified first; the ring's, at the next step
+                self._verified(count.check if leaves else count.close_window, step)
+            state = gen.registry.capture()
+            self.buckets.observe(gen.registry.objects())
+            if ring_due:
+                self.ring.capture(nxt, state)
+                capture_s = s.clock() - now
+        s.schedule.observe(nxt, step_s, capture_s)
+        if s.cfg.events.steps:
+            s.events.emit(Event.STEP_COMPLETED, generation=s.generation, step=step, step_s=step_s, log=False)
+        for h in s.hooks:
+            h.after_step(s.generation, step, step_s)
+        self.keeper.keep(gen, nxt, total, state, step_s)
+        self.cost.steps += 1
+        self.cost.snapshots += capture_s is not None
+        self.cost.hook_s += s.clock() - now
+        self._progress_event(now, step)
+        if gen.resume_pending:
+            gen.resume_pending = False
+            s.events.emit(
+                Event.STEP_RESUMED,
+                generation=s.generation,
+                step=step,
+                since_fault_s=time.time() - (gen.fault_ts or time.time()),
+            )
+
+    def _progress_event(self, now: float, step: int) -> None:
+        last = self._progress_at
+        if last is not None and now - last[0] < self.session.cfg.events.progress_s:
+            return
+        cost = self.cost
+        self._progress_at = (now, cost.steps)
+        self.session.events.emit(
+            Event.PROGRESS, generation=self.session.generation, step=step, first=last is None,
+            steps_completed=cost.steps,
+            step_s=None if last is None else (now - last[0]) / max(1, cost.steps - last[1]),
+            runtime_ms_per_step=1e3 * cost.hook_s / cost.steps,
+            snapshot_interval=self.session.schedule.interval, log=False,
+        )  # fmt: skip
+
+    # -- the collective check's verdicts ---------------------------------------------------------------
+    def _verified(self, compare: Callable[[Any], Any], arg: Any) -> None:
+        """Run a comparison of collective counts; on a desync, the snapshot kept after the
+        window that differs is dropped before the fault is raised."""
+        try:
+            compare(arg)
+        except CollectiveDesync as e:
+            self.ring.drop_after(e.window_end)
+            raise
+
+    def settle_at_end(self) -> None:
+        """The function returned (perhaps leaving ``ctx.steps`` early): no unverified state may
+        stand as its result."""
+        count = self.gen.count
+        if count is not None and count.pending is not None:
+            self._verified(count.settle, True)
+
+    def settle_before_restore(self) -> None:
+        """A fault came while the newest snapshot was unverified: compare now if the neighbour's
+        count is there, else drop that snapshot (nothing proves it good)."""
+        count = self.gen.count
+        if count is None or count.pending is None:
+            return
+        end = count.pending
+        try:
+            if count.settle(block=False):
+                return
+        except CollectiveDesync:
+            pass
+        except Exception as e:  # the store may be what failed: no proof either way
+            logger.debug("rank {}: collective count not compared: {}", self.session.rank, e)
+        self.ring.drop_after(end)
+
+    # -- the end -----------------------------------------------------------------------------------------
+    def finished(self, **detail: Any) -> None:
+        """Every rank returned: the hooks see the final state, then ``run_finished``."""
+        s, registry = self.session, self.gen.registry
+        for h in s.hooks:
+            h.on_finish(lambda: {k: v for k, v in registry.capture().items() if k != RNG})
+        s.events.emit(
+            Event.RUN_FINISHED,
+            generation=s.generation,
+            step=self.step,
+            steps_completed=self.cost.steps,
+            snapshots=self.cost.snapshots,
+            snapshot_interval=s.schedule.interval,
+            runtime_ms_per_step=1e3 * self.cost.hook_s / max(1, self.cost.steps),
+            engine=s.engine,
+            **detail,
+        )

@@ -1,0 +1,104 @@
+"""The collaborators a run gets from outside: connections, the identity agreed with the peers,
+sinks, a clock. :func:`wire` builds the real ones from the launch contract; a test builds fakes
+(an in-memory store, a group builder that builds no group, a temporary event log)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from resilient.config import Config
+from resilient.contract import Heartbeat
+from resilient.events import EventLog
+from resilient.launch_env import LaunchEnv
+from resilient.runtime import coordinator as coord_mod
+from resilient.runtime.health import Check
+from resilient.runtime.hooks import StepHook
+from resilient.runtime.pg import Group, build_group, resolve_backend
+
+GroupBuilder = Callable[[int, str], Group]  # (generation, namespace) -> that generation's group
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What an engine is configured with, before anything is connected: the validated config,
+    the launch contract, the caller's hooks and health checks, the backend and device they imply."""
+
+    cfg: Config
+    launch: LaunchEnv
+    hooks: tuple[StepHook, ...] = ()
+    checks: tuple[Check, ...] = ()
+    backend: str = "gloo"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @classmethod
+    def of(
+        cls,
+        cfg: Config,
+        checks: Sequence[Check] = (),
+        *,
+        launch: LaunchEnv | None = None,
+        hooks: Sequence[StepHook] = (),
+    ) -> Setup:
+        launch = launch if launch is not None else LaunchEnv.from_environ()
+        backend = resolve_backend(cfg.backend)
+        local = launch.endpoint.local_rank
+        device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
+        return cls(cfg, launch, tuple(hooks), tuple(checks), backend, device)
+
+    @property
+    def rank(self) -> int:
+        return self.launch.endpoint.rank
+
+
+@dataclass
+class Wiring:
+    """The collaborators of one run: connections, identity agreed with the peers, sinks."""
+
+    store: dist.Store  # the main thread's connection to the job's store
+    side_store: Callable[[float], dist.Store]  # another connection (a thread's own), given a timeout
+    run_id: str
+    events: EventLog
+    build_group: GroupBuilder
+    heartbeat: Heartbeat | None = None
+    clock: Callable[[], float] = time.monotonic  # step progress; wall time stays time.time
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+
+
+WiringFactory = Callable[[Setup], Wiring]
+
+
+def wire(setup: Setup) -> Wiring:
+    """The real collaborators: the job's TCPStore (rank 0 hosts it without an agent store), the run
+    id agreed over it, the run's event log, groups built with the backend, the launcher's heartbeat."""
+    cfg, launch, backend, device = setup.cfg, setup.launch, setup.backend, setup.device
+    ep, t = launch.endpoint, cfg.timeouts
+    store = coord_mod.connect(ep, t.barrier)
+    run_id = launch.run_id or coord_mod.agree_run_id(store, {})
+    port = store.port
+
+    def group(generation: int, namespace: str) -> Group:
+        return build_group(
+            backend=backend,
+            store=store,
+            store_port=port,
+            rank=ep.rank,
+            world_size=ep.world_size,
+            generation=generation,
+            timeout=t.collective,
+            device_id=device if backend == "nccl" else None,
+            namespace=namespace,
+        )
+
+    return Wiring(
+        store=store,
+        side_store=lambda timeout: coord_mod.client(ep.host, port, timeout),
+        run_id=run_id,
+        events=EventLog(cfg.events.dir / run_id / "events.jsonl", ep.rank, attempt=launch.attempt),
+        build_group=group,
+        heartbeat=Heartbeat.for_worker(launch),
+    )
