@@ -92,7 +92,7 @@ class Death:
         """Where it died, for the repeat rule: ``step N``; before the first step the same exit code
         each time is the same failure (an import error, a bad argument), ``start-up (exit code N)``;
         None for a signal or 75 before the first step, which come from outside and may pass."""
-        if self.beat is not None and self.beat.step >= 0:
+        if self.stepping and self.beat is not None:
             return f"step {self.beat.step}"
         if self.exitcode > 0 and self.exitcode != int(ExitCode.HARD_FAULT):
             return f"start-up (exit code {self.exitcode})"
