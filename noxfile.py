@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
+import subprocess
 
 import nox
 
@@ -37,6 +40,29 @@ def tests(session: nox.Session) -> None:
         "--durations=12",  # (the suite's time budget: where it goes)
         *session.posargs,
         env=env,
+    )
+
+
+def _interpreter(version: str) -> str:
+    """``python<version>`` where it runs, else the interpreter pyenv installed for it (this
+    machine's pyenv puts shims on PATH that run only the versions it activated)."""
+    exe = shutil.which(f"python{version}")
+    if exe is not None and subprocess.run([exe, "--version"], capture_output=True).returncode == 0:
+        return exe
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    found = sorted(glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", f"python{version}")))
+    return found[-1] if found else f"python{version}"  # (nox then says it is missing)
+
+
+@nox.session(name="tests-3.10", python=_interpreter("3.10"))
+def tests_310(session: nox.Session) -> None:
+    """The unit tests on the oldest Python pyproject declares (3.10). PyPI's only Linux torch is the
+    CUDA build (~4.6 GB installed; the CPU wheel of the pin is for 3.11): a few minutes to install,
+    so CI does not run it; run it before a release and after touching typing or stdlib APIs."""
+    session.install(TORCH)
+    session.install("-e", ".[dev,chaos]")
+    session.run(
+        "pytest", "tests/unit", "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1"}
     )
 
 

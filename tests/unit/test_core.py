@@ -297,3 +297,34 @@ def test_a_restore_at_an_epochs_end_resumes_at_the_next_epoch_bit_exact(tmp_path
     assert got["lr"] == ref["lr"]
     for k in ref["model"]:
         assert torch.equal(ref["model"][k], got["model"][k]), k
+
+
+def test_a_restarted_process_knows_the_step_it_restored(tmp_path: Path) -> None:
+    # a process started again (here: a second run on the same checkpoint directory) restores the
+    # newest checkpoint at its first ctx.steps; ctx.restored_step says which step that was
+    cfg = _cfg(checkpoint={"dir": str(tmp_path / "ck"), "interval": 4})
+    seen: list[tuple[int | None, int | None]] = []
+
+    def fn(loop: StepLoop) -> None:
+        ctx = Context(loop)
+        ctx.track(model=torch.nn.Linear(2, 2))
+        before = ctx.restored_step
+        for _ in ctx.steps(10):
+            pass
+        seen.append((before, ctx.restored_step))
+
+    _runtime(Fakes(tmp_path / "first"), cfg).run(fn)
+    _runtime(Fakes(tmp_path / "second"), cfg).run(fn)
+    assert seen == [(None, None), (None, 10)]  # (the last step is always checkpointed)
+
+
+def test_an_evicted_shared_memory_snapshot_is_a_typed_restore_error(tmp_path: Path) -> None:
+    from resilient.checkpoint.shm import ShmSnapshot
+    from resilient.runtime.keeping import shm_state
+
+    shm = ShmSnapshot("unit-evicted", 0, base=tmp_path)
+    try:
+        with pytest.raises(StateRestoreError, match="the snapshot of step 5 is gone"):
+            shm_state(shm, 5)
+    finally:
+        shm.unlink()
