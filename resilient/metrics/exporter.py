@@ -18,7 +18,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,8 @@ from loguru import logger
 
 from resilient.contract import read_beats
 from resilient.events import LogTail
-from resilient.metrics.accounting import CAUSES, OTHER, Accounting, account
+from resilient.metrics.accounting import CAUSES, OTHER
+from resilient.metrics.model import Model, build_model
 
 __all__ = ["Exporter", "LogTail", "Model", "RunMetrics", "build_model"]
 
@@ -34,84 +34,6 @@ DETECT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RECOVER_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 BLOCK_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 DURABLE_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
-
-
-@dataclass
-class Model:
-    """What one refresh computed from the log."""
-
-    accounting: Accounting | None = None
-    run_id: str = ""
-    state: str = "starting"  # starting | running | recovering | finished | failed
-    generation: int = 0
-    steps: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (step, ts)
-    step_s: dict[int, float] = field(default_factory=dict)
-    runtime_s_per_step: dict[int, float] = field(default_factory=dict)
-    checkpoints: dict[str, int] = field(default_factory=dict)  # saved / failed / rejected
-    block_s: list[float] = field(default_factory=list)
-    durable_s: list[float] = field(default_factory=list)
-    checkpoint_bytes: int = 0
-    budget: dict[str, float] = field(default_factory=dict)  # scope -> restarts left
-    info: dict[str, str] = field(default_factory=dict)  # engine, backend, world size
-
-
-def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = None) -> Model:
-    m = Model(run_id=run_id)
-    acc = account(events, now=now if not _ended(events) else None)
-    m.accounting = acc
-    max_restarts, window = None, None
-    for e in events:
-        ev, r = e.get("event"), e.get("rank", -1)
-        if isinstance(r, int) and r >= 0:
-            m.generation = max(m.generation, int(e.get("generation") or 0))
-        if ev in ("progress", "step_completed", "step_resumed") and isinstance(r, int) and r >= 0:
-            if isinstance(e.get("step"), int):
-                m.steps[r] = (e["step"], e["ts"])
-            if ev == "progress":
-                if e.get("step_s") is not None:
-                    m.step_s[r] = float(e["step_s"])
-                if e.get("runtime_ms_per_step") is not None:
-                    m.runtime_s_per_step[r] = float(e["runtime_ms_per_step"]) / 1e3
-            elif ev == "step_completed" and e.get("step_s") is not None:
-                m.step_s[r] = float(e["step_s"])
-        elif ev == "checkpoint_saved" and not e.get("final"):
-            m.checkpoints["saved"] = m.checkpoints.get("saved", 0) + 1
-            if e.get("block_s") is not None:
-                m.block_s.append(float(e["block_s"]))
-        elif ev == "checkpoint_durable":
-            m.durable_s.append(float(e.get("write_s") or 0.0))
-            m.checkpoint_bytes = int(e.get("nbytes") or 0)
-        elif ev == "checkpoint_failed":
-            m.checkpoints["failed"] = m.checkpoints.get("failed", 0) + 1
-        elif ev == "checkpoint_rejected":
-            m.checkpoints["rejected"] = m.checkpoints.get("rejected", 0) + 1
-        elif ev == "run_started":
-            max_restarts, window = e.get("max_restarts"), e.get("restart_window_s")
-            m.info = {k: str(e.get(k)) for k in ("engine", "backend", "world_size")}
-        elif ev in ("workers_started", "rank_replaced") and e.get("restarts_left") is not None:
-            m.budget["launcher"] = float(e["restarts_left"])
-    incidents = acc.incidents
-    if max_restarts is not None:
-        t = acc.end
-        recent = [
-            i for i in incidents if i.mode == "in_process" and (window is None or t - i.start <= window)
-        ]
-        m.budget["in_process"] = float(max(0, int(max_restarts) - len(recent)))
-    failed_at = max((e["ts"] for e in events if e.get("event") == "run_failed"), default=None)
-    stepped_at = max((ts for _s, ts in m.steps.values()), default=0.0)
-    if failed_at is not None and failed_at >= stepped_at:  # (a rank that gave up, and no step since)
-        m.state = "failed"
-    elif _ended(events):
-        m.state = "finished"
-    elif incidents and incidents[-1].end is None:
-        m.state = "recovering"
-    elif m.steps:
-        m.state = "running"
-    return m
-
-
-def _ended(events: list[dict[str, Any]]) -> bool:
-    return any(e.get("event") in ("run_finished", "run_preempted") for e in events)
 
 
 class RunMetrics:

@@ -148,7 +148,7 @@ def status_table(events: list[dict[str, Any]], beats: dict[int, tuple[float, int
     from rich.table import Table
     from rich.text import Text
 
-    from resilient.metrics.exporter import build_model
+    from resilient.metrics.model import build_model
 
     m = build_model(events, "", now=time.time())
     acc = m.accounting
