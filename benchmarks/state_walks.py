@@ -7,20 +7,28 @@ tensors, the case where a walk's own Python overhead weighs the most against the
 
 Two walks that only name each leaf by its path, one written by hand (as every walk was before
 ``resilient.state.tree``) and one through ``tree.map_with_path``, give the utility's own cost.
-Run it once per version of the code and compare the medians (the import path decides which
-``resilient`` is measured, e.g. ``PYTHONPATH=/tmp/before`` for an exported older tree; the
-walk-only cases then need ``--no-tree``):
+
+``--against OLD/resilient/state/snapshot.py`` (e.g. from ``git archive <rev> resilient``) times
+this ``SnapshotRing.capture`` against that one in one process instead: four rings, two of each,
+in a shuffled order every call, CPU time of the thread, so that neither a busy neighbour nor
+memory placement favours one side. Passing this tree's own ``snapshot.py`` is the control (it
+shows the method's noise).
 
     OMP_NUM_THREADS=1 python benchmarks/state_walks.py [--layers 12] [--repeat 200] [--rounds 5]
+    OMP_NUM_THREADS=1 python benchmarks/state_walks.py --against /tmp/old/resilient/state/snapshot.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +38,7 @@ import resilient
 from resilient.checkpoint.codec import encode
 from resilient.state import Registry, SnapshotRing
 from resilient.state.dtensor import holds_dtensors, to_portable
+from resilient.state.snapshot import Frozen
 
 
 def make_state(layers: int, width: int) -> tuple[Registry, int]:
@@ -80,10 +89,7 @@ def by_hand(tree: Any) -> Any:
 def through_tree(tree: Any) -> Any:
     from resilient.state.tree import map_with_path
 
-    def leaf(obj: Any, path: str) -> Any:
-        return path if isinstance(obj, torch.Tensor) else obj
-
-    return map_with_path(leaf, tree, leaf_types=torch.Tensor)
+    return map_with_path(lambda obj, path: obj, tree, typed=(torch.Tensor, lambda obj, path: path))
 
 
 def median_ms(fn: Callable[[], Any], repeat: int) -> float:
@@ -96,6 +102,40 @@ def median_ms(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def against(path: Path, state: dict[str, Any], calls: int) -> dict[str, Any]:
+    """``SnapshotRing.capture`` here vs the one in ``path``, interleaved (see the module's doc)."""
+    spec = importlib.util.spec_from_file_location("snapshot_against", path)
+    assert spec is not None and spec.loader is not None
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other  # (its dataclasses look their module up)
+    spec.loader.exec_module(other)
+    # the RNG leaves wrapped in the other module's Frozen, so that it keeps them by reference too
+    theirs = {k: {n: other.Frozen(v.value) if isinstance(v, Frozen) else v for n, v in s.items()}
+              if k == "__rng__" else s for k, s in state.items()}  # fmt: skip
+    rings = [("against", other.SnapshotRing(), theirs), ("this", SnapshotRing(), state)]
+    rings += [(name, type(ring)(), st) for name, ring, st in reversed(rings)]
+    step = iter(range(1 << 30))
+    rng = random.Random(0)
+    times: dict[str, list[float]] = {"against": [], "this": []}
+    for i in range(calls + 20):
+        got = dict.fromkeys(times, 0.0)
+        for name, ring, st in rng.sample(rings, len(rings)):
+            t0 = time.thread_time()
+            ring.capture(next(step), st)
+            got[name] += (time.thread_time() - t0) / 2
+        if i >= 20:  # (the first calls allocate the buffers)
+            for name in times:
+                times[name].append(got[name])
+    diff = [a - b for a, b in zip(times["this"], times["against"], strict=True)]
+    med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+    return {
+        "against": str(path),
+        "capture_cpu_ms": {name: round(v, 4) for name, v in med.items()},
+        "paired_diff_us": round(statistics.median(diff) * 1e6, 1),
+        "paired_diff_pct": round(statistics.median(diff) * 1e3 / med["against"] * 100, 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -103,8 +143,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=200, help="timed calls per measurement (median)")
     ap.add_argument("--rounds", type=int, default=5, help="measurements (the median of their medians)")
     ap.add_argument("--no-tree", action="store_true", help="skip the walk through resilient.state.tree")
+    ap.add_argument("--against", type=Path, help="another version's resilient/state/snapshot.py")
+    ap.add_argument("--calls", type=int, default=800, help="--against: interleaved calls")
     args = ap.parse_args()
     reg, leaves = make_state(args.layers, args.width)
+    if args.against is not None:
+        result = against(args.against, reg.capture(), args.calls)
+        print(json.dumps({"tensor_leaves": leaves, **result}, indent=1))
+        return
     ring = SnapshotRing()
     state = reg.capture()
     step = iter(range(1 << 30))

@@ -107,20 +107,21 @@ def encode(tree: Any) -> tuple[Any, list[Leaf]]:
     leaves: list[Leaf] = []
 
     def node(obj: Any, path: str) -> Any:
-        return map_with_path(leaf, obj, path, leaf_types=torch.Tensor, wrap=tag)
+        return map_with_path(leaf, obj, path, typed=(torch.Tensor, tensor), wrap=tag)
+
+    def tensor(obj: torch.Tensor, path: str) -> Any:
+        if obj.is_sparse or obj.is_quantized or obj.is_nested:
+            raise CheckpointError(f"cannot checkpoint {path or '/'}: sparse/quantized/nested tensor")
+        if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            raise CheckpointError(
+                f"cannot checkpoint {path or '/'}: {type(obj).__name__} (sharded tensors go through "
+                "resilient.checkpoint.sharded)"
+            )
+        dtype_name(obj.dtype)
+        leaves.append(Leaf(path, obj.detach()))
+        return {"T": len(leaves) - 1}
 
     def leaf(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.is_sparse or obj.is_quantized or obj.is_nested:
-                raise CheckpointError(f"cannot checkpoint {path or '/'}: sparse/quantized/nested tensor")
-            if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
-                raise CheckpointError(
-                    f"cannot checkpoint {path or '/'}: {type(obj).__name__} (sharded tensors go through "
-                    "resilient.checkpoint.sharded)"
-                )
-            dtype_name(obj.dtype)
-            leaves.append(Leaf(path, obj.detach()))
-            return {"T": len(leaves) - 1}
         if obj is None or isinstance(obj, bool | int | float | str):
             return obj
         if isinstance(obj, Frozen):

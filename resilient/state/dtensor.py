@@ -75,7 +75,7 @@ def to_portable(tree: Any) -> Any:
     if dt is None:
         return tree
 
-    def portable(obj: Any) -> Any:
+    def portable(obj: torch.Tensor) -> Any:
         if not isinstance(obj, dt):
             return obj
         spec = {
@@ -86,7 +86,15 @@ def to_portable(tree: Any) -> Any:
         }
         return {MARK: spec, "local": obj.to_local()}
 
-    return map_leaves(portable, tree, leaf_types=torch.Tensor)
+    return map_leaves(_same, tree, typed=(torch.Tensor, portable))
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
+def _no(obj: Any) -> bool:
+    return False
 
 
 def _is_portable(obj: Any) -> bool:
@@ -95,7 +103,7 @@ def _is_portable(obj: Any) -> bool:
 
 def holds_dtensors(tree: Any) -> bool:
     """Whether ``tree`` (a portable state) has any DTensor leaf."""
-    return any_leaf(_is_portable, tree, leaf_types=torch.Tensor, stop=_is_portable)
+    return any_leaf(_is_portable, tree, typed=(torch.Tensor, _no), stop=_is_portable)
 
 
 def _key(layout: dict[str, Any]) -> tuple[Any, ...]:

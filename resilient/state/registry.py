@@ -161,11 +161,15 @@ class Registry:
 
 
 def _owned_copy(obj: Any) -> Any:
-    return map_leaves(_clone, obj, leaf_types=torch.Tensor)
+    return map_leaves(_same, obj, typed=(torch.Tensor, _clone))
 
 
-def _clone(obj: Any) -> Any:
-    return obj.clone() if isinstance(obj, torch.Tensor) else obj
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
+
+
+def _same(obj: Any) -> Any:
+    return obj
 
 
 def _into_optimizer_state(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:

@@ -79,28 +79,29 @@ class SnapshotRing:
         cuda_copies = False
         at = ""  # the leaf being copied, for the error
 
-        def copy_leaf(obj: Any, path: str) -> Any:
+        def copy_tensor(obj: torch.Tensor, path: str) -> _Ref:
             nonlocal cuda_copies, at
             at = path
-            if isinstance(obj, torch.Tensor):
-                src = obj.detach()
-                buf = slot.buffers.get(path)
-                if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                    old = slot.buffers.get(path)
-                    if old is not None:
-                        self.nbytes -= old.numel() * old.element_size()
-                    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-                    slot.buffers[path] = buf
-                    self.nbytes += buf.numel() * buf.element_size()  # counted on allocation only
-                buf.copy_(src, non_blocking=src.is_cuda)
-                cuda_copies |= src.is_cuda
-                return _Ref(path, str(src.device), obj.requires_grad)
-            if isinstance(obj, Frozen):
-                return obj
-            return copy.deepcopy(obj)
+            src = obj.detach()
+            buf = slot.buffers.get(path)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                old = slot.buffers.get(path)
+                if old is not None:
+                    self.nbytes -= old.numel() * old.element_size()
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+                slot.buffers[path] = buf
+                self.nbytes += buf.numel() * buf.element_size()  # counted on allocation only
+            buf.copy_(src, non_blocking=src.is_cuda)
+            cuda_copies |= src.is_cuda
+            return _Ref(path, str(src.device), obj.requires_grad)
+
+        def copy_other(obj: Any, path: str) -> Any:
+            nonlocal at
+            at = path
+            return obj if isinstance(obj, Frozen) else copy.deepcopy(obj)
 
         try:
-            slot.tree = map_with_path(copy_leaf, state, leaf_types=torch.Tensor)
+            slot.tree = map_with_path(copy_other, state, typed=(torch.Tensor, copy_tensor))
         except Exception as e:
             name, _, leaf = at.lstrip("/").partition("/")
             raise SnapshotError(
@@ -127,15 +128,14 @@ class SnapshotRing:
             except Exception as e:
                 raise StateRestoreError(f"adopted snapshot of step {step} does not load: {e}") from e
 
-        def restore_leaf(obj: Any) -> Any:
-            if isinstance(obj, _Ref):
-                t = slot.buffers[obj.path].to(obj.device, copy=True)
-                return t.requires_grad_(obj.requires_grad) if t.is_floating_point() else t
-            if isinstance(obj, Frozen):
-                return obj.value
-            return copy.deepcopy(obj)
+        def restore_tensor(ref: _Ref) -> torch.Tensor:
+            t = slot.buffers[ref.path].to(ref.device, copy=True)
+            return t.requires_grad_(ref.requires_grad) if t.is_floating_point() else t
 
-        return dict(map_leaves(restore_leaf, slot.tree, leaf_types=_Ref))
+        def restore_other(obj: Any) -> Any:
+            return obj.value if isinstance(obj, Frozen) else copy.deepcopy(obj)
+
+        return dict(map_leaves(restore_other, slot.tree, typed=(_Ref, restore_tensor)))
 
     def drop_after(self, step: int) -> None:
         """Invalidate snapshots newer than ``step`` (after restoring an older one)."""

@@ -9,9 +9,8 @@ named by it, so its spelling is part of the saved format.
 
 The walks run on the training step's hot path (every snapshot copies each tensor leaf through
 one), so they are written for speed: one closure each, the path built only where asked for, and
-``leaf_types`` (e.g. ``torch.Tensor``, most of a state's leaves) handed to the leaf function
-straight from the parent's loop, which makes a walk as fast as one written by hand
-(``benchmarks/state_walks.py``).
+``typed=(torch.Tensor, copy)`` sends the leaves most of a state is made of to their own function
+straight from the parent's loop, tested once (``benchmarks/state_walks.py``).
 """
 
 from __future__ import annotations
@@ -24,34 +23,37 @@ PathLeafFn = Callable[[Any, str], Any]
 Stop = Callable[[Any], bool]
 # (the original container, its rebuilt self with mapped children, its path) -> what stands for it
 Wrap = Callable[[Any, Any, str], Any]
-LeafTypes = type | tuple[type, ...]
+Types = type | tuple[type, ...]
 
 
 def is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def map_leaves(fn: LeafFn, tree: Any, *, leaf_types: LeafTypes = (), stop: Stop | None = None) -> Any:
+def map_leaves(
+    fn: LeafFn, tree: Any, *, typed: tuple[Types, LeafFn] | None = None, stop: Stop | None = None
+) -> Any:
     """``tree`` rebuilt with each leaf replaced by ``fn(leaf)``.
 
-    ``leaf_types``: types that are never containers, passed to ``fn`` without a container test (a
-    speed hint only). ``stop(node)`` True makes that node a leaf, handed whole to ``fn`` (e.g. a
-    dict that stands for one value).
+    ``typed=(types, typed_fn)``: leaves of those types (never containers) go to ``typed_fn``
+    instead, straight from their parent's loop, so neither the walk nor ``fn`` tests them: the
+    fast path for a state's tensors. ``stop(node)`` True makes that node a leaf, handed whole to
+    ``fn`` (e.g. a dict that stands for one value).
     """
-    lt = leaf_types
+    lt, tfn = typed if typed is not None else ((), fn)
 
     def walk(obj: Any) -> Any:
         if stop is not None and stop(obj):
             return fn(obj)
         if isinstance(obj, dict):
-            return {k: fn(v) if isinstance(v, lt) else walk(v) for k, v in obj.items()}
+            return {k: tfn(v) if isinstance(v, lt) else walk(v) for k, v in obj.items()}
         if isinstance(obj, list):
-            return [fn(v) if isinstance(v, lt) else walk(v) for v in obj]
+            return [tfn(v) if isinstance(v, lt) else walk(v) for v in obj]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple([fn(v) if isinstance(v, lt) else walk(v) for v in obj])
+            return tuple([tfn(v) if isinstance(v, lt) else walk(v) for v in obj])
         return fn(obj)
 
-    return fn(tree) if isinstance(tree, lt) else walk(tree)
+    return tfn(tree) if isinstance(tree, lt) else walk(tree)
 
 
 def map_with_path(
@@ -59,16 +61,16 @@ def map_with_path(
     tree: Any,
     path: str = "",
     *,
-    leaf_types: LeafTypes = (),
+    typed: tuple[Types, PathLeafFn] | None = None,
     stop: Stop | None = None,
     wrap: Wrap | None = None,
 ) -> Any:
     """``tree`` rebuilt with each leaf replaced by ``fn(leaf, its path)``, paths under ``path``.
 
-    ``leaf_types`` and ``stop`` as in :func:`map_leaves`. ``wrap`` turns each rebuilt container
-    into what stands for it (the checkpoint codec tags them), once its children are mapped.
+    ``typed`` and ``stop`` as in :func:`map_leaves`. ``wrap`` turns each rebuilt container into
+    what stands for it (the checkpoint codec tags them), once its children are mapped.
     """
-    lt = leaf_types
+    lt, tfn = typed if typed is not None else ((), fn)
 
     def walk(obj: Any, path: str) -> Any:
         if stop is not None and stop(obj):
@@ -76,18 +78,18 @@ def map_with_path(
         out: Any
         if isinstance(obj, dict):
             out = {
-                k: fn(v, f"{path}/{k}") if isinstance(v, lt) else walk(v, f"{path}/{k}")
+                k: tfn(v, f"{path}/{k}") if isinstance(v, lt) else walk(v, f"{path}/{k}")
                 for k, v in obj.items()
             }
         elif isinstance(obj, list):
             out = [
-                fn(v, f"{path}/{i}") if isinstance(v, lt) else walk(v, f"{path}/{i}")
+                tfn(v, f"{path}/{i}") if isinstance(v, lt) else walk(v, f"{path}/{i}")
                 for i, v in enumerate(obj)
             ]
         elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             out = tuple(
                 [
-                    fn(v, f"{path}/{i}") if isinstance(v, lt) else walk(v, f"{path}/{i}")
+                    tfn(v, f"{path}/{i}") if isinstance(v, lt) else walk(v, f"{path}/{i}")
                     for i, v in enumerate(obj)
                 ]
             )
@@ -95,15 +97,19 @@ def map_with_path(
             return fn(obj, path)
         return out if wrap is None else wrap(obj, out, path)
 
-    return fn(tree, path) if isinstance(tree, lt) else walk(tree, path)
+    return tfn(tree, path) if isinstance(tree, lt) else walk(tree, path)
 
 
 def any_leaf(
-    pred: Callable[[Any], bool], tree: Any, *, leaf_types: LeafTypes = (), stop: Stop | None = None
+    pred: Callable[[Any], bool],
+    tree: Any,
+    *,
+    typed: tuple[Types, Callable[[Any], bool]] | None = None,
+    stop: Stop | None = None,
 ) -> bool:
-    """Whether ``pred`` holds for some leaf of ``tree`` (``leaf_types`` and ``stop`` as in
+    """Whether ``pred`` holds for some leaf of ``tree`` (``typed`` and ``stop`` as in
     :func:`map_leaves`), looking no further than the first one that does."""
-    lt = leaf_types
+    lt, tpred = typed if typed is not None else ((), pred)
 
     def walk(obj: Any) -> bool:
         if stop is not None and stop(obj):
@@ -114,6 +120,6 @@ def any_leaf(
             children = obj
         else:
             return pred(obj)
-        return any(pred(v) if isinstance(v, lt) else walk(v) for v in children)
+        return any(tpred(v) if isinstance(v, lt) else walk(v) for v in children)
 
-    return pred(tree) if isinstance(tree, lt) else walk(tree)
+    return tpred(tree) if isinstance(tree, lt) else walk(tree)

@@ -50,13 +50,18 @@ def test_paths_join_keys_and_indices_with_slashes() -> None:
     assert map_with_path(lambda x, p: p, 3) == ""  # a bare leaf is the root
 
 
-def test_leaf_types_change_nothing_but_speed() -> None:
+def test_typed_leaves_go_to_their_own_function_and_the_rest_to_fn() -> None:
     tree = {"t": torch.zeros(1), "l": [torch.ones(2), {"u": torch.ones(3)}], "s": 1}
-    plain = map_with_path(lambda x, p: p, tree)
-    hinted = map_with_path(lambda x, p: p, tree, leaf_types=torch.Tensor)
-    assert plain == hinted == {"t": "/t", "l": ["/l/0", {"u": "/l/1/u"}], "s": "/s"}
-    assert map_leaves(type, tree, leaf_types=torch.Tensor) == map_leaves(type, tree)
-    assert map_leaves(lambda x: "leaf", torch.zeros(1), leaf_types=torch.Tensor) == "leaf"
+    typed = (torch.Tensor, lambda x, p: ("typed", p))
+    out = map_with_path(lambda x, p: ("fn", p), tree, typed=typed)
+    assert out == {
+        "t": ("typed", "/t"),
+        "l": [("typed", "/l/0"), {"u": ("typed", "/l/1/u")}],
+        "s": ("fn", "/s"),
+    }
+    assert map_with_path(lambda x, p: "fn", torch.zeros(1), "/r", typed=typed) == ("typed", "/r")
+    assert map_leaves(type, tree, typed=(torch.Tensor, type)) == map_leaves(type, tree)
+    assert map_leaves(lambda x: "fn", torch.zeros(1), typed=(torch.Tensor, lambda x: "typed")) == "typed"
 
 
 def test_stop_hands_a_container_whole_to_the_leaf_function() -> None:
@@ -88,7 +93,8 @@ def test_any_leaf_stops_at_the_first_match() -> None:
     assert any_leaf(pred, [1, [2, 3], 4])
     assert visited == [1, 2]
     assert not any_leaf(lambda x: False, {"a": [1, (2,)]})
-    assert any_leaf(lambda x: isinstance(x, torch.Tensor), [1, torch.ones(1)], leaf_types=torch.Tensor)
+    assert any_leaf(lambda x: False, [1, torch.ones(1)], typed=(torch.Tensor, lambda x: True))
+    assert not any_leaf(lambda x: True, [torch.ones(1)], typed=(torch.Tensor, lambda x: False))
 
 
 def test_holds_dtensors_finds_a_portable_leaf_at_any_depth() -> None:
