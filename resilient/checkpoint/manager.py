@@ -325,8 +325,6 @@ class Checkpointer:
             return None
         return restore_from_tier(self.tier, self.root, self.rank, self.world_size, sharded)
 
-    _load_from_tier = load_from_tier  # (the name resilient/runtime/persist.py still calls)
-
     def committed(self) -> list[int]:
         return committed_steps(self.root)
 

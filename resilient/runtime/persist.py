@@ -59,19 +59,8 @@ class Persistence:
         # (name, payload, how) -> one value reduced from every rank's (coordinator.REDUCE): what a
         # vote needs, without every rank reading every payload
         self._agree = agree or (lambda name, payload, how: REDUCE[how](exchange(name, payload)))
-        self.ckpt = Checkpointer(
-            cfg.dir,
-            rank=rank,
-            world_size=world_size,
-            token=token,
-            keep=cfg.keep,
-            incremental=cfg.incremental,
-            on_busy=cfg.on_busy,
-            commit_timeout=cfg.commit_timeout_s,
-            persistent_url=cfg.persistent_url,
-            storage_options=dict(cfg.storage_options),
-            any_busy=self._any_busy,
-            writer=cfg.writer,
+        self.ckpt = Checkpointer.from_config(
+            cfg, rank=rank, world_size=world_size, token=token, any_busy=self._any_busy
         )
         self.next_save: int | None = cfg.interval if isinstance(cfg.interval, int) else 1
         self.failures = 0
@@ -160,7 +149,7 @@ class Persistence:
             if local_error is not None:
                 raise local_error
             return None
-        loaded = self.ckpt._load_from_tier(None)
+        loaded = self.ckpt.load_from_tier(None)
         steps = self._exchange("ckpt_tier_step", str(loaded.step if loaded is not None else -1))
         if len(set(steps)) == 1 and steps[0] != "-1":
             return loaded

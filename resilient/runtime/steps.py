@@ -32,7 +32,7 @@ from resilient.runtime.collective_check import CollectiveCount, NodeLinkHolder
 from resilient.runtime.generation import EpochPosition, Generation, PendingRestore
 from resilient.runtime.session import Session
 from resilient.state import SnapshotRing
-from resilient.state.loader import finish_pass
+from resilient.state.loader import batches_consumed, finish_pass
 from resilient.state.registry import EPOCHS, RNG, restore_rng
 
 
@@ -221,11 +221,11 @@ class StepLoop:
         """Each item of ``batches`` is one step; the step count runs on across calls (epochs)."""
         step = self._ensure_begun()
         n = len(batches) if isinstance(batches, Sized) else None  # (a DataLoader: batches per pass)
-        pos = getattr(batches, "_resilient_pos", None)  # a tracked loader counts skipped batches too
         for i, item in enumerate(batches):
             self._step_begins(step)
             yield item
-            if self.gen.epochs is not None and n is not None and (pos.consumed if pos else i + 1) >= n:
+            done = batches_consumed(batches)  # (a tracked loader counts skipped batches too)
+            if self.gen.epochs is not None and n is not None and (i + 1 if done is None else done) >= n:
                 # an epoch's last batch: its step completes (and may be kept) once the code after
                 # the batch loop ran too (ctx.epochs resumes), so that code is never lost to a
                 # restore nor run twice

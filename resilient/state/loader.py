@@ -138,6 +138,13 @@ class _Resumable:
         pos.pending = {"consumed": pos.consumed, "rng": pos.rng}
 
 
+def batches_consumed(loader: Any) -> int | None:
+    """How many batches the current pass of a tracked loader yielded, skipped ones of a restored
+    pass included (None for anything else: a plain iterable counts what it yields itself)."""
+    pos = getattr(loader, "_resilient_pos", None)
+    return pos.consumed if pos is not None else None
+
+
 def finish_pass(loader: Any) -> None:
     """A tracked loader restored after the last batch of a pass (``ctx.epochs`` knows): its next
     ``iter()`` begins a new pass, drawing from the restored RNG as the first run's did, instead of
