@@ -94,10 +94,19 @@ def clear_worker(directory: Path, local_rank: int) -> None:
 
 
 # ---- heartbeats -----------------------------------------------------------------------------------
+EXITING = -2  # the step of a worker's last beat once it left the runtime: it is on its way out
+
+
 class Beat(NamedTuple):
     age_s: float  # seconds since the last beat
-    step: int  # the step it beat at (-1: before the first)
+    step: int  # the step it beat at (-1: before the first; EXITING: the run is over for it)
     generation: int  # the worker's in-process generation then (a replacement joins it)
+
+    @property
+    def exiting(self) -> bool:
+        """The worker left the runtime and no longer beats: its silence is not a hang (its exit
+        is what the agent waits for), within the agent's start-up limit."""
+        return self.step == EXITING
 
 
 def die_with_launcher(launcher: int | None) -> None:
@@ -159,9 +168,12 @@ class Heartbeat:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop beating, the last beat saying so: what the process does after the runtime (the
+        script's own end, the interpreter's teardown) may take longer than a heartbeat timeout."""
         self._halt.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self.beat(EXITING)
         self._mm.close()
 
 

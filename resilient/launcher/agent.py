@@ -4,7 +4,8 @@ The elastic agent already restarts a worker group whose process died, through it
 rendezvous. On top of it:
 
 - **Heartbeats.** A worker that stopped beating (SIGSTOP, a hang holding the GIL) is as dead as one
-  that exited: after ``heartbeat_timeout`` (``startup_timeout`` before its first beat) it is
+  that exited: after ``heartbeat_timeout`` (``startup_timeout`` before its first beat and once its
+  last beat says it is exiting) it is
   SIGKILLed (a stopped process never handles SIGTERM).
 - **Causes.** Every death is reported with its cause (:mod:`resilient.launcher.causes`): exit code,
   signal name, and for SIGKILL whether the kernel's OOM killer did it.
@@ -329,7 +330,10 @@ class ResilientAgent(LocalElasticAgent):
                 started = self._worker_started.get(w.local_rank, self._started)
                 age, limit, step = now - started, self.startup_timeout, None
             else:
-                age, step, limit = beat.age_s, beat.step, self.heartbeat_timeout
+                age, step = beat.age_s, beat.step
+                # a worker that left the runtime is expected to exit, not to beat: its silence
+                # counts against the start-up limit (a teardown that never ends), not the hang limit
+                limit = self.startup_timeout if beat.exiting else self.heartbeat_timeout
             if age <= limit:
                 continue
             record = {"global_rank": w.global_rank, "local_rank": w.local_rank, "pid": w.id,

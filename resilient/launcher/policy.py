@@ -91,9 +91,12 @@ class Death:
     def where(self) -> str | None:
         """Where it died, for the repeat rule: ``step N``; before the first step the same exit code
         each time is the same failure (an import error, a bad argument), ``start-up (exit code N)``;
-        None for a signal or 75 before the first step, which come from outside and may pass."""
+        after its run was over, ``exit (exit code N)``; None for a signal or 75 before the first
+        step, which come from outside and may pass."""
         if self.stepping and self.beat is not None:
             return f"step {self.beat.step}"
+        if self.beat is not None and self.beat.exiting:
+            return f"exit (exit code {self.exitcode})"
         if self.exitcode > 0 and self.exitcode != int(ExitCode.HARD_FAULT):
             return f"start-up (exit code {self.exitcode})"
         return None
@@ -209,6 +212,8 @@ class LaunchPolicy:
             return "it asked for a restart of the group (exit code 75)"
         if d.unhealthy:
             return "it failed a health check"
+        if d.beat is not None and d.beat.exiting:
+            return "it died after its run was over (while exiting)"
         if not d.stepping:
             return "it died before its first step"
         if left <= 0:

@@ -18,7 +18,7 @@ def test_beat_is_read_by_another_process_with_its_age_step_and_generation(tmp_pa
     path = beat_path(tmp_path, 3)
     code = (
         "import sys; from pathlib import Path; from resilient.contract import Heartbeat;"
-        f"h = Heartbeat(Path({str(path)!r})); h.generation = 5; h.beat(41); h.close()"
+        f"h = Heartbeat(Path({str(path)!r})); h.generation = 5; h.beat(41)"  # (no close: it says exiting)
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     got = read_beat(path)
@@ -70,3 +70,18 @@ def test_exit_descriptions() -> None:
     assert describe_exit(-signal.SIGSEGV, 1, None, None) == "killed by SIGSEGV"
     cause = describe_exit(-signal.SIGKILL, 2**22 + 12345, 0, 0)  # a pid no kernel log line names
     assert cause == "killed by SIGKILL (not an OOM kill)"
+
+
+def test_the_last_beat_says_the_worker_is_exiting(tmp_path: Path) -> None:
+    # what a process does after the runtime closed (the script's end, the interpreter's teardown)
+    # is not a hang: the agent reads that from the last beat
+    from resilient.contract import Heartbeat
+
+    path = beat_path(tmp_path, 0)
+    h = Heartbeat(path)
+    h.beat(7)
+    beat = read_beat(path)
+    assert beat is not None and beat.step == 7 and not beat.exiting
+    h.close()
+    beat = read_beat(path)
+    assert beat is not None and beat.exiting

@@ -340,3 +340,13 @@ def test_the_adapter_reads_the_rendezvous_counts_waiting_nodes_and_leaves() -> N
     assert handler.num_nodes_waiting() == 0 and seen == [(1, view)]  # torch's count, then ours
     e.leave_rendezvous()
     assert handler.calls == ["stop_heartbeats", "_RendezvousExitOp"]  # left, not shut down
+
+
+def test_a_worker_dying_after_its_run_was_over_restarts_the_group_named_so() -> None:
+    from resilient.contract import EXITING
+
+    p = policy()
+    d = p.decide([Death(1, 1, at(EXITING))])
+    assert d.action is Action.RESTART
+    assert d.not_alone == "rank 1 not replaced alone: it died after its run was over (while exiting)"
+    assert p.history.deaths == [(1, "exit (exit code 1)")]
