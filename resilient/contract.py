@@ -1,8 +1,8 @@
 """The worker↔launcher contract beyond the environment (:mod:`resilient.launch_env` names the
 variables): what a worker and its ``resilient launch`` agent read and write of each other's.
 
-- **Heartbeats**: a 24-byte shared-memory record per local rank. The worker stores
-  (CLOCK_MONOTONIC ns, step, generation) into a mapped page: no syscall, no lock, nothing the
+- **Heartbeats**: a 32-byte shared-memory record per local rank. The worker stores
+  (CLOCK_MONOTONIC ns, step, generation, flags) into a mapped page: no syscall, no lock, nothing the
   training loop can block on. The agent (and the metrics) map the same files and read them.
   CLOCK_MONOTONIC is system-wide on Linux, so the two processes' clocks agree. A frozen worker
   (SIGSTOP, a hang holding the GIL) simply stops storing.
@@ -31,7 +31,8 @@ from typing import Any, NamedTuple
 
 from resilient.launch_env import LaunchEnv
 
-_FMT = struct.Struct("<qqq")  # monotonic ns of the last beat, step, in-process generation
+_FMT = struct.Struct("<qqqq")  # monotonic ns of the last beat, step, in-process generation, flags
+_EXITING = 1  # flag: the worker left the runtime, this was its last beat
 _SHM = Path("/dev/shm")
 
 
@@ -94,19 +95,13 @@ def clear_worker(directory: Path, local_rank: int) -> None:
 
 
 # ---- heartbeats -----------------------------------------------------------------------------------
-EXITING = -2  # the step of a worker's last beat once it left the runtime: it is on its way out
-
-
 class Beat(NamedTuple):
     age_s: float  # seconds since the last beat
-    step: int  # the step it beat at (-1: before the first; EXITING: the run is over for it)
+    step: int  # the step it beat at (-1: before the first)
     generation: int  # the worker's in-process generation then (a replacement joins it)
-
-    @property
-    def exiting(self) -> bool:
-        """The worker left the runtime and no longer beats: its silence is not a hang (its exit
-        is what the agent waits for), within the agent's start-up limit."""
-        return self.step == EXITING
+    # the worker left the runtime and beats no more: its silence is not a hang (its exit is what
+    # the agent waits for, within its start-up limit)
+    exiting: bool = False
 
 
 def die_with_launcher(launcher: int | None) -> None:
@@ -132,6 +127,7 @@ class Heartbeat:
     def __init__(self, path: Path, interval: float = 1.0) -> None:
         self.interval = interval
         self.generation = 0  # set by the engine as it enters each generation
+        self._step = -1  # the last step beaten
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,7 +146,8 @@ class Heartbeat:
         return cls(beat_path(launch.heartbeat_dir, launch.endpoint.local_rank), launch.heartbeat_interval)
 
     def beat(self, step: int) -> None:
-        _FMT.pack_into(self._mm, 0, time.monotonic_ns(), step, self.generation)
+        self._step = step
+        _FMT.pack_into(self._mm, 0, time.monotonic_ns(), step, self.generation, 0)
 
     def start(self, step: Callable[[], int | None], interval: float | None = None) -> None:
         """Beat from a daemon thread every ``interval`` s. A thread, not the step loop: a Python-level
@@ -173,7 +170,7 @@ class Heartbeat:
         self._halt.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self.beat(EXITING)
+        _FMT.pack_into(self._mm, 0, time.monotonic_ns(), self._step, self.generation, _EXITING)
         self._mm.close()
 
 
@@ -198,7 +195,7 @@ def read_beat(path: Path) -> Beat | None:
         return None
     if len(raw) < _FMT.size:
         return None
-    ns, step, generation = _FMT.unpack(raw)
+    ns, step, generation, flags = _FMT.unpack(raw)
     if ns == 0:
         return None
-    return Beat((time.monotonic_ns() - ns) / 1e9, step, generation)
+    return Beat((time.monotonic_ns() - ns) / 1e9, step, generation, bool(flags & _EXITING))

@@ -93,10 +93,10 @@ class Death:
         each time is the same failure (an import error, a bad argument), ``start-up (exit code N)``;
         after its run was over, ``exit (exit code N)``; None for a signal or 75 before the first
         step, which come from outside and may pass."""
-        if self.stepping and self.beat is not None:
-            return f"step {self.beat.step}"
         if self.beat is not None and self.beat.exiting:
             return f"exit (exit code {self.exitcode})"
+        if self.stepping and self.beat is not None:
+            return f"step {self.beat.step}"
         if self.exitcode > 0 and self.exitcode != int(ExitCode.HARD_FAULT):
             return f"start-up (exit code {self.exitcode})"
         return None

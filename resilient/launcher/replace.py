@@ -125,7 +125,7 @@ class Replacer:
             return
         for w in workers:
             beat = read_beat(beat_path(self.heartbeat_dir, w.local_rank))
-            if beat is None or beat.step < 0:
+            if beat is None or beat.step < 0 or beat.exiting:  # (starting, or the run is over)
                 return
         self._standbys.append(Standby({**os.environ, **self.elastic.env(0)}, self.heartbeat_dir))
 

@@ -18,7 +18,7 @@ def test_beat_is_read_by_another_process_with_its_age_step_and_generation(tmp_pa
     path = beat_path(tmp_path, 3)
     code = (
         "import sys; from pathlib import Path; from resilient.contract import Heartbeat;"
-        f"h = Heartbeat(Path({str(path)!r})); h.generation = 5; h.beat(41)"  # (no close: it says exiting)
+        f"h = Heartbeat(Path({str(path)!r})); h.generation = 5; h.beat(41); h.close()"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     got = read_beat(path)
@@ -28,7 +28,7 @@ def test_beat_is_read_by_another_process_with_its_age_step_and_generation(tmp_pa
 
 def test_no_file_or_no_beat_reads_as_none(tmp_path: Path) -> None:
     assert read_beat(tmp_path / "missing.hb") is None
-    (tmp_path / "empty.hb").write_bytes(bytes(24))
+    (tmp_path / "empty.hb").write_bytes(bytes(32))
     assert read_beat(tmp_path / "empty.hb") is None
 
 
@@ -84,4 +84,4 @@ def test_the_last_beat_says_the_worker_is_exiting(tmp_path: Path) -> None:
     assert beat is not None and beat.step == 7 and not beat.exiting
     h.close()
     beat = read_beat(path)
-    assert beat is not None and beat.exiting
+    assert beat is not None and beat.exiting and beat.step == 7  # (the step the metrics show)

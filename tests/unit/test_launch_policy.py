@@ -343,10 +343,8 @@ def test_the_adapter_reads_the_rendezvous_counts_waiting_nodes_and_leaves() -> N
 
 
 def test_a_worker_dying_after_its_run_was_over_restarts_the_group_named_so() -> None:
-    from resilient.contract import EXITING
-
     p = policy()
-    d = p.decide([Death(1, 1, at(EXITING))])
+    d = p.decide([Death(1, 1, Beat(age_s=0.1, step=23, generation=0, exiting=True))])
     assert d.action is Action.RESTART
     assert d.not_alone == "rank 1 not replaced alone: it died after its run was over (while exiting)"
     assert p.history.deaths == [(1, "exit (exit code 1)")]
