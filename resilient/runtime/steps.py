@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -80,13 +79,37 @@ class RingOnly:
         return self.ring.materialize(step), True
 
 
-@dataclass
 class Cost:
-    """What the runtime costs the main thread in steady state (reported in ``run_finished``)."""
+    """What the runtime costs the main thread in steady state, and the ``progress`` events that
+    report it (at most one every ``events.progress_s``; ``run_finished`` reports the total)."""
 
-    steps: int = 0
-    snapshots: int = 0
-    hook_s: float = 0.0  # time in the per-step hook: progress, timer, snapshot copy
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.steps = 0
+        self.snapshots = 0
+        self.hook_s = 0.0  # time in the per-step hook: progress, timer, snapshot copy
+        self._progress_at: tuple[float, int] | None = None  # (clock, steps) of the last progress event
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.hook_s / max(1, self.steps)
+
+    def add(self, step: int, now: float, hook_s: float, snapshot: bool) -> None:
+        """Step ``step``, completed at ``now``, cost the main thread ``hook_s``."""
+        self.steps += 1
+        self.snapshots += snapshot
+        self.hook_s += hook_s
+        last = self._progress_at
+        s = self.session
+        if last is not None and now - last[0] < s.cfg.events.progress_s:
+            return
+        self._progress_at = (now, self.steps)
+        s.events.emit(
+            Event.PROGRESS, generation=s.generation, step=step, first=last is None,
+            steps_completed=self.steps,
+            step_s=None if last is None else (now - last[0]) / max(1, self.steps - last[1]),
+            runtime_ms_per_step=self.ms_per_step, snapshot_interval=s.schedule.interval, log=False,
+        )  # fmt: skip
 
 
 class StepLoop:
@@ -110,8 +133,7 @@ class StepLoop:
         self.buckets = DdpBuckets(session.run_dir)
         self.gen = Generation(0, None, None, None, session.clock())  # (none built yet)
         self.step: int | None = None  # the step being run; across generations, the one a fault hit
-        self.cost = Cost()
-        self._progress_at: tuple[float, int] | None = None  # (clock, steps) of the last progress event
+        self.cost = Cost(session)
 
     # -- what Context reads ----------------------------------------------------------------------------
     @property
@@ -324,10 +346,7 @@ class StepLoop:
         for h in s.hooks:
             h.after_step(s.generation, step, step_s)
         self.keeper.keep(gen, nxt, total, state, step_s)
-        self.cost.steps += 1
-        self.cost.snapshots += capture_s is not None
-        self.cost.hook_s += s.clock() - now
-        self._progress_event(now, step)
+        self.cost.add(step, now, s.clock() - now, capture_s is not None)
         if gen.resume_pending:
             gen.resume_pending = False
             s.events.emit(
@@ -336,20 +355,6 @@ class StepLoop:
                 step=step,
                 since_fault_s=time.time() - (gen.fault_ts or time.time()),
             )
-
-    def _progress_event(self, now: float, step: int) -> None:
-        last = self._progress_at
-        if last is not None and now - last[0] < self.session.cfg.events.progress_s:
-            return
-        cost = self.cost
-        self._progress_at = (now, cost.steps)
-        self.session.events.emit(
-            Event.PROGRESS, generation=self.session.generation, step=step, first=last is None,
-            steps_completed=cost.steps,
-            step_s=None if last is None else (now - last[0]) / max(1, cost.steps - last[1]),
-            runtime_ms_per_step=1e3 * cost.hook_s / cost.steps,
-            snapshot_interval=self.session.schedule.interval, log=False,
-        )  # fmt: skip
 
     # -- the collective check's verdicts ---------------------------------------------------------------
     def _verified(self, compare: Callable[[Any], Any], arg: Any) -> None:
@@ -397,7 +402,7 @@ class StepLoop:
             steps_completed=self.cost.steps,
             snapshots=self.cost.snapshots,
             snapshot_interval=s.schedule.interval,
-            runtime_ms_per_step=1e3 * self.cost.hook_s / max(1, self.cost.steps),
+            runtime_ms_per_step=self.cost.ms_per_step,
             engine=s.engine,
             **detail,
         )
