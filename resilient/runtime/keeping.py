@@ -187,14 +187,19 @@ class Mirrors:
     def due(self, nxt: int, total: int | None) -> bool:
         p = self.persist
         self._ckpt_due = p is not None and (p.due(nxt) or nxt == total)  # once a step: due() times it
-        return (self.shm is not None and self.mirror_schedule.due(nxt, total)) or (
-            self._ckpt_due or (p is not None and p.preempt_requested is not None)
-        )
+        return (self.shm is not None and self.mirror_schedule.due(nxt, total)) or self._ckpt_due
+
+    def stopping(self) -> bool:
+        return self.persist is not None and self.persist.preempt_requested is not None
 
     def keep(
         self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None, step_s: float | None
     ) -> None:
         p, registry = self.persist, gen.registry
+        if p is not None and p.preempt_requested is not None:  # (kept in the ring: see stopping)
+            if nxt not in self.ring.steps():  # (the signal came after the step loop asked)
+                self.ring.capture(nxt, state if state is not None else registry.capture())
+            raise StepInterrupted(f"preempt: {p.preempt_requested} received")
         if self.shm is not None:
             mirror_s = None
             # a mirror older than the newest checkpoint is never restored from (the disk is, more
@@ -220,10 +225,6 @@ class Mirrors:
                 self.in_save = False
             self._arm(hard)
             gen.progress = self.session.clock()
-        if p.preempt_requested is not None:
-            if nxt not in self.ring.steps():  # the state the final checkpoint will hold
-                self.ring.capture(nxt, state if state is not None else registry.capture())
-            raise StepInterrupted(f"preempt: {p.preempt_requested} received")
 
     def mirror(self, step: int, state: dict[str, Any]) -> None:
         """Under ``resilient launch``: the snapshot also goes where it outlives this process (this

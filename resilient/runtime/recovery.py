@@ -166,7 +166,11 @@ class Recovery:
         return self.recover(StepInterrupted(f"peer: rank {s.rank} replaced, joins generation {gen}"))
 
     def _preempt(self, gen: int, primary: FaultRecord) -> None:
-        """Every rank left its step: save the newest state all ranks hold, then exit for requeue."""
+        """Every rank left its step: save the newest state all ranks hold, then exit for requeue.
+        Ranks may have seen the signal at different steps: once every rank arrived here, each has
+        posted every collective count it ever will, so the snapshot kept where this rank stopped
+        is verified or dropped for good before the ranks agree on the step to save."""
+        self.coord.agree(gen, "preempt", "1", "all")
         self.loop.settle_before_restore()
         step = self._agree_restore_step(gen)
         persist = self.keeper.persist

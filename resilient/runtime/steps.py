@@ -57,6 +57,11 @@ class Keeper(Protocol):
         views of a mapped snapshot, copied as each object loads them)."""
         ...
 
+    def stopping(self) -> bool:
+        """A stop was asked for (a preemption signal): the step just completed is the run's last,
+        its state kept in the ring for the final checkpoint (``keep`` then ends the step)."""
+        ...
+
 
 class RingOnly:
     """The keeper of an engine that keeps its snapshots in the ring alone."""
@@ -77,6 +82,9 @@ class RingOnly:
 
     def materialize(self, step: int) -> tuple[dict[str, Any], bool]:
         return self.ring.materialize(step), True
+
+    def stopping(self) -> bool:
+        return False
 
 
 class Cost:
@@ -329,8 +337,13 @@ class StepLoop:
         count = gen.count
         if count is not None and count.pending is not None:  # the last kept snapshot, verified now
             self._verified(count.settle, False)
-        ring_due = s.schedule.due(nxt, total)
         leaves = self.keeper.due(nxt, total) or nxt == total  # (the last: returned to the caller)
+        ring_due = s.schedule.due(nxt, total)
+        if self.keeper.stopping():
+            # kept in the ring, its count posted but not awaited: a peer that saw the signal a
+            # step later waits in the next step's collectives, not here; the recovery that the
+            # stop starts verifies the count once every rank arrived (Recovery._preempt)
+            ring_due, leaves = True, False
         if ring_due or leaves:
             if count is not None:  # every rank issued the same collectives, or nothing is kept
                 # state that leaves the process is verified first; the ring's, at the next step

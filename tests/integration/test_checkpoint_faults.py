@@ -223,3 +223,35 @@ def test_sigusr1_writes_final_checkpoint_exits_requeue_and_resumes_bit_exact(
     assert res2.ok, res2.describe()
     assert [e["step"] for e in res2.of("checkpoint_loaded")] == [final, final]
     assert_bit_exact(reference[2], load_states(second, 2))
+
+
+def test_a_preemption_seen_by_one_rank_first_stops_every_rank_without_a_stall(
+    tmp_path: Path, reference: dict[int, list[dict[str, object]]]
+) -> None:
+    # Slurm signals each node on its own: one rank sees the preemption at a step boundary its peers
+    # have passed already (here: only rank 0 is signalled). It must not wait there for a peer's
+    # collective count the peer will never post (the peer waits in the next step's all-reduce for
+    # it): every rank stops, the final checkpoint is one every rank holds, and it resumes exact.
+    ck = tmp_path / "ck"
+    first = tmp_path / "first"
+
+    def preempt_rank0(procs: list[subprocess.Popen[str]]) -> None:
+        runs = first / "resilient_runs"
+        wait_until(lambda: runs.exists() and any(runs.iterdir()), 60, "the run to start")
+        _wait_event(next(runs.iterdir()) / "events.jsonl", "checkpoint_saved", 8)
+        os.kill(procs[0].pid, signal.SIGUSR1)
+
+    args = ("--ckpt-dir", str(ck), "--ckpt-every", "4")
+    res = run_example(first, 2, *args, "--step-ms", "60", "--hang-timeout", "60", on_start=preempt_rank0)
+    assert [r.returncode for r in res.ranks] == [ExitCode.REQUEUE] * 2, res.describe()
+    # no rank sat in a wait its peer could not end (a hang, or a desync once the hang timeout hit)
+    assert {e["kind"] for e in res.of("fault_detected")} == {"preempt"}, res.of("fault_detected")
+    pre = res.of("run_preempted")
+    assert len(pre) == 2 and pre[0]["step"] == pre[1]["step"], pre
+    final = pre[0]["step"]
+    assert committed_steps(ck)[0] == final
+    second = tmp_path / "second"
+    res2 = run_example(second, 2, *args)
+    assert res2.ok, res2.describe()
+    assert [e["step"] for e in res2.of("checkpoint_loaded")] == [final, final]
+    assert_bit_exact(reference[2], load_states(second, 2))
