@@ -140,11 +140,10 @@ class NativeEngine:
         # must still take the worker with it
         die_with_launcher(self.setup.launch.launcher_pid)
         w = self._wire(self.setup)
-        try:
+        with contextlib.ExitStack() as undo:  # (the event log is closed if the rest cannot be built)
+            undo.callback(w.events.close)
             parts = collaborators(self.setup, w)
-        except BaseException:
-            w.events.close()
-            raise
+            undo.pop_all()
         return NativeRun(parts).run(fn)
 
 
