@@ -70,6 +70,35 @@ class SnapshotConfig(_Model):
         return v
 
 
+class GuardConfig(_Model):
+    """Steps that would poison the weights without raising: a non-finite gradient (or observed
+    loss), or a spike against the recent values. Checked before a tracked optimizer applies the
+    step (its step pre-hook); a hit rolls every rank back to the newest snapshot and replays."""
+
+    nonfinite: bool = Field(True, description="a NaN/Inf in the gradients (or the observed loss) is a fault")
+    spike: float = Field(
+        10.0,
+        ge=0,
+        description="a gradient norm this many times the median of the last `window` ones is a spike "
+        "fault; 0 turns the watch off",
+    )
+    loss_spike: float = Field(
+        3.0, ge=0, description="the same for a loss reported with `ctx.observe(loss=...)`; 0: off"
+    )
+    window: int = Field(50, ge=1, description="values the spike rule takes the median of")
+    warmup: int = Field(10, ge=1, description="values seen before the spike rule applies")
+    on_nonfinite: Literal["stop", "skip_batch"] = Field(
+        "stop",
+        description="a non-finite step that comes back at the same step on replay (bad data): stop "
+        "with FaultRepeats naming the step and batch, or skip that batch on every rank",
+    )
+    on_spike: Literal["accept", "skip_batch", "stop"] = Field(
+        "accept",
+        description="a spike that comes back at the same step on replay is the data's own: apply "
+        "it (as a run without the guard would), skip that batch on every rank, or stop",
+    )
+
+
 class HealthConfig(_Model):
     """Health checks run between fault detection and the rebuild of the group."""
 
@@ -196,6 +225,7 @@ class Config(_Model):
     )
     restart: RestartConfig = Field(default_factory=RestartConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

@@ -57,6 +57,26 @@ class SnapshotError(SoftFault):
     """Copying a tracked object's state failed; the message names the object and the leaf."""
 
 
+class StepRejected(SoftFault):
+    """A step the guard (resilient/runtime/guard.py) did not let reach the weights: every rank
+    rolls back to the newest snapshot and replays it. ``step``: the step; ``where``: its batch
+    (``epoch 2, batch 17``) where a data position is known."""
+
+    def __init__(self, message: str, step: int | None, value: float, where: str | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.value = value
+        self.where = where
+
+
+class NonFiniteStep(StepRejected):
+    """A NaN or Inf in a step's gradients (before the optimizer applied them) or its observed loss."""
+
+
+class SpikeStep(StepRejected):
+    """A step's gradient norm (or observed loss) far above the median of the recent ones."""
+
+
 class HardFault(ResilienceError):
     """A fault that in-process recovery cannot fix; the process should exit for the launcher."""
 

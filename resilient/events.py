@@ -53,6 +53,8 @@ class Event(str, enum.Enum):
     FAULT_REPORT = "fault_report"  # what the rank that faulted (or the agent) saw: stacks, traceback
     NODE_LINK = "node_link"  # at start: this rank reaches the job's store through its node's, or why not
     NODE_LINK_LOST = "node_link_lost"  # the node's store (local rank 0's) is gone: the job's store alone
+    SPIKE_ACCEPTED = "spike_accepted"  # a spike came back at the same step on replay: the data's own, applied
+    BATCH_SKIPPED = "batch_skipped"  # a step rejected twice (guard.on_*: skip_batch): its update not applied
 
 
 class EventLog:

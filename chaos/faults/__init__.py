@@ -25,13 +25,14 @@ from chaos.faults.desync import Desync
 from chaos.faults.in_process import GilHang, Hang, RaiseException, Stall
 from chaos.faults.link import LinkDrop, LinkLoss
 from chaos.faults.memory import CudaOom, HostOom, KernelOom
+from chaos.faults.numeric import GradSpike, NanGradient
 from chaos.faults.segfault import Segfault
 from chaos.faults.signals import Sigkill, Sigstop
 from chaos.faults.storage import CorruptCheckpoint, SlowDisk
 
 REGISTRY = Registry([
     RaiseException(), Hang(), HostOom(), GilHang(), Stall(), KernelOom(), CudaOom(), Desync(), Segfault(),
-    Sigkill(), Sigstop(), CorruptCheckpoint(), SlowDisk(), LinkDrop(), LinkLoss(),
+    Sigkill(), Sigstop(), CorruptCheckpoint(), SlowDisk(), LinkDrop(), LinkLoss(), NanGradient(), GradSpike(),
 ])  # fmt: skip
 
 __all__ = [

@@ -47,6 +47,8 @@ class Loop(Protocol):
 
     def epochs(self, total: int) -> Iterator[int]: ...
 
+    def observe(self, loss: Any) -> None: ...
+
 
 class Context:
     """Handle to the runtime for one entry of the training function (one generation)."""
@@ -101,6 +103,17 @@ class Context:
         After a restart, the objects passed here are loaded from the snapshot immediately.
         """
         self._rt.track(objects)
+
+    def observe(self, **values: Any) -> None:
+        """Report this step's ``loss`` (a tensor or a number) to the step guard: a non-finite
+        loss, or one ``guard.loss_spike`` times the median of the recent ones, is a fault raised
+        here, before the step is applied (every rank rolls back and replays). It reads the
+        value (a device sync on GPU): call it where the loop reads the loss anyway."""
+        unknown = sorted(set(values) - {"loss"})
+        if unknown:
+            raise TypeError(f"ctx.observe() takes loss=...; got {', '.join(unknown)}")
+        if "loss" in values:
+            self._rt.observe(values["loss"])
 
     @overload
     def steps(self, total: int) -> Iterator[int]: ...

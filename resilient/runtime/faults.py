@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from resilient.errors import CollectiveDesync, StepInterrupted
+from resilient.errors import CollectiveDesync, NonFiniteStep, SpikeStep, StepInterrupted
 
 
 class FaultKind(str, enum.Enum):
@@ -30,6 +30,8 @@ class FaultKind(str, enum.Enum):
     DESYNC = "desync"  # ranks issued different collectives in one step (runtime/collective_check.py)
     DIED = "died"  # a rank's process died (posted by the launcher's agent, which replaces it)
     MALFORMED = "malformed"  # a record a peer left in the store does not parse (reported, recovered)
+    NONFINITE = "nonfinite"  # a NaN/Inf gradient or loss, caught before the optimizer applied it
+    SPIKE = "spike"  # a gradient norm or loss far above the recent ones, caught before it was applied
 
 
 class Severity(str, enum.Enum):
@@ -69,6 +71,10 @@ def classify(exc: BaseException) -> tuple[FaultKind, Severity]:
         return (FaultKind.HANG if exc.reason.startswith("hang") else FaultKind.PEER), Severity.SOFT
     if isinstance(exc, CollectiveDesync):
         return FaultKind.DESYNC, Severity.SOFT
+    if isinstance(exc, NonFiniteStep):
+        return FaultKind.NONFINITE, Severity.SOFT
+    if isinstance(exc, SpikeStep):
+        return FaultKind.SPIKE, Severity.SOFT
     if isinstance(exc, torch.OutOfMemoryError | MemoryError) or _OOM_PATTERNS.search(msg):
         return FaultKind.OOM, Severity.SOFT
     if _STICKY_CUDA.search(msg) and ("cuda" in msg.lower() or "device-side" in msg.lower()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
+from dataclasses import asdict
 
 from loguru import logger
 
@@ -93,6 +94,8 @@ class Recovery:
             self._preempt(gen, primary)
         self.hard_timer.arm(self.t.barrier + 10.0)
         try:
+            history = [asdict(f) for f in [*self.policy.history, primary]]
+            loop.guard.learn(primary, history)  # (a guard fault seen at this step before: its verdict)
             delay = self.policy.admit(primary)
         except RestartBudgetExhausted as e:
             try:  # diagnosis only

@@ -29,6 +29,7 @@ from resilient.events import Event
 from resilient.runtime.buckets import AllSame, DdpBuckets
 from resilient.runtime.collective_check import CollectiveCount, NodeLinkHolder
 from resilient.runtime.generation import EpochPosition, Generation, PendingRestore
+from resilient.runtime.guard import StepGuard
 from resilient.runtime.session import Session
 from resilient.state import SnapshotRing
 from resilient.state.loader import batches_consumed, finish_pass
@@ -142,6 +143,9 @@ class StepLoop:
         self.gen = Generation(0, None, None, None, session.clock())  # (none built yet)
         self.step: int | None = None  # the step being run; across generations, the one a fault hit
         self.cost = Cost(session)
+        self.guard = StepGuard(
+            session.cfg.guard, session.events, lambda: self.step, self._batch, lambda: session.generation
+        )
 
     # -- what Context reads ----------------------------------------------------------------------------
     @property
@@ -187,6 +191,7 @@ class StepLoop:
         afresh (and loads ``restore`` into them). A group that fails to build changes nothing."""
         s = self.session
         group = s.wiring.build_group(number, s.ns)
+        self.guard.detach()  # (the failed generation's optimizers)
         if s.heartbeat is not None:  # the generation a replacement for this rank would join
             s.heartbeat.generation = number
         count = None
@@ -208,6 +213,7 @@ class StepLoop:
         return PendingRestore(step, state, owned, fault_step, fault_ts)
 
     def close(self) -> None:
+        self.guard.detach()
         self.buckets.release()
         group, self.gen.group = self.gen.group, None
         if group is not None:
@@ -218,6 +224,8 @@ class StepLoop:
         gen = self.gen
         for name, obj in objects.items():
             gen.registry.add(name, obj)
+            if isinstance(obj, torch.optim.Optimizer):
+                self.guard.attach(name, obj)
             r = gen.restore
             if r is not None:
                 if name not in r.state:
@@ -227,6 +235,21 @@ class StepLoop:
                     )
                 gen.registry.load(name, r.state[name], owned=r.owned)
                 r.loaded.add(name)
+
+    def observe(self, loss: Any) -> None:
+        """``ctx.observe(loss=...)``: held to the guard's rules before the step is applied."""
+        self.guard.observe_loss(loss)
+
+    def _batch(self) -> str | None:
+        """The batch being run, where a data position is known (``epoch 2, batch 17 of 'loader'``)."""
+        gen = self.gen
+        parts = [f"epoch {gen.epochs.epoch}"] if gen.epochs is not None else []
+        registry = gen.registry
+        for name, obj in zip(registry.names(), registry.objects(), strict=True):
+            done = batches_consumed(obj)
+            if done:
+                parts.append(f"batch {done - 1} of {name!r}")
+        return ", ".join(parts) or None
 
     def epochs(self, total: int) -> Iterator[int]:
         """Epoch numbers up to ``total``, resuming at the epoch of the restored step. Begins the
@@ -299,6 +322,7 @@ class StepLoop:
         if missing:
             raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
         restore_rng(r.state[RNG])
+        self.guard.rewind(r.step)
         self.session.events.emit(
             Event.STATE_RESTORED,
             generation=self.session.generation,

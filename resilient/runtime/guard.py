@@ -1,0 +1,238 @@
+"""The step guard: a step whose update would poison the weights is not let through.
+
+A transient NaN or Inf in one step's gradients (a flipped bit, a bad kernel, an overflow) or a
+gradient many times larger than the recent ones raises nothing by itself; once ``optimizer.step``
+applies it the weights are poisoned for good. The guard looks at each tracked optimizer's
+gradients in its step pre-hook, before they are applied: their norm (one fused pass, one value to
+the host) must be finite and, once ``warmup`` values were seen, at most ``spike`` times the median
+of the last ``window`` ones. A loss the function reports (``ctx.observe(loss=...)``) is held to
+the same rules. A hit raises :class:`~resilient.errors.StepRejected` inside the step: a soft fault
+like any exception, so every rank rolls back to the newest snapshot and replays, and a transient
+fault ends bit-exact with the fault-free run.
+
+What comes back at the same step on replay is the data's, not a fault: the recovery tells the
+guard which step every rank agreed had faulted (:meth:`StepGuard.learn`, the same on every rank).
+A spike seen again there is applied (``on_spike: accept``, what a run without the guard does;
+each rank decides alone, and applying is what a rank that saw nothing does too). A non-finite
+step seen again is a fault again, so that the verdict is taken in the next recovery, alike on every
+rank: stop with :class:`~resilient.errors.FaultRepeats` naming the step and its batch, or skip
+that batch (``skip_batch``: the next pass through it drops its gradients on every rank, so
+the optimizer does not apply them; the data position moves on).
+
+With a closure (``optimizer.step(closure)``: LBFGS, Lightning's automatic optimization) the
+gradients exist only after the step ran: the check moves to the step's post-hook, the roll-back
+then undoes the update, and ``skip_batch`` is not possible (the run stops instead).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from resilient.config import GuardConfig
+from resilient.errors import FaultRepeats, NonFiniteStep, SpikeStep, StepRejected
+from resilient.events import Event, EventLog
+from resilient.runtime.faults import FaultKind, FaultRecord
+
+LOSS = "loss"  # the window of the observed loss (optimizers' windows are named after them)
+
+
+def grad_norm(optimizer: torch.optim.Optimizer) -> tuple[float, bool] | None:
+    """The 2-norm of ``optimizer``'s gradients as a float (one transfer to the host), and whether
+    every gradient is finite; None when it has none. Finite gradients whose norm overflows give
+    ``inf``, finite. A DTensor contributes its local shard only: no collective is issued here."""
+    grads: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if hasattr(g, "to_local"):  # a DTensor: this rank's shard
+                g = g.to_local()
+            if g.is_sparse:
+                g = g.coalesce().values()
+            grads.append(g)
+    if not grads:
+        return None
+    norms = torch._foreach_norm(grads)  # one fused pass per device and dtype
+    dev = norms[0].device
+    value = float(torch.linalg.vector_norm(torch.stack([n.to(dev, torch.float32) for n in norms])))
+    if math.isfinite(value):
+        return value, True
+    finite = all(bool(torch.isfinite(g).all()) for g in grads)  # (the rare path: which one it is)
+    return (math.inf if finite else value), finite
+
+
+class Window:
+    """The recent values of one watched quantity, by step: a roll-back drops those of the steps
+    it undid (their replay adds them again)."""
+
+    def __init__(self, size: int) -> None:
+        self.values: deque[tuple[int, float]] = deque(maxlen=size)
+
+    def rewind(self, step: int) -> None:
+        while self.values and self.values[-1][0] >= step:
+            self.values.pop()
+
+    def add(self, step: int, value: float) -> None:
+        self.values.append((step, value))
+
+    def median(self) -> float:
+        return statistics.median(v for _, v in self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+class StepGuard:
+    """See the module docstring. ``step``: the step being run; ``where``: its batch, described
+    (None where no data position is known)."""
+
+    def __init__(
+        self,
+        cfg: GuardConfig,
+        events: EventLog,
+        step: Callable[[], int | None],
+        where: Callable[[], str | None] = lambda: None,
+        generation: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.cfg = cfg
+        self.events = events
+        self._step = step
+        self._where = where
+        self._generation = generation
+        self.windows: dict[str, Window] = {}
+        self.faulted: dict[int, str] = {}  # step → kind, from faults every rank agreed on
+        self.skip: set[int] = set()  # steps whose update every rank drops (skip_batch)
+        self.checks = 0
+        self._handles: list[RemovableHandle] = []
+
+    @property
+    def active(self) -> bool:
+        c = self.cfg
+        return c.nonfinite or c.spike > 0 or c.loss_spike > 0
+
+    # -- the hooks ---------------------------------------------------------------------------------------
+    def attach(self, name: str, optimizer: torch.optim.Optimizer) -> None:
+        """Check ``optimizer``'s gradients before each of its steps (after, with a closure)."""
+        if not self.active:
+            return
+        closure = [False]
+
+        def before(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            # (args: the step's own, the optimizer first)
+            closure[0] = (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
+            if not closure[0]:
+                self.check(name, opt)
+
+        def after(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if closure[0]:
+                self.check(name, opt, applied=True)
+
+        self._handles += [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+
+    def detach(self) -> None:
+        """A generation ended: its optimizers are no longer watched (the next one's are)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def rewind(self, step: int) -> None:
+        """The state of ``step`` was restored: the values of the steps after it are replayed."""
+        for w in self.windows.values():
+            w.rewind(step)
+
+    # -- the checks --------------------------------------------------------------------------------------
+    def check(self, name: str, optimizer: torch.optim.Optimizer, *, applied: bool = False) -> None:
+        step = self._step()
+        if step is not None and step in self.skip:
+            if applied:
+                raise self._repeats(step, FaultKind.NONFINITE.value, "skip_batch needs a step without a closure")
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # the optimizer passes over a parameter without a gradient
+            self.events.emit(
+                Event.BATCH_SKIPPED, generation=self._generation(), step=step, optimizer=name,
+                batch=self._where(),
+            )  # fmt: skip
+            return
+        self.checks += 1
+        got = grad_norm(optimizer)
+        if got is None:
+            return
+        value, finite = got
+        if not finite:
+            if self.cfg.nonfinite:
+                self._reject(NonFiniteStep, step, value, f"non-finite gradient (norm {value}) of {name!r}")
+            return
+        self._watch(name, step, value, self.cfg.spike, f"gradient norm of {name!r}")
+
+    def observe_loss(self, loss: Any) -> None:
+        """``ctx.observe(loss=...)``: the loss of the step being run (a tensor or a number)."""
+        if not self.active:
+            return
+        step = self._step()
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        if not math.isfinite(value):
+            if self.cfg.nonfinite:
+                self._reject(NonFiniteStep, step, value, f"non-finite loss ({value})")
+            return
+        self._watch(LOSS, step, value, self.cfg.loss_spike, "loss")
+
+    def _watch(self, name: str, step: int | None, value: float, factor: float, what: str) -> None:
+        window = self.windows.get(name)
+        if window is None:
+            window = self.windows[name] = Window(self.cfg.window)
+        s = -1 if step is None else step
+        if factor > 0 and len(window) >= self.cfg.warmup:
+            median = window.median()
+            if median > 0 and value > factor * median:
+                if self.faulted.get(s) == FaultKind.SPIKE.value and self.cfg.on_spike == "accept":
+                    self.events.emit(
+                        Event.SPIKE_ACCEPTED, generation=self._generation(), step=step, value=value,
+                        median=median, what=what, batch=self._where(),
+                    )  # fmt: skip
+                else:
+                    self._reject(
+                        SpikeStep, step, value,
+                        f"{what} {value:.4g} is {value / median:.1f}x the median of the last {len(window)} "
+                        f"({median:.4g}; guard.{'spike' if name != LOSS else 'loss_spike'}: {factor:g})",
+                    )  # fmt: skip
+        window.add(s, value)
+
+    def _reject(self, cls: type[StepRejected], step: int | None, value: float, what: str) -> None:
+        where = self._where()
+        at = f"step {step}" + (f" ({where})" if where else "")
+        raise cls(f"{what} at {at}: the step is not applied; rolled back", step, value, where)
+
+    # -- what the recovery tells it ------------------------------------------------------------------------
+    def learn(self, fault: FaultRecord, history: list[dict[str, object]]) -> None:
+        """Every rank agreed ``fault`` ended the generation (in the recovery, before the restart
+        policy's verdict). A guard fault seen at this step before is the data's: stop (raises
+        :class:`FaultRepeats`) or skip the batch, as configured."""
+        kind, step = fault.kind, fault.step
+        if kind not in (FaultKind.NONFINITE.value, FaultKind.SPIKE.value) or step is None:
+            return
+        if self.faulted.get(step) == kind:
+            how = self.cfg.on_nonfinite if kind == FaultKind.NONFINITE.value else self.cfg.on_spike
+            if how == "skip_batch":
+                self.skip.add(step)
+            elif how == "stop":
+                what = "on_nonfinite" if kind == FaultKind.NONFINITE.value else "on_spike"
+                raise FaultRepeats(
+                    step,
+                    f"{fault.message.split(': ', 1)[-1]}; it came back on replay, so it is the data's, not "
+                    f"a transient fault (guard.{what}: stop; skip_batch would skip that batch)",
+                    2,
+                    history,
+                )
+        self.faulted[step] = kind
+
+    def _repeats(self, step: int, kind: str, why: str) -> FaultRepeats:
+        return FaultRepeats(step, f"{kind}: the step's update cannot be skipped ({why})", 2, [])
