@@ -8,7 +8,7 @@ Nothing raises; only a check before ``optimizer.step`` can keep it from the weig
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 from chaos.faults.base import Evidence, InProcess, Undo
@@ -27,7 +27,8 @@ def _parameters(objects: Iterable[object]) -> list[torch.Tensor]:
     import torch
 
     objects = list(objects)
-    params = [p for o in objects if isinstance(o, torch.nn.Module) for p in o.parameters() if p.requires_grad]
+    modules = [o for o in objects if isinstance(o, torch.nn.Module)]
+    params: list[torch.Tensor] = [p for m in modules for p in m.parameters() if p.requires_grad]
     if not params:
         params = [
             p
@@ -42,8 +43,8 @@ def _parameters(objects: Iterable[object]) -> list[torch.Tensor]:
     return params
 
 
-def _hooked(params: list[torch.Tensor], fn: object) -> Undo:
-    handles = [p.register_hook(fn) for p in params]  # type: ignore[arg-type]
+def _hooked(params: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]) -> Undo:
+    handles = [p.register_hook(fn) for p in params]
 
     def remove() -> None:
         for h in handles:
@@ -58,8 +59,6 @@ class NanGradient(InProcess):
     evidence: ClassVar[Evidence] = NUMERIC
 
     def inject(self, fault: Fault, objects: Iterable[object]) -> Undo | None:
-        import torch
-
         def poison(g: torch.Tensor) -> torch.Tensor:
             g = g.clone()
             g.view(-1)[0] = float("nan")

@@ -153,7 +153,7 @@ class StepGuard:
         step = self._step()
         if step is not None and step in self.skip:
             if applied:
-                raise self._repeats(step, FaultKind.NONFINITE.value, "skip_batch needs a step without a closure")
+                raise self._repeats(step, "skip_batch needs a step without a closure")
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None  # the optimizer passes over a parameter without a gradient
@@ -234,5 +234,5 @@ class StepGuard:
                 )
         self.faulted[step] = kind
 
-    def _repeats(self, step: int, kind: str, why: str) -> FaultRepeats:
-        return FaultRepeats(step, f"{kind}: the step's update cannot be skipped ({why})", 2, [])
+    def _repeats(self, step: int, why: str) -> FaultRepeats:
+        return FaultRepeats(step, f"nonfinite: the step's update cannot be skipped ({why})", 2, [])
