@@ -52,6 +52,7 @@ class Trial:
     fault_step: int
     ok: bool = False  # the job finished (exit 0)
     detect_s: float | None = None
+    detect_step: int | None = None  # the step the detection event names
     recover_s: float | None = None
     steps_lost: int | None = None
     goodput: float | None = None
@@ -93,6 +94,7 @@ def measure(
     if detect is not None:
         out["detect_s"] = detect["ts"] - injected_ts
         out["detected_by"] = f"{detect['event']} (rank {detect['rank']})"
+        out["detect_step"] = detect.get("step")
     if len(first_after) == nproc:
         out["recover_s"] = max(e["ts"] for e in first_after.values()) - injected_ts
         out["steps_lost"] = max(0, last_done + 1 - min(e["step"] for e in first_after.values()))
@@ -159,6 +161,7 @@ def _run_trial(
     inj = injections[0]
     m = measure(evs, inj["ts"], j.nproc, ref_step_s, kind.evidence.detection)
     t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
+    t.detect_step = m.get("detect_step")
     t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
     t.time_by_cause = {k: round(v, 4) for k, v in account(evs).seconds.items()}  # (as `resilient report`)
     if restored is not None and t.recover_s is not None:
@@ -224,6 +227,8 @@ def _check(t: Trial, cert: Certification) -> list[str]:
         failed.append("detect_s")
     if s.recover_s is not None and (t.recover_s is None or t.recover_s > s.recover_s):
         failed.append("recover_s")
+    if s.detect_at_step and t.detect_step != t.fault_step:
+        failed.append("detect_at_step")
     if s.steps_lost_max is not None and (t.steps_lost is None or t.steps_lost > s.steps_lost_max):
         failed.append("steps_lost")
     if s.goodput_min is not None and (t.goodput is None or t.goodput < s.goodput_min):

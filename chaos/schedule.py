@@ -45,6 +45,9 @@ class SLO(_Model):
     detect_s: float | None = Field(None, gt=0, description="fault → first detection event, at most")
     recover_s: float | None = Field(None, gt=0, description="fault → first step completed after, at most")
     steps_lost_max: int | None = Field(None, ge=0)
+    detect_at_step: bool = Field(
+        False, description="the detection names the fault's own step (nan, grad_spike: before it is applied)"
+    )
     goodput_min: float | None = Field(None, gt=0, le=1)
     bit_exact: bool = True
     previous_checkpoint_loads: bool = False  # corrupt_checkpoint: the one before the newest loads
