@@ -10,6 +10,8 @@ cause, the highest in this order among those that claim it:
 ``recovery``          noticed; recovered in-process, until every rank has stepped again
 ``startup``           the first launch, until every rank has completed its first step
 ``checkpoint``        a step blocked in a checkpoint save (its copy)
+``rollback``          a step the guard or the replica digests rejected (a NaN, a spike, a replica
+                      that diverged): the recovery, and the steps done again after it
 ``rerun``             a step done again after a restore, and the part of a step a fault threw away
 ``productive``        a step completed for the first time
 ``other``             nothing above (after the last step, until the processes report their end)
@@ -27,6 +29,7 @@ double fault) belong to it.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections.abc import Iterable, Sequence
@@ -40,6 +43,7 @@ CAUSES = (
     "recovery",
     "startup",
     "checkpoint",
+    "rollback",
     "rerun",
     "productive",
 )  # by priority: a moment claimed by several causes is the first's
@@ -52,6 +56,8 @@ MODE_CAUSE = {
 }
 _STEPPING = {"step_completed", "progress", "step_resumed"}
 _SIGNALS = {"fault_detected", "worker_died", "heartbeat_missed"}
+# faults that crash nothing: a step whose update would have been wrong, rolled back and replayed
+ROLLBACK_KINDS = frozenset({"nonfinite", "spike", "sdc"})
 
 
 @dataclass
@@ -154,7 +160,10 @@ def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accou
     claims: list[tuple[float, float, str]] = []
     for inc in incidents:
         claims.append((inc.start, inc.detected, "detection"))
-        claims.append((inc.detected, inc.end if inc.end is not None else t1, MODE_CAUSE[inc.mode]))
+        cause = (
+            "rollback" if inc.kind in ROLLBACK_KINDS and inc.mode == "in_process" else MODE_CAUSE[inc.mode]
+        )
+        claims.append((inc.detected, inc.end if inc.end is not None else t1, cause))
     first = _first_steps(evs, world)
     if first is not None:
         claims.append((t0, first, "startup"))
@@ -276,6 +285,13 @@ def _steps(
                 cut.append((inc.start, at, last[2]))
         ss += cut
     claims: list[tuple[float, float, str]] = []
+    starts = sorted((inc.start, inc.kind in ROLLBACK_KINDS) for inc in incidents)
+
+    def rerun(at: float) -> str:
+        """A step done again at ``at``: the roll-back's, when the last fault before it was one."""
+        i = bisect.bisect_right(starts, (at, True)) - 1
+        return "rollback" if i >= 0 and starts[i][1] else "rerun"
+
     for ss in samples.values():
         ss.sort(key=lambda s: s[0])
         done = -1.0
@@ -286,12 +302,12 @@ def _steps(
             n = sb - sa
             new = max(0.0, sb - max(done, sa))
             if n <= 0 or new <= 0:
-                claims.append((ta, tb, "rerun"))
+                claims.append((ta, tb, rerun(tb)))
             elif new >= n:
                 claims.append((ta, tb, "productive"))
             else:  # the re-run steps come first
                 split = ta + (tb - ta) * (n - new) / n
-                claims += [(ta, split, "rerun"), (split, tb, "productive")]
+                claims += [(ta, split, rerun(split)), (split, tb, "productive")]
             done = max(done, sb)
     return claims
 

@@ -13,6 +13,7 @@ from resilient.metrics.accounting import CAUSES, OTHER, Accounting, Incident, ac
 COLORS = {
     "productive": "#2ca02c",
     "rerun": "#ff7f0e",
+    "rollback": "#e377c2",
     "checkpoint": "#9467bd",
     "startup": "#7f7f7f",
     "detection": "#d62728",
@@ -114,6 +115,7 @@ def write_png(acc: Accounting, path: Path, title: str = "") -> None:
     for c in (
         "productive",
         "rerun",
+        "rollback",
         "checkpoint",
         "startup",
         "detection",

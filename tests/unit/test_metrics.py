@@ -396,3 +396,18 @@ def test_a_bad_metrics_port_is_refused_by_the_launcher(value: str, capsys: pytes
     assert (
         e.value.code == 2 and "argument --metrics-port: not a port number" in err and "Traceback" not in err
     )
+
+
+def test_a_step_the_guard_rejected_is_a_roll_back_not_a_crash():
+    evs = [
+        {**e, "kind": "nonfinite", "signature": "nonfinite: NonFiniteStep"}
+        if e["event"] == "fault_detected"
+        else e
+        for e in in_process_run()
+        if e["event"] != "fault_report"
+    ]
+    acc = account(evs)
+    assert sum(acc.seconds.values()) == pytest.approx(acc.wall_s)
+    assert acc.seconds["recovery"] == acc.seconds["rerun"] == 0.0
+    assert acc.seconds["rollback"] == pytest.approx(0.5 + 0.1 + 0.9)  # the recovery, step 20, then 11-19
+    assert acc.seconds["productive"] == pytest.approx(1.9 + 2.0)
