@@ -1,15 +1,16 @@
 """Faults in the numbers, not the process: a step's gradient turned NaN, or scaled far up.
 
-Both act on the gradient as backward produces it (a tensor hook on the tracked model's
-parameters, removed once the step is over): under DDP the bad gradient then goes into the
-all-reduce like one from a bad kernel would, and every rank's optimizer is about to apply it.
-Nothing raises; only a check before ``optimizer.step`` can keep it from the weights.
+Both act on the gradient as backward produces it: a hook on the tracked model's output changes
+the gradient flowing back into it during that step (the hooks go once the step is over). Every
+parameter's gradient is derived from it, before DDP's all-reduce or FSDP2's reduce-scatter, as
+one from a bad kernel would be; every rank's optimizer is then about to apply it. Nothing raises;
+only a check before ``optimizer.step`` can keep it from the weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from chaos.faults.base import Evidence, InProcess, Undo
 
@@ -22,29 +23,34 @@ if TYPE_CHECKING:
 NUMERIC = Evidence("fault", ("fault_detected",), True)
 
 
-def _parameters(objects: Iterable[object]) -> list[torch.Tensor]:
-    """The trainable parameters of the tracked model(s), else of the tracked optimizer(s)."""
+def _first_grad_tensor(out: Any) -> torch.Tensor | None:
+    """The first tensor of a model's output that backward flows through (logits, a loss...)."""
     import torch
 
-    objects = list(objects)
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad else None
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, list | tuple) else ()
+    for v in values:
+        t = _first_grad_tensor(v)
+        if t is not None:
+            return t
+    return None
+
+
+def _on_output_gradient(objects: Iterable[object], fn: Callable[[torch.Tensor], torch.Tensor]) -> Undo:
+    """``fn`` changes the gradient that flows back into each tracked model's output this step."""
+    import torch
+
     modules = [o for o in objects if isinstance(o, torch.nn.Module)]
-    params: list[torch.Tensor] = [p for m in modules for p in m.parameters() if p.requires_grad]
-    if not params:
-        params = [
-            p
-            for o in objects
-            if isinstance(o, torch.optim.Optimizer)
-            for g in o.param_groups
-            for p in g["params"]
-            if p.requires_grad
-        ]
-    if not params:
-        raise ValueError("no tracked model or optimizer with trainable parameters to fault")
-    return params
+    if not modules:
+        raise ValueError("no tracked model (torch.nn.Module) whose gradient could be faulted")
 
+    def hook(_module: torch.nn.Module, _args: Any, out: Any) -> None:
+        t = _first_grad_tensor(out)
+        if t is not None:
+            t.register_hook(fn)
 
-def _hooked(params: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]) -> Undo:
-    handles = [p.register_hook(fn) for p in params]
+    handles = [m.register_forward_hook(hook) for m in modules]
 
     def remove() -> None:
         for h in handles:
@@ -55,7 +61,10 @@ def _hooked(params: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tenso
 
 class NanGradient(InProcess):
     name = "nan"
-    summary = "a NaN written into one element of the rank's gradient in backward (before DDP's all-reduce)"
+    summary = (
+        "a NaN in one element of the gradient flowing back into the rank's model output: every "
+        "gradient of the step turns NaN (before DDP's all-reduce)"
+    )
     evidence: ClassVar[Evidence] = NUMERIC
 
     def inject(self, fault: Fault, objects: Iterable[object]) -> Undo | None:
@@ -64,19 +73,19 @@ class NanGradient(InProcess):
             g.view(-1)[0] = float("nan")
             return g
 
-        return _hooked(_parameters(objects)[:1], poison)
+        return _on_output_gradient(objects, poison)
 
 
 class GradSpike(InProcess):
     name = "grad_spike"
-    summary = "the rank's gradient scaled by `arg` (default 1e6) in backward: a spike, every value finite"
+    summary = (
+        "the gradient flowing back into the rank's model output scaled by `arg` (default 1e6): "
+        "a spike, every value finite"
+    )
     arg = "factor"
     evidence: ClassVar[Evidence] = NUMERIC
     FACTOR: ClassVar[float] = 1e6
 
     def inject(self, fault: Fault, objects: Iterable[object]) -> Undo | None:
         factor = fault.arg if fault.arg is not None else self.FACTOR
-        return _hooked(_parameters(objects), lambda g: g * factor)
-
-
-__all__ = ["GradSpike", "NanGradient"]
+        return _on_output_gradient(objects, lambda g: g * factor)

@@ -19,6 +19,13 @@ rank: stop with :class:`~resilient.errors.FaultRepeats` naming the step and its 
 that batch (``skip_batch``: the next pass through it drops its gradients on every rank, so
 the optimizer does not apply them; the data position moves on).
 
+A step that clips its gradients (``torch.nn.utils.clip_grad_norm_``) hides a spike from the
+optimizer: the guard reads the norm the clipping computed (before it clipped, every rank's the
+same under FSDP2) instead of computing its own. It sees calls made through the module
+(``torch.nn.utils.clip_grad_norm_(...)``, as Lightning and Accelerate make them) while the
+function runs; a name imported before (``from torch.nn.utils import clip_grad_norm_``) is not
+seen, and the guard computes the norm after clipping.
+
 With a closure (``optimizer.step(closure)``: LBFGS, Lightning's automatic optimization) the
 gradients exist only after the step ran: the check moves to the step's post-hook, the roll-back
 then undoes the update, and ``skip_batch`` is not possible (the run stops instead).
@@ -90,6 +97,54 @@ class Window:
         return len(self.values)
 
 
+class ClipWatch:
+    """Sees ``torch.nn.utils.clip_grad_norm_`` while installed: the norm each call computed,
+    before it clipped, by the parameters it clipped (see the module docstring)."""
+
+    TARGETS = ((torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_"))
+
+    def __init__(self, step: Callable[[], int | None]) -> None:
+        self._step = step
+        self.seen: list[tuple[int | None, frozenset[int], torch.Tensor]] = []  # (step, params, norm)
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def install(self) -> None:
+        for module, name in self.TARGETS:
+            original = getattr(module, name)
+            if getattr(original, "__wrapped_by_guard__", False):
+                continue  # (another run's watch in this process: one is enough)
+            wrapped = self._wrap(original)
+            setattr(module, name, wrapped)
+            self._undo.append((module, name, original))
+
+    def uninstall(self) -> None:
+        for module, name, original in reversed(self._undo):
+            setattr(module, name, original)
+        self._undo.clear()
+
+    def _wrap(self, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            norm = original(params, *args, **kwargs)
+            step = self._step()
+            self.seen = [s for s in self.seen if s[0] == step][-7:]
+            self.seen.append((step, frozenset(map(id, params)), norm))
+            return norm
+
+        clip_grad_norm_.__wrapped_by_guard__ = True  # type: ignore[attr-defined]
+        clip_grad_norm_.__doc__ = original.__doc__
+        return clip_grad_norm_
+
+    def norm_of(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The norm a clipping of this step computed over ``optimizer``'s parameters, if any."""
+        step = self._step()
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for at, params, norm in reversed(self.seen):
+            if at == step and ids <= params:
+                return norm
+        return None
+
+
 class StepGuard:
     """See the module docstring. ``step``: the step being run; ``where``: its batch, described
     (None where no data position is known)."""
@@ -112,6 +167,7 @@ class StepGuard:
         self.skip: set[int] = set()  # steps whose update every rank drops (skip_batch)
         self.checks = 0
         self._handles: list[RemovableHandle] = []
+        self.clips = ClipWatch(step)
 
     @property
     def active(self) -> bool:
@@ -143,6 +199,15 @@ class StepGuard:
             h.remove()
         self._handles.clear()
 
+    def install(self) -> None:
+        """While the function runs: clipping is watched (see the module docstring)."""
+        if self.active:
+            self.clips.install()
+
+    def uninstall(self) -> None:
+        self.detach()
+        self.clips.uninstall()
+
     def rewind(self, step: int) -> None:
         """The state of ``step`` was restored: the values of the steps after it are replayed."""
         for w in self.windows.values():
@@ -163,7 +228,12 @@ class StepGuard:
             )  # fmt: skip
             return
         self.checks += 1
-        got = grad_norm(optimizer)
+        clipped = None if applied else self.clips.norm_of(optimizer)
+        if clipped is not None:  # (before clipping; non-finite: the gradients are non-finite now too)
+            value = float(clipped)
+            got: tuple[float, bool] | None = (value, math.isfinite(value))
+        else:
+            got = grad_norm(optimizer)
         if got is None:
             return
         value, finite = got

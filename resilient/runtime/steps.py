@@ -181,6 +181,7 @@ class StepLoop:
         """Before the first generation: DDP's layouts from a previous process (agreed at start
         unless this process replaces one rank: ``joining``), then the hooks' ``on_start``."""
         self.buckets.load()
+        self.guard.install()
         if not joining:
             t = self.session.t
             self.buckets.agree_at_start(self.session.all_hold, t.startup + t.barrier)
@@ -213,7 +214,7 @@ class StepLoop:
         return PendingRestore(step, state, owned, fault_step, fault_ts)
 
     def close(self) -> None:
-        self.guard.detach()
+        self.guard.uninstall()
         self.buckets.release()
         group, self.gen.group = self.gen.group, None
         if group is not None:
