@@ -1,0 +1,148 @@
+"""What the step checks cost a fault-free step, measured inside one run: blocks of steps with the
+checks on and blocks with them off, alternated (ABBA) in the same processes, same model, same group.
+
+The checks: the guard (each tracked optimizer's gradient norm before its step, the spike window,
+the watch on ``clip_grad_norm_``; resilient/runtime/guard.py). Both arms run inside ``ctx.steps``,
+so everything else the runtime does (snapshots, the collective count) is in both and cancels.
+
+    python benchmarks/checks_ab.py [--model tiny|fsdp2] [--pairs 30] [--block 20]
+
+``tiny``: the bundled example's model under DDP (examples/train_tiny.py, wider: dim 160, seq 64);
+``fsdp2``: examples/train_fsdp2.py's model, ``fully_shard`` per block, bf16 autocast, clipping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def worker(model_name: str, pairs: int, block: int) -> None:
+    """One rank: warm up, then ABBA blocks; rank 0 prints one JSON line."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import resilient
+
+    @resilient.wrap()
+    def train(ctx: resilient.Context) -> dict[str, list[float]]:
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+        if model_name == "tiny":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from train_tiny import TinyLM
+
+            vocab, seq = 64, 64
+            model: torch.nn.Module = DDP(TinyLM(dim=160, seq=seq))
+            clip = False
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            from train_fsdp2 import LM, VOCAB
+
+            vocab, seq = VOCAB, 32
+            mesh = init_device_mesh("cpu", (ctx.world_size,))
+            model = LM(64, 2, 4, seq, dropout=0.1)
+            for b in model.blocks:
+                fully_shard(b, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            clip = True
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        ctx.track(model=model, optimizer=opt, data=gen)
+        guard = ctx._rt.guard  # type: ignore[attr-defined]  (the benchmark switches the checks)
+
+        def step() -> None:
+            tokens = torch.randint(0, vocab, (8, seq + 1), generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=model_name == "fsdp2"):
+                logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+        def checks(on: bool) -> None:
+            guard.detach()
+            guard.clips.uninstall()
+            if on:
+                guard.attach("optimizer", opt)
+                guard.clips.install()
+
+        steps = ctx.steps(range(10**9))
+        for _ in itertools.islice(steps, 2 * block):  # warm-up, the schedule's calibration
+            step()
+        out: dict[str, list[float]] = {"off": [], "on": [], "off_steps": [], "on_steps": []}
+        checks_before = guard.checks
+        for arm in (["off", "on", "on", "off"] * ((pairs + 1) // 2))[: 2 * pairs]:
+            checks(arm == "on")
+            starts = []
+            for _ in itertools.islice(steps, block):
+                starts.append(time.perf_counter())
+                step()
+            starts.append(time.perf_counter())
+            each = [(b - a) * 1e3 for a, b in itertools.pairwise(starts)]
+            out[arm].append(statistics.median(each))
+            out[f"{arm}_steps"] += each
+        out["checks"] = [guard.checks - checks_before]
+        return out
+
+    got = train()
+    if os.environ.get("RANK", "0") == "0":
+        print("AB " + json.dumps(got), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny", choices=["tiny", "fsdp2"])
+    ap.add_argument("--pairs", type=int, default=30, help="on/off block pairs (ABBA order)")
+    ap.add_argument("--block", type=int, default=20, help="steps per block")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a.model, a.pairs, a.block)
+    from chaos.harness import run_ranks
+
+    argv = [__file__, "--model", a.model, "--pairs", str(a.pairs), "--block", str(a.block), "--worker"]
+    with tempfile.TemporaryDirectory() as d:
+        res = run_ranks(argv, a.nproc, cwd=Path(d), timeout=1800)
+        if not res.ok:
+            raise SystemExit(res.describe())
+        line = next(ln for ln in res.ranks[0].stdout.splitlines() if ln.startswith("AB "))
+    ab = json.loads(line[3:])
+    ratios = [on / off - 1 for off, on in zip(ab["off"], ab["on"], strict=True)]
+    q = statistics.quantiles(ratios, n=4)
+    result = {
+        "model": a.model,
+        "pairs": a.pairs,
+        "block": a.block,
+        "off_ms": statistics.median(ab["off_steps"]),
+        "on_ms": statistics.median(ab["on_steps"]),
+        "cost_pct_median_of_pairs": 100 * statistics.median(ratios),
+        "cost_pct_iqr": [100 * q[0], 100 * q[2]],
+        "checks_in_on_blocks": ab["checks"][0],
+    }
+    for k, v in result.items():
+        print(f"{k:28s} {v if not isinstance(v, float) else round(v, 3)}")
+    out = a.out or ROOT / "benchmarks" / "results" / f"checks_ab_{a.model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
