@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from resilient.errors import CollectiveDesync, StepInterrupted
+from resilient.errors import CollectiveDesync, CorruptReplica, SilentCorruption, StepInterrupted
 
 
 class FaultKind(str, enum.Enum):
@@ -30,6 +30,7 @@ class FaultKind(str, enum.Enum):
     DESYNC = "desync"  # ranks issued different collectives in one step (runtime/collective_check.py)
     DIED = "died"  # a rank's process died (posted by the launcher's agent, which replaces it)
     MALFORMED = "malformed"  # a record a peer left in the store does not parse (reported, recovered)
+    SDC = "sdc"  # replicas of the same state differ: silent data corruption (resilient/state/digest.py)
 
 
 class Severity(str, enum.Enum):
@@ -69,6 +70,8 @@ def classify(exc: BaseException) -> tuple[FaultKind, Severity]:
         return (FaultKind.HANG if exc.reason.startswith("hang") else FaultKind.PEER), Severity.SOFT
     if isinstance(exc, CollectiveDesync):
         return FaultKind.DESYNC, Severity.SOFT
+    if isinstance(exc, SilentCorruption | CorruptReplica):
+        return FaultKind.SDC, Severity.SOFT if isinstance(exc, SilentCorruption) else Severity.HARD
     if isinstance(exc, torch.OutOfMemoryError | MemoryError) or _OOM_PATTERNS.search(msg):
         return FaultKind.OOM, Severity.SOFT
     if _STICKY_CUDA.search(msg) and ("cuda" in msg.lower() or "device-side" in msg.lower()):
@@ -84,6 +87,8 @@ def signature(kind: FaultKind, exc: BaseException) -> str:
     first = _VOLATILE.sub("N", first)[:160]
     if kind is FaultKind.DESYNC:  # the counts differ run to run; the place does not
         return "desync: ranks issued different collectives in a step"
+    if kind is FaultKind.SDC:  # the digests differ run to run
+        return f"sdc: {type(exc).__name__}: replicas differ"
     if kind in (FaultKind.HANG, FaultKind.PEER, FaultKind.DIED):
         return f"{kind.value}: {first}"
     return f"{kind.value}: {type(exc).__name__}: {first}"
