@@ -34,11 +34,12 @@ def flip_bit(t: torch.Tensor, index: int = 0, bit: int | None = None) -> None:
     width = t.element_size() * 8
     words = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
     with torch.no_grad():
-        flat = t.detach().view(-1).view(words)
+        view = t.detach().view(words)  # (same element size: any layout)
+        where = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), t.shape)) if t.dim() else ()
         value = 1 << bit
         if words is not torch.uint8 and value >= 1 << (width - 1):  # (the sign bit of a signed view)
             value -= 1 << width
-        flat[index] ^= torch.tensor(value, dtype=words, device=t.device)
+        view[where] ^= torch.tensor(value, dtype=words, device=t.device)
 
 
 class Bitflip(InProcess):
