@@ -99,6 +99,32 @@ class GuardConfig(_Model):
     )
 
 
+class SdcConfig(_Model):
+    """Silent data corruption: digests of the replicated state (DDP parameters and their
+    optimizer's state, DTensor replicas) compared across replicas where the collective count is.
+
+    ``interval: auto`` digests every state the collective check verifies (the ring's snapshot
+    cadence, as the schedule picks it within the snapshot budget) and at least every
+    ``max_interval`` steps; an int digests every N steps (and at every kept state). A mismatch is
+    a soft fault (``sdc``): every rank rolls back to the newest snapshot whose digests agreed.
+    """
+
+    enabled: bool = Field(True, description="compare digests of the replicated state across replicas")
+    interval: int | Literal["auto"] = Field(
+        "auto", description="every N completed steps, or auto: wherever state is kept (see max_interval)"
+    )
+    max_interval: int = Field(
+        100, ge=1, description="auto: also every this many steps when state is kept less often"
+    )
+
+    @field_validator("interval")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return v
+
+
 class HealthConfig(_Model):
     """Health checks run between fault detection and the rebuild of the group."""
 
@@ -226,6 +252,7 @@ class Config(_Model):
     restart: RestartConfig = Field(default_factory=RestartConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    sdc: SdcConfig = Field(default_factory=SdcConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

@@ -53,6 +53,17 @@ class CollectiveDesync(SoftFault):
         self.window_end = window_end
 
 
+class SilentCorruption(SoftFault):
+    """Replicas of the same state differ (a flipped bit: silent data corruption), found by
+    comparing digests where the collective count is compared. ``window_end``: the step after which
+    they were compared; state kept after it is not a good state. ``ranks``: the two that differ."""
+
+    def __init__(self, message: str, window_end: int, ranks: tuple[int, int] = (-1, -1)) -> None:
+        super().__init__(message)
+        self.window_end = window_end
+        self.ranks = ranks
+
+
 class SnapshotError(SoftFault):
     """Copying a tracked object's state failed; the message names the object and the leaf."""
 
@@ -81,6 +92,11 @@ class HardFault(ResilienceError):
     """A fault that in-process recovery cannot fix; the process should exit for the launcher."""
 
     exit_code = ExitCode.HARD_FAULT
+
+
+class CorruptReplica(HardFault):
+    """This rank's replica was found corrupt a second time: its hardware is not trusted any more
+    (it marks itself unhealthy and exits, for the launcher to put another in its place)."""
 
 
 class CoordinationError(HardFault):

@@ -21,6 +21,7 @@ from chaos.faults.base import (
     Undo,
     Where,
 )
+from chaos.faults.bitflip import Bitflip
 from chaos.faults.desync import Desync
 from chaos.faults.in_process import GilHang, Hang, RaiseException, Stall
 from chaos.faults.link import LinkDrop, LinkLoss
@@ -33,6 +34,7 @@ from chaos.faults.storage import CorruptCheckpoint, SlowDisk
 REGISTRY = Registry([
     RaiseException(), Hang(), HostOom(), GilHang(), Stall(), KernelOom(), CudaOom(), Desync(), Segfault(),
     Sigkill(), Sigstop(), CorruptCheckpoint(), SlowDisk(), LinkDrop(), LinkLoss(), NanGradient(), GradSpike(),
+    Bitflip(),
 ])  # fmt: skip
 
 __all__ = [

@@ -31,22 +31,43 @@ last rank reads it: the job's server sees two requests per node and check.
 
 Ranks that legitimately issue different collectives on the default group (e.g. pipeline stages'
 point-to-point traffic on it) turn the check off: ``collective_check: false``.
+
+The same post carries the rank's digests of its replicated state (``sdc``, see
+:mod:`resilient.state.digest`), one per replica group: each rank compares each with the next member
+of that group, which is its ring neighbour for a DDP over every rank (the same read), else one more
+read of that member's post (which then also goes to the job's store when that member is on another
+node). A difference raises :class:`SilentCorruption`, handled like a desync.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Protocol
+from collections.abc import Mapping
+from typing import NamedTuple, Protocol
 
 import torch.distributed as dist
 
-from resilient.errors import CollectiveDesync
+from resilient.errors import CollectiveDesync, SilentCorruption
 from resilient.runtime.node import NodeLink, NodeLinkLost
+from resilient.state.digest import Group, group_id, next_member
 
-__all__ = ["CollectiveCount", "CollectiveDesync", "issued_on_default_group"]
+__all__ = ["CollectiveCount", "CollectiveDesync", "SilentCorruption", "issued_on_default_group"]
 
 _ABSENT = "\x00absent"  # never a count: what a read of a key not posted yet returns
+
+
+class _Posted(NamedTuple):
+    """What a rank posted for a window: its count and its digests by replica group id."""
+
+    n: int  # the count
+    digests: dict[str, str]
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> _Posted:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        n, *pairs = text.split(" ")
+        return cls(int(n), dict(p.split("=", 1) for p in pairs))
 
 
 class NodeLinkHolder(Protocol):
@@ -73,16 +94,25 @@ class CollectiveCount:
     the ``k``-th check of the generation (every rank checks at the same steps)."""
 
     def __init__(
-        self, store: dist.Store, prefix: str, rank: int, world_size: int, coord: NodeLinkHolder | None = None
+        self,
+        store: dist.Store,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        coord: NodeLinkHolder | None = None,
+        *,
+        counts: bool = True,
     ) -> None:
         self.store, self.prefix, self.rank, self.world = store, prefix, rank, world_size
         self.coord = coord  # its node link, while it lasts
+        self.counts = counts  # False: the counts are posted but not compared (digests only)
         self.step: int | None = None
         self.checks = 0  # windows closed so far
         self._since: int | None = None  # the first step of the open window
         self._base = issued_on_default_group()
         self._posted: list[tuple[int, dist.Store]] = []  # own keys not yet deleted, and where
         self._pending: tuple[int, int, int, int] | None = None  # (k, count, first step, last step)
+        self._digests: Mapping[Group, str] = {}  # the pending window's, by replica group
 
     def _key(self, k: int, rank: int) -> str:
         return f"{self.prefix}/{k}/{rank}"
@@ -101,24 +131,27 @@ class CollectiveCount:
         """The step that closed a window whose neighbour's count was not compared yet."""
         return self._pending[3] if self._pending is not None else None
 
-    def close_window(self, step: int) -> None:
-        """Post this rank's count for the window ending with ``step`` and return at once; the
-        comparison with the neighbour's count follows in :meth:`settle` (state kept meanwhile is
-        unverified). A window still unsettled is settled first, waiting if need be."""
+    def close_window(self, step: int, digests: Mapping[Group, str] | None = None) -> None:
+        """Post this rank's count (and ``digests``: of its replicated state, by replica group)
+        for the window ending with ``step`` and return at once; the comparison follows in
+        :meth:`settle` (state kept meanwhile is unverified). A window still unsettled is settled
+        first, waiting if need be."""
         if self._pending is not None:
             self.settle(block=True)
         seq = issued_on_default_group()
         n, since = seq - self._base, self._since if self._since is not None else step
         k = self.checks
+        digests = digests or {}
+        value = " ".join([str(n), *(f"{group_id(g)}={d}" for g, d in digests.items())])
         try:
-            self._post(k, n, self._stores_to_post())
+            self._post(k, value, self._stores_to_post(digests))
         except dist.DistNetworkError as e:  # the node's store died: post where the neighbour reads now
             assert self.coord is not None
             self.coord.lose(e)
-            self._post(k, n, [self.store])
+            self._post(k, value, [self.store])
         self.checks, self._base, self._since = k + 1, seq, None
         if self.world > 1:
-            self._pending = (k, n, since, step)
+            self._pending, self._digests = (k, n, since, step), digests
 
     def settle(self, block: bool) -> bool:
         """Compare the pending window with the next rank's count: True once compared (or nothing
@@ -128,19 +161,32 @@ class CollectiveCount:
             return True
         k, n, since, step = self._pending
         peer = (self.rank + 1) % self.world
-        key = self._key(k, peer)
-        got = self._read(key, peer)
-        if got is None and not block:
-            return False
-        other = got if got is not None else self._await(key, peer)
+        posts: dict[int, _Posted] = {}
+        for p in [peer, *sorted({next_member(g, self.rank) for g in self._digests} - {peer})]:
+            key = self._key(k, p)
+            got = self._read(key, p)
+            if got is None and not block:
+                return False
+            posts[p] = got if got is not None else self._await(key, p)
         self._pending = None
-        if other != n:
+        other = posts[peer].n
+        if self.counts and other != n:
             where = f"step {step}" if since == step else f"steps {since}-{step}"
             raise CollectiveDesync(
                 f"collective desync in {where}: rank {self.rank} issued {n} collectives, "
                 f"rank {peer} issued {other}; the state is not kept",
                 window_end=step,
             )
+        for group, mine in self._digests.items():
+            p = next_member(group, self.rank)
+            theirs = posts[p].digests.get(group_id(group))
+            if theirs != mine:
+                raise SilentCorruption(
+                    f"replicas differ after step {step}: rank {self.rank}'s state replicated over ranks "
+                    f"{_span(group)} has digest {mine}, rank {p}'s {theirs}; the state is not kept",
+                    window_end=step,
+                    ranks=(self.rank, p),
+                )
         if n > 0:  # a collective in this window means every rank finished reading the ones before
             for old, held in [p for p in self._posted if p[0] < k]:
                 with contextlib.suppress(dist.DistNetworkError):  # (a lost node's store, keys and all)
@@ -154,20 +200,24 @@ class CollectiveCount:
         self.close_window(step)
         self.settle(block=True)
 
-    def _post(self, k: int, n: int, stores: list[dist.Store]) -> None:
+    def _post(self, k: int, value: str, stores: list[dist.Store]) -> None:
         for where in stores:
-            where.set(self._key(k, self.rank), str(n))
+            where.set(self._key(k, self.rank), value)
             self._posted.append((k, where))
 
-    def _stores_to_post(self) -> list[dist.Store]:
+    def _stores_to_post(self, digests: Mapping[Group, str]) -> list[dist.Store]:
         """The node's store (for the neighbour on this node) and, for a node's first rank (whose
-        ring predecessor is on the node before) or an unlinked rank, the job's."""
+        ring predecessor is on the node before), a rank whose predecessor in a replica group is on
+        another node, or an unlinked rank, the job's."""
         node = self.coord.node if self.coord is not None else None
         if node is None:
             return [self.store]
-        return [node.store, self.store] if self.rank == node.first else [node.store]
+        readers = [g[(g.index(self.rank) - 1) % len(g)] for g in digests]
+        if self.rank == node.first or not all(node.holds(r) for r in readers):
+            return [node.store, self.store]
+        return [node.store]
 
-    def _read(self, key: str, peer: int) -> int | None:
+    def _read(self, key: str, peer: int) -> _Posted | None:
         """The neighbour's count, or None if not posted yet: one request (a compare-and-set that
         never matches returns the value, or our sentinel when the key is absent, creating nothing)."""
         coord = self.coord
@@ -182,9 +232,9 @@ class CollectiveCount:
                 coord.lose(e)
         if raw is None:
             raw = self.store.compare_set(key, _ABSENT, _ABSENT)
-        return None if raw == _ABSENT.encode() else int(raw)
+        return None if raw == _ABSENT.encode() else _Posted.parse(raw)
 
-    def _await(self, key: str, peer: int) -> int:
+    def _await(self, key: str, peer: int) -> _Posted:
         # A blocking store wait cannot be interrupted by the runtime (the signal that ends a
         # step is only handled between bytecodes) and a timed-out wait leaves the connection out
         # of step with the server: poll instead. The peer is normally there within a collective's
@@ -204,7 +254,7 @@ class CollectiveCount:
         neighbour that closed the open window after fewer collectives than this rank has issued
         in it means this rank waits in a collective the neighbour never issued."""
         step = self.step
-        if step is None or self.world == 1:
+        if step is None or self.world == 1 or not self.counts:
             return None
         n, k = self.issued(), self.checks
         since = self._since if self._since is not None else step
@@ -216,7 +266,7 @@ class CollectiveCount:
             try:
                 if not s.check([key]):
                     continue
-                other = int(s.get(key))
+                other = _Posted.parse(s.get(key)).n
             except Exception:  # the store is unreachable: no diagnosis, the hang stands
                 return None
             if other < n:
@@ -225,3 +275,10 @@ class CollectiveCount:
                     f"collectives, rank {self.rank} has issued {n} since the last one and waits in the last"
                 )
         return None
+
+
+def _span(group: Group) -> str:
+    """A group of ranks in a message: a range when it is one."""
+    if len(group) > 2 and list(group) == list(range(group[0], group[-1] + 1)):
+        return f"{group[0]}-{group[-1]}"
+    return ",".join(map(str, group))

@@ -16,7 +16,14 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from resilient.errors import CollectiveDesync, NonFiniteStep, SpikeStep, StepInterrupted
+from resilient.errors import (
+    CollectiveDesync,
+    CorruptReplica,
+    NonFiniteStep,
+    SilentCorruption,
+    SpikeStep,
+    StepInterrupted,
+)
 
 
 class FaultKind(str, enum.Enum):
@@ -32,6 +39,7 @@ class FaultKind(str, enum.Enum):
     MALFORMED = "malformed"  # a record a peer left in the store does not parse (reported, recovered)
     NONFINITE = "nonfinite"  # a NaN/Inf gradient or loss, caught before the optimizer applied it
     SPIKE = "spike"  # a gradient norm or loss far above the recent ones, caught before it was applied
+    SDC = "sdc"  # replicas of the same state differ: silent data corruption (resilient/state/digest.py)
 
 
 class Severity(str, enum.Enum):
@@ -75,6 +83,8 @@ def classify(exc: BaseException) -> tuple[FaultKind, Severity]:
         return FaultKind.NONFINITE, Severity.SOFT
     if isinstance(exc, SpikeStep):
         return FaultKind.SPIKE, Severity.SOFT
+    if isinstance(exc, SilentCorruption | CorruptReplica):
+        return FaultKind.SDC, Severity.SOFT if isinstance(exc, SilentCorruption) else Severity.HARD
     if isinstance(exc, torch.OutOfMemoryError | MemoryError) or _OOM_PATTERNS.search(msg):
         return FaultKind.OOM, Severity.SOFT
     if _STICKY_CUDA.search(msg) and ("cuda" in msg.lower() or "device-side" in msg.lower()):
@@ -90,6 +100,8 @@ def signature(kind: FaultKind, exc: BaseException) -> str:
     first = _VOLATILE.sub("N", first)[:160]
     if kind is FaultKind.DESYNC:  # the counts differ run to run; the place does not
         return "desync: ranks issued different collectives in a step"
+    if kind is FaultKind.SDC:  # the digests differ run to run
+        return f"sdc: {type(exc).__name__}: replicas differ"
     if kind in (FaultKind.HANG, FaultKind.PEER, FaultKind.DIED):
         return f"{kind.value}: {first}"
     return f"{kind.value}: {type(exc).__name__}: {first}"

@@ -15,6 +15,7 @@ from dataclasses import asdict
 from loguru import logger
 
 from resilient.errors import (
+    CorruptReplica,
     HardFault,
     Preempted,
     RestartBudgetExhausted,
@@ -108,6 +109,8 @@ class Recovery:
             self._depart(gen)
             raise
         self.check_health(gen, step)
+        if primary.kind == FaultKind.SDC.value and primary.severity == Severity.SOFT.value:
+            self._attribute(gen)
         if delay > 0:
             time.sleep(delay)
         persist = self.keeper.persist
@@ -143,6 +146,18 @@ class Recovery:
 
     def _agree_restore_step(self, gen: int, primary: FaultRecord | None = None) -> int:
         return plan_step(self.coord.recovery_barrier(gen, self.keeper.held_steps()), primary)
+
+    def _attribute(self, gen: int) -> None:
+        """Replicas differed: every rank's digests of its last windows, exchanged, name the
+        corrupt one where a majority can (runtime/sdc.py); one named twice exits."""
+        sdc = self.loop.sdc
+        if sdc is None:
+            return
+        try:
+            sdc.attribute(gen, self.coord.exchange)
+        except CorruptReplica as e:
+            self._tell_peers(gen, str(e))
+            raise
 
     def check_health(self, gen: int, step: int | None) -> None:
         node = self.coord.node  # the store this rank uses: its round trip is timed

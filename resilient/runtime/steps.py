@@ -24,12 +24,13 @@ from typing import Any, Protocol
 import torch
 from loguru import logger
 
-from resilient.errors import CollectiveDesync, StateRestoreError
+from resilient.errors import CollectiveDesync, SilentCorruption, StateRestoreError
 from resilient.events import Event
 from resilient.runtime.buckets import AllSame, DdpBuckets
 from resilient.runtime.collective_check import CollectiveCount, NodeLinkHolder
 from resilient.runtime.generation import EpochPosition, Generation, PendingRestore
 from resilient.runtime.guard import StepGuard
+from resilient.runtime.sdc import ReplicaCheck
 from resilient.runtime.session import Session
 from resilient.state import SnapshotRing
 from resilient.state.loader import batches_consumed, finish_pass
@@ -146,6 +147,7 @@ class StepLoop:
         self.guard = StepGuard(
             session.cfg.guard, session.events, lambda: self.step, self._batch, lambda: session.generation
         )
+        self.sdc = ReplicaCheck(session.cfg.sdc, session) if session.cfg.sdc.enabled else None
 
     # -- what Context reads ----------------------------------------------------------------------------
     @property
@@ -196,8 +198,11 @@ class StepLoop:
         if s.heartbeat is not None:  # the generation a replacement for this rank would join
             s.heartbeat.generation = number
         count = None
-        if s.cfg.collective_check:
-            count = CollectiveCount(s.store, f"{s.ns}/g{number}/fp", s.rank, s.world_size, self.count_via)
+        if s.cfg.collective_check or self.sdc is not None:  # (the digests ride the count's posts)
+            count = CollectiveCount(
+                s.store, f"{s.ns}/g{number}/fp", s.rank, s.world_size, self.count_via,
+                counts=s.cfg.collective_check,
+            )  # fmt: skip
         self.gen = Generation(number, group, count, restore, s.clock())
         return self.gen
 
@@ -359,9 +364,9 @@ class StepLoop:
         nxt = step + 1
         capture_s = None
         state: dict[str, Any] | None = None
-        count = gen.count
+        count, sdc = gen.count, self.sdc
         if count is not None and count.pending is not None:  # the last kept snapshot, verified now
-            self._verified(count.settle, False)
+            self._settle(count, False)
         leaves = self.keeper.due(nxt, total) or nxt == total  # (the last: returned to the caller)
         ring_due = s.schedule.due(nxt, total)
         if self.keeper.stopping():
@@ -369,14 +374,23 @@ class StepLoop:
             # step later waits in the next step's collectives, not here; the recovery that the
             # stop starts verifies the count once every rank arrived (Recovery._preempt)
             ring_due, leaves = True, False
-        if ring_due or leaves:
-            if count is not None:  # every rank issued the same collectives, or nothing is kept
-                # state that leaves the process is verified first; the ring's, at the next step
-                self._verified(count.check if leaves else count.close_window, step)
+        digest_due = sdc is not None and count is not None and sdc.due(nxt)
+        if ring_due or leaves or digest_due:
             state = gen.registry.capture()
+            digests, sums = None, None
+            if sdc is not None and count is not None:  # the replicated state's digests, with the count
+                objects = dict(zip(gen.registry.names(), gen.registry.objects(), strict=True))
+                digests, sums = sdc.digests(step, state, objects)
+            if count is not None:  # every rank issued the same collectives, or nothing is kept
+                if count.pending is not None:  # (a window still open from a step that kept no state)
+                    self._settle(count, True)
+                # state that leaves the process is verified first; the ring's, at the next step
+                count.close_window(step, digests)
+                if leaves:
+                    self._settle(count, True)
             self.buckets.observe(gen.registry.objects())
             if ring_due:
-                self.ring.capture(nxt, state)
+                self.ring.capture(nxt, state, sums)
                 capture_s = s.clock() - now
         s.schedule.observe(nxt, step_s, capture_s)
         if s.cfg.events.steps:
@@ -396,24 +410,36 @@ class StepLoop:
 
     # -- the collective check's verdicts ---------------------------------------------------------------
     def _verified(self, compare: Callable[[Any], Any], arg: Any) -> None:
-        """Run a comparison of collective counts; on a desync, the snapshot kept after the
-        window that differs is dropped before the fault is raised."""
+        """Run a comparison of collective counts (and digests); on a desync (or replicas that
+        differ), the snapshot kept after the window that differs is dropped before the fault is
+        raised."""
         try:
             compare(arg)
-        except CollectiveDesync as e:
+        except (CollectiveDesync, SilentCorruption) as e:
             self.ring.drop_after(e.window_end)
             raise
+
+    def _settle(self, count: CollectiveCount, block: bool) -> None:
+        """Compare the pending window; once its digests agreed, a replay awaited there decides."""
+        end = count.pending
+        self._verified(count.settle, block)
+        if self.sdc is not None and end is not None and count.pending is None:
+            self.sdc.agreed(end)
 
     def settle_at_end(self) -> None:
         """The function returned (perhaps leaving ``ctx.steps`` early): no unverified state may
         stand as its result."""
         count = self.gen.count
         if count is not None and count.pending is not None:
-            self._verified(count.settle, True)
+            self._settle(count, True)
 
     def settle_before_restore(self) -> None:
         """A fault came while the newest snapshot was unverified: compare now if the neighbour's
-        count is there, else drop that snapshot (nothing proves it good)."""
+        count is there, else drop that snapshot (nothing proves it good). With ``sdc``, a
+        snapshot whose copy no longer matches its digests is dropped too."""
+        if self.sdc is not None:
+            for step, why in self.ring.drop_corrupt():
+                logger.error("rank {}: snapshot of step {} corrupt, not restored: {}", self.rank, step, why)
         count = self.gen.count
         if count is None or count.pending is None:
             return
@@ -421,7 +447,7 @@ class StepLoop:
         try:
             if count.settle(block=False):
                 return
-        except CollectiveDesync:
+        except (CollectiveDesync, SilentCorruption):
             pass
         except Exception as e:  # the store may be what failed: no proof either way
             logger.debug("rank {}: collective count not compared: {}", self.session.rank, e)

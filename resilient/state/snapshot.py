@@ -8,6 +8,10 @@ runtime restores the newest step that *every* rank holds, which is why two slots
 Tensor leaves are copied into host buffers allocated once per (path, shape, dtype) and reused:
 no allocation per snapshot. CUDA tensors land in pinned buffers (non-blocking copy, then one
 synchronize), so a CUDA fault cannot take the snapshot with it.
+
+A snapshot may carry the exact sum of each tensor leaf's bytes, taken from the live tensors it was
+copied from (``sdc``: :mod:`resilient.state.digest`); it is then verified against its copy before
+it is restored, and a copy that no longer matches (a flipped bit in host memory) is never loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 from resilient.errors import SnapshotError, StateRestoreError
+from resilient.state.digest import Leaf, tensor_sums
 from resilient.state.tree import map_leaves, map_with_path
 
 
@@ -47,6 +52,12 @@ class _Slot:
     tree: Any = None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     loader: Callable[[], dict[str, Any]] | None = None  # adopted: the state lives elsewhere
+    sums: dict[str, Leaf] | None = None  # each tensor leaf's byte sum when captured, if taken
+    verified: bool = False  # the copy was found to match ``sums`` since it was captured
+
+
+class CorruptSnapshot(StateRestoreError):
+    """A snapshot's copy no longer matches the sums taken when it was captured."""
 
 
 class SnapshotRing:
@@ -67,15 +78,17 @@ class SnapshotRing:
         if any(s.valid and s.step == step for s in self._slots):
             return
         slot = min(self._slots, key=lambda s: (s.valid, s.step))
-        slot.step, slot.tree, slot.loader, slot.valid = step, None, loader, True
+        slot.step, slot.tree, slot.loader, slot.valid, slot.sums = step, None, loader, True, None
 
-    def capture(self, step: int, state: dict[str, Any]) -> None:
-        """Copy ``state`` (nested dicts/lists with tensor leaves) as the snapshot for ``step``."""
+    def capture(self, step: int, state: dict[str, Any], sums: dict[str, Leaf] | None = None) -> None:
+        """Copy ``state`` (nested dicts/lists with tensor leaves) as the snapshot for ``step``;
+        ``sums``: each tensor leaf's byte sum, by path, taken from ``state`` (verified on restore)."""
         if any(s.valid and s.step == step for s in self._slots):
             return
         slot = min(self._slots, key=lambda s: (s.valid, s.step))  # an empty slot, else the oldest
         slot.valid = False
         slot.loader = None
+        slot.sums, slot.verified = sums, False
         cuda_copies = False
         at = ""  # the leaf being copied, for the error
 
@@ -122,6 +135,10 @@ class SnapshotRing:
         slot = next((s for s in self._slots if s.valid and s.step == step), None)
         if slot is None:
             raise StateRestoreError(f"no snapshot for step {step}; held: {self.steps()}")
+        why = self._check(slot)
+        if why is not None:
+            slot.valid = False
+            raise CorruptSnapshot(f"the snapshot of step {step} is corrupt and is not restored: {why}")
         if slot.loader is not None:
             try:
                 return slot.loader()
@@ -136,6 +153,31 @@ class SnapshotRing:
             return obj.value if isinstance(obj, Frozen) else copy.deepcopy(obj)
 
         return dict(map_leaves(restore_other, slot.tree, typed=(_Ref, restore_tensor)))
+
+    def _check(self, slot: _Slot) -> str | None:
+        """Why ``slot``'s copy does not match the sums taken at capture (None: it does, or none
+        were taken). One pass over the host copy, once per capture."""
+        if slot.sums is None or slot.verified or slot.loader is not None:
+            return None
+        paths = [p for p in slot.sums if p in slot.buffers]
+        now = tensor_sums([slot.buffers[p] for p in paths])
+        for p, total in zip(paths, now, strict=True):
+            if total != slot.sums[p][0]:
+                return f"leaf {p!r}: byte sum {total:#x}, {slot.sums[p][0]:#x} when captured"
+        missing = sorted(set(slot.sums) - set(paths))
+        if missing:
+            return f"leaves {missing[:3]} were captured but have no copy"
+        slot.verified = True
+        return None
+
+    def drop_corrupt(self) -> list[tuple[int, str]]:
+        """Verify every snapshot held (see :meth:`_check`) and drop those that fail: ``(step, why)``."""
+        dropped = []
+        for slot in self._slots:
+            if slot.valid and (why := self._check(slot)) is not None:
+                slot.valid = False
+                dropped.append((slot.step, why))
+        return dropped
 
     def drop_after(self, step: int) -> None:
         """Invalidate snapshots newer than ``step`` (after restoring an older one)."""

@@ -205,9 +205,9 @@ def test_the_collective_check_runs_only_where_state_is_kept(
     closed: list[int] = []
     real = fingerprint.CollectiveCount.close_window
 
-    def spy(self: fingerprint.CollectiveCount, step: int) -> None:
+    def spy(self: fingerprint.CollectiveCount, step: int, digests: Any = None) -> None:
         closed.append(step)
-        real(self, step)
+        real(self, step, digests)
 
     monkeypatch.setattr(fingerprint.CollectiveCount, "close_window", spy)
     fakes = Fakes(tmp_path)
