@@ -53,6 +53,7 @@ class Event(str, enum.Enum):
     FAULT_REPORT = "fault_report"  # what the rank that faulted (or the agent) saw: stacks, traceback
     NODE_LINK = "node_link"  # at start: this rank reaches the job's store through its node's, or why not
     NODE_LINK_LOST = "node_link_lost"  # the node's store (local rank 0's) is gone: the job's store alone
+    STRAGGLER_DETECTED = "straggler_detected"  # rank: the one slower than its peers
 
 
 class EventLog:
