@@ -28,10 +28,12 @@ from chaos.faults.memory import CudaOom, HostOom, KernelOom
 from chaos.faults.segfault import Segfault
 from chaos.faults.signals import Sigkill, Sigstop
 from chaos.faults.storage import CorruptCheckpoint, SlowDisk
+from chaos.faults.straggler import Straggler
 
 REGISTRY = Registry([
     RaiseException(), Hang(), HostOom(), GilHang(), Stall(), KernelOom(), CudaOom(), Desync(), Segfault(),
     Sigkill(), Sigstop(), CorruptCheckpoint(), SlowDisk(), LinkDrop(), LinkLoss(),
+    Straggler(),
 ])  # fmt: skip
 
 __all__ = [
