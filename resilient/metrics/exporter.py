@@ -187,9 +187,9 @@ class RunMetrics:
             "the last reported straggler's work per step / the median of its peers'",
             labels=[*labels, "rank", "host"],
         )
-        for (rank, host), (n, factor) in sorted(m.stragglers.items()):
-            stragglers.add_metric([self.run_id, str(rank), host], n)
-            slowdown.add_metric([self.run_id, str(rank), host], factor)
+        for (slow, where), (n, factor) in sorted(m.stragglers.items()):
+            stragglers.add_metric([self.run_id, str(slow), where], n)
+            slowdown.add_metric([self.run_id, str(slow), where], factor)
         yield stragglers
         yield slowdown
         rerun = sum(i.steps_rerun or 0 for i in incidents)

@@ -313,7 +313,7 @@ class StragglerWatch:
         if link is not None:
             ns = self._node(link)
             if line:
-                ns.append(f"straggler/{k - 1}", line)
+                ns.append(f"straggler/{k - 1}", line)  # type: ignore[attr-defined]
             if not link.leader:
                 return []
             block = _read(ns, f"straggler/{k - 2}")
