@@ -59,6 +59,8 @@ class Trial:
     bit_exact: bool | None = None
     previous_loaded: bool | None = None
     recover_after_restore_s: float | None = None  # link faults: link back → first step after
+    detected_rank: int | None = None  # the rank the detection event names
+    rate_back_s: float | None = None  # detection → steps within 10 % of the fault-free step time
     restarts: int | None = None  # incarnations beyond the first, over every rank
     lost_checkpoints: int | None = None  # committed checkpoints that no longer load
     fired: int = 0
@@ -95,6 +97,8 @@ def measure(
         out["detect_s"] = detect["ts"] - injected_ts
         out["detected_by"] = f"{detect['event']} (rank {detect['rank']})"
         out["detect_step"] = detect.get("step")
+        out["detected_rank"] = detect.get("global_rank", detect["rank"])
+        out["rate_back_s"] = rate_back(steps, detect["ts"], ref_step_s)
     if len(first_after) == nproc:
         out["recover_s"] = max(e["ts"] for e in first_after.values()) - injected_ts
         out["steps_lost"] = max(0, last_done + 1 - min(e["step"] for e in first_after.values()))
@@ -104,6 +108,23 @@ def measure(
         wall = end - steps[0]["ts"] + ref_step_s  # the first step's own time counts too
         out["goodput"] = min(1.0, distinct * ref_step_s / wall) if wall > 0 else None
     return out
+
+
+def rate_back(steps: list[dict[str, Any]], since: float, ref_step_s: float, n: int = 5) -> float | None:
+    """Seconds from ``since`` until the job steps at most 10 % slower than fault-free again: the
+    first step (completed by every rank) from which the median of the next ``n`` steps' times is
+    within 1.1 × ``ref_step_s``; None if that never happens."""
+    done: dict[int, float] = {}
+    for e in steps:  # a step is done when its last rank completed it (the last time, after a replay)
+        done[e["step"]] = max(done.get(e["step"], 0.0), e["ts"])
+    order = sorted(done.items())
+    times = [(s, t, t - order[i - 1][1]) for i, (s, t) in enumerate(order)
+             if i > 0 and order[i - 1][0] == s - 1]  # fmt: skip
+    for i, (_, t, _) in enumerate(times):
+        window = [d for _, _, d in times[i : i + n]]
+        if t >= since and len(window) == n and statistics.median(window) <= 1.1 * ref_step_s:
+            return max(0.0, t - since)
+    return None
 
 
 def _finals(cwd: Path, nproc: int) -> list[dict[str, Any]] | None:
@@ -128,6 +149,7 @@ def reference(cert: Certification, cwd: Path) -> tuple[list[dict[str, Any]], flo
 def _run_trial(
     cert: Certification, name: str, trial: int, cwd: Path, ref: list[dict[str, Any]], ref_step_s: float
 ) -> Trial:
+    cert = cert.for_class(name)
     c, j = cert.classes[name], cert.job
     kind = REGISTRY[c.fault]
     step = cert.trial_step(name, trial)
@@ -162,6 +184,7 @@ def _run_trial(
     m = measure(evs, inj["ts"], j.nproc, ref_step_s, kind.evidence.detection)
     t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
     t.detect_step = m.get("detect_step")
+    t.detected_rank, t.rate_back_s = m.get("detected_rank"), m.get("rate_back_s")
     t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
     t.time_by_cause = {k: round(v, 4) for k, v in account(evs).seconds.items()}  # (as `resilient report`)
     if restored is not None and t.recover_s is not None:
@@ -244,6 +267,10 @@ def _check(t: Trial, cert: Certification) -> list[str]:
         failed.append("recover_after_restore_s")
     if s.previous_checkpoint_loads and not t.previous_loaded:
         failed.append("previous_checkpoint_loads")
+    if s.detect_rank and t.detected_rank != cert.classes[t.cls].rank:
+        failed.append("detect_rank")
+    if s.rate_back_s is not None and (t.rate_back_s is None or t.rate_back_s > s.rate_back_s):
+        failed.append("rate_back_s")
     return failed
 
 
@@ -256,9 +283,13 @@ def certify(cert: Certification, out: Path, only: list[str] | None = None) -> li
     trials: list[Trial] = []
     with Progress(transient=True) as bar:
         task = bar.add_task("reference run", total=total)
-        ref, ref_step_s = reference(cert, out / "reference")
+        refs = {cert.job.model_dump_json(): reference(cert, out / "reference")}
         bar.advance(task)
         for name in names:
+            job = cert.for_class(name).job.model_dump_json()  # a class with a job of its own: its reference
+            if job not in refs:
+                refs[job] = reference(cert.for_class(name), out / f"reference-{name}")
+            ref, ref_step_s = refs[job]
             for k in range(cert.trials_of(name)):
                 bar.update(task, description=f"{name} trial {k + 1}/{cert.trials_of(name)}")
                 trials.append(run_trial(cert, name, k, out / f"{name}-{k}", ref, ref_step_s))

@@ -13,14 +13,14 @@ import psutil
 
 
 def sweep_stale(base: Path) -> list[Path]:
-    """Remove the ``chaos-[slow-]<pid>-...`` cgroups of chaos runs whose process is gone (SIGKILLed
-    before its ``finally``), killing (memory) or releasing (blkio) what is left in them."""
+    """Remove the ``chaos-[slow-|cpu-]<pid>-...`` cgroups of chaos runs whose process is gone
+    (SIGKILLed before its ``finally``), killing (memory) or releasing (blkio, cpu) what is left in them."""
     gone = []
     for cg in base.glob("chaos-*"):
-        pid = cg.name.removeprefix("chaos-").removeprefix("slow-").split("-")[0]
+        pid = cg.name.removeprefix("chaos-").removeprefix("slow-").removeprefix("cpu-").split("-")[0]
         if not pid.isdigit() or psutil.pid_exists(int(pid)):
             continue
-        if base.name == "blkio":
+        if base.name in ("blkio", "cpu"):
             release_blkio(cg)
         else:
             remove_cgroup(cg)
@@ -61,6 +61,30 @@ def remove_cgroup(cg: Path, *, strict: bool = False) -> None:
         raise OSError(f"{cg}: still in use 10 s after its tasks were killed")
 
 
+def cpu_cgroup() -> tuple[Path | None, str]:
+    """A fresh cgroup v1 ``cpu`` cgroup, its quota not set yet (root only), or (None, why not)."""
+    base = Path("/sys/fs/cgroup/cpu")
+    if not (base / "cpu.cfs_quota_us").exists():
+        return None, "no cgroup v1 cpu controller with CFS quotas at /sys/fs/cgroup/cpu"
+    if os.geteuid() != 0:
+        return None, "creating a cpu cgroup needs root"
+    sweep_stale(base)
+    cg = base / f"chaos-cpu-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        cg.mkdir()
+    except OSError as e:
+        return None, f"cannot create a cpu cgroup here: {e}"
+    return cg, ""
+
+
+def set_cpu_quota(cg: Path, fraction: float, period_us: int = 100_000) -> int:
+    """Limit ``cg`` to ``fraction`` of one CPU (CFS quota per period); returns the quota in µs."""
+    quota = max(1000, int(fraction * period_us))
+    (cg / "cpu.cfs_period_us").write_text(str(period_us))
+    (cg / "cpu.cfs_quota_us").write_text(str(quota))
+    return quota
+
+
 def blkio_cgroup(path: Path, write_bps: int) -> tuple[Path | None, str]:
     """A fresh cgroup v1 blkio cgroup whose writes to the block device holding ``path`` are
     throttled to ``write_bps`` bytes/s (root only), or (None, why not).
@@ -92,7 +116,8 @@ def blkio_cgroup(path: Path, write_bps: int) -> tuple[Path | None, str]:
 
 
 def release_blkio(cg: Path) -> None:
-    """Move every task of ``cg`` back to the root blkio cgroup (unthrottled), remove ``cg``."""
+    """Move every task of ``cg`` back to its controller's root cgroup (unthrottled: blkio, cpu),
+    remove ``cg``."""
     root = cg.parent / "cgroup.procs"
     deadline = time.monotonic() + 10
     while cg.exists() and time.monotonic() < deadline:

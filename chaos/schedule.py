@@ -58,6 +58,10 @@ class SLO(_Model):
     recover_after_restore_s: float | None = Field(
         None, gt=0, description="link faults: link back → first step completed after, at most"
     )
+    detect_rank: bool = Field(False, description="the detection event names the faulty rank (straggler)")
+    rate_back_s: float | None = Field(
+        None, gt=0, description="detection → steps within 10 % of the fault-free step time again, at most"
+    )
 
 
 class FaultClass(_Model):
@@ -69,6 +73,10 @@ class FaultClass(_Model):
     duration: float = Field(10.0, gt=0, description="link faults, slow_disk: seconds the fault lasts")
     trials: int | None = Field(None, ge=1)
     slo: SLO = Field(default_factory=SLO, description="without one: the kind's default SLO, if it has one")
+    job: dict[str, Any] = Field(
+        default_factory=dict,
+        description="job fields for this class's trials (its own fault-free reference); runtime merges",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -189,6 +197,15 @@ class Certification(_Model):
                 f"schedule: link faults on ranks {sorted(links)}; one rank per run sits behind the veth"
             )
         return self
+
+    def for_class(self, name: str) -> Certification:
+        """This certificate with the job of class ``name`` (its ``job:`` fields over the job's)."""
+        over = self.classes[name].job
+        if not over:
+            return self
+        runtime = {**self.job.runtime, **over.get("runtime", {})}
+        job = Job.model_validate({**self.job.model_dump(), **over, "runtime": runtime})
+        return self.model_copy(update={"job": job})
 
     def trial_step(self, name: str, trial: int) -> int:
         c = self.classes[name]

@@ -215,6 +215,27 @@ class MetricsConfig(_Model):
     )
 
 
+class StragglerConfig(_Model):
+    """A rank slower than its peers (docs/recovery.md#stragglers): each rank's own work per step
+    (forward of a local module + optimizer step) compared across ranks through the store.
+    ``threshold``, ``window_s`` and ``action`` may change while the job runs:
+    ``<events.dir>/<run_id>/straggler.yaml``."""
+
+    enabled: bool = Field(True, description="measure and compare each rank's own work per step")
+    check_s: float = Field(
+        5.0, gt=0, description="each rank posts its figure this often (steps must be shorter)"
+    )
+    threshold: float = Field(
+        1.3, gt=1, description="a rank this many times slower than the median of its peers is slow"
+    )
+    window_s: float = Field(30.0, ge=0, description="slow in every check for this long: a straggler")
+    action: Literal["report", "replace"] = Field(
+        "report",
+        description="report: a `straggler_detected` event; replace (under `resilient launch`): its "
+        "process is ended and a standby takes its rank",
+    )
+
+
 class Config(_Model):
     """Runtime configuration. Defaults live here; ``configs/default.yaml`` mirrors them."""
 
@@ -257,6 +278,7 @@ class Config(_Model):
     events: EventsConfig = Field(default_factory=EventsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    straggler: StragglerConfig = Field(default_factory=StragglerConfig)
 
     @field_validator("interrupt_signal")
     @classmethod

@@ -8,6 +8,8 @@ variables): what a worker and its ``resilient launch`` agent read and write of e
   (SIGSTOP, a hang holding the GIL) simply stops storing.
 - **The unhealthy mark**: a worker whose health check failed says which, next to its heartbeat;
   the agent reads it (once) when it decides what the death means.
+- **The straggler mark**: a node's judge names a rank to replace (``straggler.action: replace``);
+  the agent ends that worker and replaces it like a dead one.
 - **The run's namespace** in the job's store: where the runtime's keys live, and where the agent
   posts a dead rank's fault so that its survivors' listeners wake.
 - **Where the heartbeats live**: one directory per launcher in ``/dev/shm``.
@@ -88,10 +90,36 @@ def take_unhealthy(directory: Path, local_rank: int) -> dict[str, Any] | None:
     return mark if isinstance(mark, dict) else None
 
 
+def straggler_path(directory: Path, local_rank: int) -> Path:
+    """Where a straggler to be replaced is named (by its node's judge, ``straggler.action: replace``)."""
+    return directory / f"rank{local_rank:05d}.straggler"
+
+
+def mark_straggler(directory: Path, local_rank: int, detail: dict[str, Any]) -> bool:
+    """The worker side: ``local_rank`` of this node is a straggler its agent should replace."""
+    try:
+        straggler_path(directory, local_rank).write_text(json.dumps(detail))
+    except OSError:
+        return False
+    return True
+
+
+def take_straggler(directory: Path, local_rank: int) -> dict[str, Any] | None:
+    """The agent side: the straggler mark of ``local_rank``, removed as it is read."""
+    path = straggler_path(directory, local_rank)
+    try:
+        mark = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    path.unlink(missing_ok=True)
+    return mark if isinstance(mark, dict) else None
+
+
 def clear_worker(directory: Path, local_rank: int) -> None:
-    """A new process takes ``local_rank``: its predecessor's beat and mark are not its own."""
+    """A new process takes ``local_rank``: its predecessor's beat and marks are not its own."""
     beat_path(directory, local_rank).unlink(missing_ok=True)
     unhealthy_path(directory, local_rank).unlink(missing_ok=True)
+    straggler_path(directory, local_rank).unlink(missing_ok=True)
 
 
 # ---- heartbeats -----------------------------------------------------------------------------------

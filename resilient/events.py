@@ -56,6 +56,7 @@ class Event(str, enum.Enum):
     SPIKE_ACCEPTED = "spike_accepted"  # a spike came back at the same step on replay: the data's own, applied
     BATCH_SKIPPED = "batch_skipped"  # a step rejected twice (guard.on_*: skip_batch): its update not applied
     SDC_DETECTED = "sdc_detected"  # replicas differed: who was corrupt (runtime/sdc.py), or who may be
+    STRAGGLER_DETECTED = "straggler_detected"  # rank: the one slower than its peers
 
 
 class EventLog:

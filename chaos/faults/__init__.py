@@ -30,11 +30,12 @@ from chaos.faults.numeric import GradSpike, NanGradient
 from chaos.faults.segfault import Segfault
 from chaos.faults.signals import Sigkill, Sigstop
 from chaos.faults.storage import CorruptCheckpoint, SlowDisk
+from chaos.faults.straggler import Straggler
 
 REGISTRY = Registry([
     RaiseException(), Hang(), HostOom(), GilHang(), Stall(), KernelOom(), CudaOom(), Desync(), Segfault(),
     Sigkill(), Sigstop(), CorruptCheckpoint(), SlowDisk(), LinkDrop(), LinkLoss(), NanGradient(), GradSpike(),
-    Bitflip(),
+    Bitflip(), Straggler(),
 ])  # fmt: skip
 
 __all__ = [

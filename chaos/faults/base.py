@@ -70,6 +70,7 @@ class Arrangement:
     stack: ExitStack
     link: VethLink | None = None  # the veth link one rank runs behind (link faults)
     memcg: Path | None = None  # the memory cgroup a rank is moved into (kernel_oom)
+    cpucg: Path | None = None  # the cpu cgroup a rank is throttled in (straggler)
 
 
 class FaultKind:

@@ -177,6 +177,21 @@ class RunMetrics:
             buckets, total = _buckets(vals, RECOVER_BUCKETS)
             rec.add_metric([self.run_id, mode], buckets, total)
         yield rec
+        stragglers = CounterMetricFamily(
+            "resilient_stragglers",
+            "straggler_detected reports: a rank whose own work per step was slower than its peers'",
+            labels=[*labels, "rank", "host"],
+        )
+        slowdown = GaugeMetricFamily(
+            "resilient_straggler_slowdown",
+            "the last reported straggler's work per step / the median of its peers'",
+            labels=[*labels, "rank", "host"],
+        )
+        for (slow, where), (n, factor) in sorted(m.stragglers.items()):
+            stragglers.add_metric([self.run_id, str(slow), where], n)
+            slowdown.add_metric([self.run_id, str(slow), where], factor)
+        yield stragglers
+        yield slowdown
         rerun = sum(i.steps_rerun or 0 for i in incidents)
         yield _counter("resilient_steps_rerun", "steps done again after restores", run, rerun)
         # a gauge: time is re-attributed as the log tells more (a hang's silence becomes detection)

@@ -27,6 +27,8 @@ class Model:
     checkpoint_bytes: int = 0
     budget: dict[str, float] = field(default_factory=dict)  # scope -> restarts left
     info: dict[str, str] = field(default_factory=dict)  # engine, backend, world size
+    # (rank, host) -> (straggler_detected reports, the last one's slowdown)
+    stragglers: dict[tuple[int, str], tuple[int, float]] = field(default_factory=dict)
 
 
 def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = None) -> Model:
@@ -62,6 +64,9 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
         elif ev == "run_started":
             max_restarts, window = e.get("max_restarts"), e.get("restart_window_s")
             m.info = {k: str(e.get(k)) for k in ("engine", "backend", "world_size")}
+        elif ev == "straggler_detected" and isinstance(r, int):
+            n, _ = m.stragglers.get((r, str(e.get("host") or "")), (0, 0.0))
+            m.stragglers[(r, str(e.get("host") or ""))] = (n + 1, float(e.get("slowdown") or 0.0))
         elif ev in ("workers_started", "rank_replaced") and e.get("restarts_left") is not None:
             m.budget["launcher"] = float(e["restarts_left"])
     incidents = acc.incidents

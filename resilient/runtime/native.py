@@ -30,7 +30,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from resilient.checkpoint.shm import ShmSnapshot
-from resilient.contract import die_with_launcher
+from resilient.contract import die_with_launcher, mark_straggler
 from resilient.errors import (
     CoordinationError,
     HardFault,
@@ -51,6 +51,7 @@ from resilient.runtime.policy import RestartPolicy
 from resilient.runtime.recovery import Recovery
 from resilient.runtime.session import Session
 from resilient.runtime.steps import StepLoop
+from resilient.runtime.straggler import Place, StragglerWatch, WorkMeter
 from resilient.runtime.watchdog import HardHangTimer
 from resilient.runtime.wiring import Setup, Wiring, WiringFactory, wire
 from resilient.state import SnapshotRing
@@ -77,6 +78,7 @@ class Collaborators:
     persist: Persistence | None
     shm: ShmSnapshot | None
     replica: resume.StoreReplica | None
+    straggler_store: dist.Store | None = None  # the straggler watch's connection (straggler.enabled)
 
 
 def collaborators(setup: Setup, wiring: Wiring) -> Collaborators:
@@ -114,7 +116,25 @@ def collaborators(setup: Setup, wiring: Wiring) -> Collaborators:
         persist=persist,
         shm=shm,
         replica=replica,
+        straggler_store=wiring.side_store(t.barrier) if cfg.straggler.enabled and ep.world_size > 1 else None,
     )
+
+
+def _straggler_watch(c: Collaborators) -> StragglerWatch | None:
+    """This rank's straggler watch (straggler.enabled, more than one rank), not started."""
+    s = c.session
+    if c.straggler_store is None:
+        return None
+    ep, beats = s.launch.endpoint, s.launch.heartbeat_dir
+
+    def emit(event: Event, **fields: Any) -> None:
+        s.events.emit(event, generation=s.generation, step=None, **fields)
+
+    return StragglerWatch(
+        s.cfg.straggler, Place(ep.rank, ep.local_rank, ep.local_world_size, s.ns), WorkMeter(),
+        c.straggler_store, emit, settings=s.run_dir / "straggler.yaml",
+        mark=None if beats is None else lambda local_rank, detail: mark_straggler(beats, local_rank, detail),
+    )  # fmt: skip
 
 
 class NativeEngine:
@@ -162,7 +182,11 @@ class NativeRun:
         self.keeper = Mirrors(
             s, self.ring, c.coord, persist=c.persist, shm=c.shm, replica=c.replica, arm=self.hard_timer.arm
         )
-        self.loop = StepLoop(s, self.keeper, self.ring, liveness=self._stepped, count_via=c.coord)
+        self.straggler = _straggler_watch(c)
+        self.loop = StepLoop(
+            s, self.keeper, self.ring, liveness=self._stepped, count_via=c.coord,
+            work=self.straggler.meter if self.straggler else None,
+        )  # fmt: skip
         self.detection = Detection(
             s, c.coord, self.loop, self.hard_timer, running=self._running, busy=lambda: self.keeper.in_save,
             monitor_store=c.monitor_store, listener_store=c.listener_store,
@@ -185,6 +209,10 @@ class NativeRun:
         self.detection.install(stack)
         self.detection.start(stack)
         stack.callback(self.detection.release)
+        if self.straggler is not None:
+            self.straggler.node = lambda: self.coord.node
+            self.straggler.start()
+            stack.callback(self.straggler.close)
 
     def _link_node(self) -> None:
         """Link to this node's store when the job spans nodes (and say why not, in the

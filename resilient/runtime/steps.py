@@ -32,6 +32,7 @@ from resilient.runtime.generation import EpochPosition, Generation, PendingResto
 from resilient.runtime.guard import StepGuard
 from resilient.runtime.sdc import ReplicaCheck
 from resilient.runtime.session import Session
+from resilient.runtime.straggler import WorkMeter
 from resilient.state import SnapshotRing
 from resilient.state.loader import batches_consumed, finish_pass
 from resilient.state.registry import EPOCHS, RNG, restore_rng
@@ -124,7 +125,8 @@ class Cost:
 
 class StepLoop:
     """``ctx``'s runtime side (see the module docstring). ``count_via``: the coordinator whose
-    node link the collective count posts through, if any."""
+    node link the collective count posts through, if any; ``work``: what times each rank's own
+    work for straggler detection (:mod:`resilient.runtime.straggler`), if anything does."""
 
     def __init__(
         self,
@@ -134,12 +136,14 @@ class StepLoop:
         *,
         liveness: Callable[[int], None] = lambda step: None,
         count_via: NodeLinkHolder | None = None,
+        work: WorkMeter | None = None,
     ) -> None:
         self.session = session
         self.keeper = keeper
         self.ring = ring
         self.liveness = liveness
         self.count_via = count_via
+        self.work = work
         self.buckets = DdpBuckets(session.run_dir)
         self.gen = Generation(0, None, None, None, session.clock())  # (none built yet)
         self.step: int | None = None  # the step being run; across generations, the one a fault hit
@@ -204,6 +208,8 @@ class StepLoop:
                 counts=s.cfg.collective_check,
             )  # fmt: skip
         self.gen = Generation(number, group, count, restore, s.clock())
+        if self.work is not None:  # (the objects the function tracks afresh are hooked afresh)
+            self.work.clear()
         return self.gen
 
     def prepare_restore(
@@ -232,6 +238,8 @@ class StepLoop:
             gen.registry.add(name, obj)
             if isinstance(obj, torch.optim.Optimizer):
                 self.guard.attach(name, obj)
+            if self.work is not None:
+                self.work.track(obj)
             r = gen.restore
             if r is not None:
                 if name not in r.state:
@@ -361,6 +369,8 @@ class StepLoop:
         step_s = now - gen.progress if gen.stepped else None
         gen.progress, gen.stepped = now, True
         self.liveness(step)
+        if self.work is not None:
+            self.work.step_done()
         nxt = step + 1
         capture_s = None
         state: dict[str, Any] | None = None

@@ -151,3 +151,25 @@ def test_the_readme_main_command_works_as_written_with_relative_paths(tmp_path: 
     assert cert["passed"] and [c["class"] for c in cert["classes"]] == ["exception"]
     assert (tmp_path / "chaos_out" / "reference" / "state" / "rank0.pt").exists()
     assert "Warning" not in r.stderr, r.stderr  # no deprecation noise on a clean run
+
+
+@pytest.mark.timeout(300)
+def test_a_slowed_rank_is_reported_by_rank(tmp_path: Path) -> None:
+    """3 CPU-bound ranks, rank 2 slowed for good (a CPU quota where root has cgroup v1 cpu, else a
+    sleep): ``straggler_detected`` names rank 2, nothing restarts (``action: report``), the job ends
+    bit-exact, and no cpu cgroup of the run is left. (``action: replace`` is the cpu.yaml class.)"""
+    import yaml
+
+    cfg = {
+        "job": {"nproc": 3, "steps": 250, "step_ms": 0, "hang_timeout": 5,
+                "runtime": {"straggler": {"check_s": 1, "window_s": 2, "threshold": 1.8}}},
+        "classes": {"straggler": {"fault": "straggler", "step": 20, "rank": 2, "arg": 2,
+                                  "slo": {"detect_s": 30, "detect_rank": True, "restarts_max": 0}}},
+    }  # fmt: skip
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(cfg))
+    r = _chaos(ROOT, "certify", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "out"))
+    data = json.loads((tmp_path / "out" / "certificate.json").read_text())
+    (trial,) = data["trials"]
+    assert trial["detected_rank"] == 2 and trial["failed_slos"] == [], (trial, r.stderr[-2000:])
+    assert trial["bit_exact"] is True
+    assert not list(Path("/sys/fs/cgroup/cpu").glob("chaos-cpu-*"))

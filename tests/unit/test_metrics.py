@@ -311,9 +311,11 @@ ALERTS = ROOT / "configs" / "prometheus" / "alerts.yml"
 
 
 def served_names(tmp_path: Path) -> set[str]:
-    """Every sample name the endpoint serves for a run with a fault, a checkpoint and heartbeats."""
+    """Every sample name the endpoint serves for a run with a fault, a checkpoint, heartbeats and
+    a straggler."""
     evs = in_process_run()
     evs += [
+        ev(3.2, "straggler_detected", 1, slowdown=2.1, action="report"),
         ev(3.0, "checkpoint_saved", 0, step=10, block_s=0.01),
         ev(3.5, "checkpoint_durable", 0, step=10, write_s=0.4, nbytes=1000),
         ev(3.0, "progress", 0, step=10, step_s=0.1, runtime_ms_per_step=0.2),
