@@ -8,8 +8,9 @@ variables): what a worker and its ``resilient launch`` agent read and write of e
   (SIGSTOP, a hang holding the GIL) simply stops storing.
 - **The unhealthy mark**: a worker whose health check failed says which, next to its heartbeat;
   the agent reads it (once) when it decides what the death means.
-- **The straggler mark**: a node's judge names a rank to replace (``straggler.action: replace``);
-  the agent ends that worker and replaces it like a dead one.
+- **The replacement mark**: a rank to be replaced alone, named by its node's straggler judge
+  (``straggler.action: replace``) or by itself (a replica found corrupt twice); the agent ends
+  that worker and replaces it like a dead one, its survivors staying in their processes.
 - **The run's namespace** in the job's store: where the runtime's keys live, and where the agent
   posts a dead rank's fault so that its survivors' listeners wake.
 - **Where the heartbeats live**: one directory per launcher in ``/dev/shm``.
@@ -90,23 +91,24 @@ def take_unhealthy(directory: Path, local_rank: int) -> dict[str, Any] | None:
     return mark if isinstance(mark, dict) else None
 
 
-def straggler_path(directory: Path, local_rank: int) -> Path:
-    """Where a straggler to be replaced is named (by its node's judge, ``straggler.action: replace``)."""
-    return directory / f"rank{local_rank:05d}.straggler"
+def replace_path(directory: Path, local_rank: int) -> Path:
+    """Where a rank to be replaced alone is named (see the module docstring)."""
+    return directory / f"rank{local_rank:05d}.replace"
 
 
-def mark_straggler(directory: Path, local_rank: int, detail: dict[str, Any]) -> bool:
-    """The worker side: ``local_rank`` of this node is a straggler its agent should replace."""
+def mark_replace(directory: Path, local_rank: int, detail: dict[str, Any]) -> bool:
+    """The worker side: ``local_rank`` of this node should be replaced by its agent; ``detail``'s
+    ``cause`` says why (a straggler's judge: its ``slowdown``)."""
     try:
-        straggler_path(directory, local_rank).write_text(json.dumps(detail))
+        replace_path(directory, local_rank).write_text(json.dumps(detail))
     except OSError:
         return False
     return True
 
 
-def take_straggler(directory: Path, local_rank: int) -> dict[str, Any] | None:
-    """The agent side: the straggler mark of ``local_rank``, removed as it is read."""
-    path = straggler_path(directory, local_rank)
+def take_replace(directory: Path, local_rank: int) -> dict[str, Any] | None:
+    """The agent side: the replacement mark of ``local_rank``, removed as it is read."""
+    path = replace_path(directory, local_rank)
     try:
         mark = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -119,7 +121,7 @@ def clear_worker(directory: Path, local_rank: int) -> None:
     """A new process takes ``local_rank``: its predecessor's beat and marks are not its own."""
     beat_path(directory, local_rank).unlink(missing_ok=True)
     unhealthy_path(directory, local_rank).unlink(missing_ok=True)
-    straggler_path(directory, local_rank).unlink(missing_ok=True)
+    replace_path(directory, local_rank).unlink(missing_ok=True)
 
 
 # ---- heartbeats -----------------------------------------------------------------------------------

@@ -95,8 +95,13 @@ class HardFault(ResilienceError):
 
 
 class CorruptReplica(HardFault):
-    """This rank's replica was found corrupt a second time: its hardware is not trusted any more
-    (it marks itself unhealthy and exits, for the launcher to put another in its place)."""
+    """This rank's replica was found corrupt a second time: its hardware is not trusted any more.
+    ``replaced``: under ``resilient launch`` it marked itself for replacement, and its agent puts a
+    standby in its place while its peers wait in their recovery; else the group exits (75)."""
+
+    def __init__(self, message: str, replaced: bool = False) -> None:
+        super().__init__(message)
+        self.replaced = replaced
 
 
 class CoordinationError(HardFault):

@@ -58,7 +58,7 @@ from resilient.contract import (
     clear_worker,
     is_unhealthy,
     read_beat,
-    take_straggler,
+    take_replace,
     take_unhealthy,
 )
 from resilient.errors import ExitCode
@@ -200,7 +200,7 @@ class ResilientAgent(LocalElasticAgent):
 
     # ---- monitoring -------------------------------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        seen = self._silent(worker_group) or self._stragglers(worker_group)
+        seen = self._silent(worker_group) or self._marked(worker_group)
         if self.elastic.processes():  # (and the others that died meanwhile: one round, one decision)
             silent = {s.local_rank for s in seen}
             seen += [s for s in self._exited(worker_group) if s.local_rank not in silent]
@@ -328,18 +328,22 @@ class ResilientAgent(LocalElasticAgent):
             self._emit(Event.WORKER_DIED, **record)
             logger.error(f"worker rank {s.death.global_rank} (pid {s.pid}) died: {s.cause}")
 
-    def _stragglers(self, worker_group: WorkerGroup) -> list[_Seen]:
-        """A worker its node's judge marked as a straggler (``straggler.action: replace``), ended
-        now (SIGKILL of its session) so that it is replaced like any dead rank; [] when none is."""
+    def _marked(self, worker_group: WorkerGroup) -> list[_Seen]:
+        """A worker marked for replacement (a straggler its node's judge named, a replica found
+        corrupt twice), ended now (SIGKILL of its session) so that it is replaced like any dead
+        rank; [] when none is."""
         if not self.elastic.processes():
             return []
         for w in worker_group.workers:
-            mark = take_straggler(self.heartbeat_dir, w.local_rank)
+            mark = take_replace(self.heartbeat_dir, w.local_rank)
             if mark is None or not isinstance(w.id, int):
                 continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(os.getpgid(w.id), signal.SIGKILL)
-            cause = f"ended as a straggler ({mark.get('slowdown')}x its peers' work per step)"
+            cause = str(
+                mark.get("cause")
+                or f"ended as a straggler ({mark.get('slowdown')}x its peers' work per step)"
+            )
             logger.warning(f"worker rank {w.global_rank} (pid {w.id}) {cause}")
             death = self._death(w.global_rank, w.local_rank, -signal.SIGKILL, self._beat(w.local_rank))
             return [_Seen(death, w.local_rank, w.id, cause, False)]

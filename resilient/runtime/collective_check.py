@@ -181,6 +181,7 @@ class CollectiveCount:
             p = next_member(group, self.rank)
             theirs = posts[p].digests.get(group_id(group))
             if theirs != mine:
+                self._await_group(k, group, posts)
                 raise SilentCorruption(
                     f"replicas differ after step {step}: rank {self.rank}'s state replicated over ranks "
                     f"{_span(group)} has digest {mine}, rank {p}'s {theirs}; the state is not kept",
@@ -193,6 +194,15 @@ class CollectiveCount:
                     held.delete_key(self._key(old, self.rank))
             self._posted = [p for p in self._posted if p[0] >= k]
         return True
+
+    def _await_group(self, k: int, group: Group, posts: Mapping[int, _Posted]) -> None:
+        """Replicas differ in window ``k``: before the fault is raised (and every rank pulled out
+        of its step), every member of ``group`` this rank can read has posted the window, so each
+        holds its digest for the recovery's attribution (a majority needs them all)."""
+        node = self.coord.node if self.coord is not None else None
+        for m in group:
+            if m != self.rank and m not in posts and (node is None or node.holds(m)):
+                self._await(self._key(k, m), m)
 
     def check(self, step: int) -> None:
         """Close the window at the end of ``step`` and compare it now (blocks until the next rank

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from resilient.checkpoint.shm import ShmSnapshot
-from resilient.contract import die_with_launcher, mark_straggler
+from resilient.contract import die_with_launcher, mark_replace
 from resilient.errors import (
     CoordinationError,
     HardFault,
@@ -133,7 +133,7 @@ def _straggler_watch(c: Collaborators) -> StragglerWatch | None:
     return StragglerWatch(
         s.cfg.straggler, Place(ep.rank, ep.local_rank, ep.local_world_size, s.ns), WorkMeter(),
         c.straggler_store, emit, settings=s.run_dir / "straggler.yaml",
-        mark=None if beats is None else lambda local_rank, detail: mark_straggler(beats, local_rank, detail),
+        mark=None if beats is None else lambda local_rank, detail: mark_replace(beats, local_rank, detail),
     )  # fmt: skip
 
 

@@ -156,7 +156,15 @@ class Recovery:
         try:
             sdc.attribute(gen, self.coord.exchange)
         except CorruptReplica as e:
-            self._tell_peers(gen, str(e))
+            if not e.replaced:
+                self._tell_peers(gen, str(e))
+                raise
+            # its agent ends this process (it polls the mark) and a standby joins the peers, who
+            # wait for it in this recovery as for any dead rank: nothing to tell them
+            logger.error("rank {}: {}", self.session.rank, e)
+            self.session.events.emit(Event.RUN_FAILED, generation=gen, step=self.loop.step, error=str(e))
+            self.hard_timer.arm(self.t.barrier + 10.0)
+            time.sleep(self.t.barrier)  # (a bound: the agent's SIGKILL ends the wait)
             raise
 
     def check_health(self, gen: int, step: int | None) -> None:

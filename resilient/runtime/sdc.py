@@ -32,7 +32,7 @@ from typing import Any
 from loguru import logger
 
 from resilient.config import SdcConfig
-from resilient.contract import mark_unhealthy
+from resilient.contract import mark_replace
 from resilient.errors import CorruptReplica
 from resilient.events import Event
 from resilient.runtime.session import Session
@@ -132,6 +132,7 @@ class ReplicaCheck:
         if self.strikes < STRIKES:
             return
         detail = f"replica found corrupt {self.strikes} times (last after step {step})"
-        if s.launch.heartbeat_dir is not None:
-            mark_unhealthy(s.launch.heartbeat_dir, s.local_rank, "sdc", self.strikes, detail)
-        raise CorruptReplica(f"rank {s.rank}: {detail}; it exits for the launcher to replace it")
+        beats = s.launch.heartbeat_dir
+        replaced = beats is not None and mark_replace(beats, s.local_rank, {"cause": f"sdc: {detail}"})
+        then = "a standby takes its rank" if replaced else "the group exits for a relaunch"
+        raise CorruptReplica(f"rank {s.rank}: {detail}; {then}", replaced)

@@ -22,7 +22,7 @@ append to the job's store; else straight to the job's store. Local rank 0 of eac
 window's figures with one request and judges its own node's ranks (:class:`StragglerRule`), so the
 job's store sees O(1) requests per node per check when nodes are linked. A straggler is reported
 (``straggler_detected``) and, with ``action: replace`` under ``resilient launch``, marked next to
-its heartbeat (:func:`resilient.contract.mark_straggler`): its agent ends the process and a
+its heartbeat (:func:`resilient.contract.mark_replace`): its agent ends the process and a
 standby takes its rank through the path of any dead rank.
 
 Settings that may change while the job runs (``threshold``, ``window_s``, ``action``) are read

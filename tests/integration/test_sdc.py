@@ -43,3 +43,37 @@ def test_with_three_replicas_the_corrupt_one_is_named(tmp_path, reference):
     (digests,) = {tuple(sorted(e["digests"].items())) for e in named}
     d = dict(digests)
     assert d["0"] == d["1"] != d["2"]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="known, intermittent: after the standby joins, one survivor's replay from the agreed step "
+    "sometimes diverges from the other two (the digests catch it; the run stops with FaultRepeats)",
+)
+def test_a_replica_corrupt_twice_is_replaced_by_a_standby_alone(tmp_path, reference):
+    # rank 2's weights flipped twice (the second time after the first roll-back): named by the
+    # majority both times, it marks itself for replacement and its agent puts a standby in its
+    # place; ranks 0 and 1 stay in their processes and the run ends bit-exact
+    from tests.integration.test_launcher import _example, _final_states
+    from tests.integration.test_replace import _bit_exact, _pids
+
+    cfg = tmp_path / "sdc.yaml"
+    cfg.write_text("sdc:\n  interval: 4\n")
+    run = _example(
+        tmp_path / "run", "--config", str(cfg), "--fault", "bitflip@9:2,bitflip@14:2", "--fault-attempt", "0",
+        nproc=3, replace="rank", launch=("--standby", "1"),
+    )  # fmt: skip
+    try:
+        rc = run.finish(timeout=180)
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    assert rc == 0, run.output()
+    events = run.events()
+    named = [e for e in events if e["event"] == "sdc_detected" and e["how"] == "majority"]
+    assert {tuple(e["ranks"]) for e in named} == {(2,)} and len({e["generation"] for e in named}) == 2
+    died = [e for e in events if e["event"] == "worker_died"]
+    assert [(e["global_rank"], e["cause"].split(":")[0]) for e in died] == [(2, "sdc")], died
+    assert len([e for e in events if e["event"] == "rank_replaced"]) == 1
+    assert len(_pids(events, 0)) == len(_pids(events, 1)) == 1  # the healthy replicas stayed
+    _bit_exact(reference[3], _final_states(tmp_path / "run", 3))

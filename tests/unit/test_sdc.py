@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from chaos.faults.bitflip import Bitflip, flip_bit
 from chaos.inject import Fault
 from resilient.config import SdcConfig
-from resilient.contract import is_unhealthy
+from resilient.contract import take_replace
 from resilient.errors import CorruptReplica, SilentCorruption
 from resilient.runtime import collective_check as fingerprint
 from resilient.runtime.collective_check import CollectiveCount
@@ -237,9 +237,11 @@ def test_three_replicas_name_the_minority(tmp_path: Path) -> None:
         assert ev["event"] == "sdc_detected" and ev["ranks"] == [1] and ev["step"] == 9
         assert ev["how"] == "majority"
     assert checks[1].strikes == 1 and checks[0].strikes == 0
-    with pytest.raises(CorruptReplica):  # found corrupt again: it exits, marked unhealthy
+    with pytest.raises(CorruptReplica) as e:  # found corrupt again: its agent is to replace it
         checks[1].attribute(1, _exchange(checks))
-    assert is_unhealthy(tmp_path, 1)
+    assert e.value.replaced
+    mark = take_replace(tmp_path, 1)
+    assert mark is not None and mark["cause"].startswith("sdc: replica found corrupt 2 times")
 
 
 def test_two_replicas_are_told_apart_by_the_replay_or_not_at_all() -> None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resilient.config import StragglerConfig, load_config
-from resilient.contract import mark_straggler, straggler_path, take_straggler
+from resilient.contract import mark_replace, replace_path, take_replace
 from resilient.events import Event
 from resilient.runtime.straggler import (
     LiveSettings,
@@ -204,7 +204,7 @@ def test_replace_marks_the_straggler_for_its_agent(tmp_path: Path) -> None:
 
     def mark(local_rank: int, detail: dict[str, Any]) -> bool:
         marks.append((local_rank, detail))
-        return mark_straggler(tmp_path, local_rank, detail)
+        return mark_replace(tmp_path, local_rank, detail)
 
     ws = [_watch(r, r, 2, store, FixedMeter(1.0 + r), out, mark=mark, cfg={"action": "replace"})
           for r in range(2)]  # fmt: skip
@@ -212,8 +212,8 @@ def test_replace_marks_the_straggler_for_its_agent(tmp_path: Path) -> None:
         for w in ws:
             w.tick(k)
     assert [m[0] for m in marks] == [1] and out[0][1]["action"] == "replace"
-    assert take_straggler(tmp_path, 1) == marks[0][1]
-    assert not straggler_path(tmp_path, 1).exists()
+    assert take_replace(tmp_path, 1) == marks[0][1]
+    assert not replace_path(tmp_path, 1).exists()
     # without a launcher to replace it, it is reported only
     out.clear()
     ws = [_watch(r, r, 2, dist.HashStore(), FixedMeter(1.0 + r), out, cfg={"action": "replace"})
