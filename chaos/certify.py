@@ -60,6 +60,7 @@ class Trial:
     previous_loaded: bool | None = None
     recover_after_restore_s: float | None = None  # link faults: link back → first step after
     detected_rank: int | None = None  # the rank the detection event names
+    named_ranks: list[int] | None = None  # the ranks an attribution (sdc_detected) named corrupt
     rate_back_s: float | None = None  # detection → steps within 10 % of the fault-free step time
     restarts: int | None = None  # incarnations beyond the first, over every rank
     lost_checkpoints: int | None = None  # committed checkpoints that no longer load
@@ -99,6 +100,9 @@ def measure(
         out["detect_step"] = detect.get("step")
         out["detected_rank"] = detect.get("global_rank", detect["rank"])
         out["rate_back_s"] = rate_back(steps, detect["ts"], ref_step_s)
+    named = [e for e in evs if e["event"] == "sdc_detected" and e.get("ranks") and e["ts"] >= injected_ts]
+    if named:
+        out["named_ranks"] = sorted(named[0]["ranks"])
     if len(first_after) == nproc:
         out["recover_s"] = max(e["ts"] for e in first_after.values()) - injected_ts
         out["steps_lost"] = max(0, last_done + 1 - min(e["step"] for e in first_after.values()))
@@ -185,6 +189,7 @@ def _run_trial(
     t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
     t.detect_step = m.get("detect_step")
     t.detected_rank, t.rate_back_s = m.get("detected_rank"), m.get("rate_back_s")
+    t.named_ranks = m.get("named_ranks")
     t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
     t.time_by_cause = {k: round(v, 4) for k, v in account(evs).seconds.items()}  # (as `resilient report`)
     if restored is not None and t.recover_s is not None:
@@ -269,6 +274,8 @@ def _check(t: Trial, cert: Certification) -> list[str]:
         failed.append("previous_checkpoint_loads")
     if s.detect_rank and t.detected_rank != cert.classes[t.cls].rank:
         failed.append("detect_rank")
+    if s.names_rank and t.named_ranks != [cert.classes[t.cls].rank]:
+        failed.append("names_rank")
     if s.rate_back_s is not None and (t.rate_back_s is None or t.rate_back_s > s.rate_back_s):
         failed.append("rate_back_s")
     return failed

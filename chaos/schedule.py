@@ -45,6 +45,9 @@ class SLO(_Model):
     detect_s: float | None = Field(None, gt=0, description="fault → first detection event, at most")
     recover_s: float | None = Field(None, gt=0, description="fault → first step completed after, at most")
     steps_lost_max: int | None = Field(None, ge=0)
+    names_rank: bool = Field(
+        False, description="bitflip at 3+ ranks: the replicas' majority names the faulty rank (sdc_detected)"
+    )
     detect_at_step: bool = Field(
         False, description="the detection names the fault's own step (nan, grad_spike: before it is applied)"
     )
@@ -178,12 +181,13 @@ class Certification(_Model):
             why = REGISTRY[c.fault].check_arg(c.arg)
             if why is not None:
                 raise ValueError(f"classes.{name}.arg: {why}")
-            if c.rank >= self.job.nproc:
-                raise ValueError(f"classes.{name}.rank: {c.rank} but job.nproc is {self.job.nproc}")
-            if c.step + c.jitter >= self.job.steps - 1:
+            nproc, steps = c.job.get("nproc", self.job.nproc), c.job.get("steps", self.job.steps)
+            if c.rank >= nproc:
+                raise ValueError(f"classes.{name}.rank: {c.rank} but job.nproc is {nproc}")
+            if c.step + c.jitter >= steps - 1:
                 raise ValueError(
                     f"classes.{name}.step: {c.step} (+ jitter {c.jitter}) leaves no step after it "
-                    f"(job.steps is {self.job.steps})"
+                    f"(job.steps is {steps})"
                 )
         for i, f in enumerate(self.schedule):
             if f.rank >= self.job.nproc:

@@ -11,9 +11,7 @@ which rank is slow. What does is the time a rank spends in work that waits for n
 
 :class:`WorkMeter` times them with module and optimizer hooks (CUDA events on a GPU, read lazily:
 a pair whose end has not completed yet is read at a later step, never waited for; a CPU clock
-otherwise). Measured here on 3 gloo ranks, one of them in a cgroup limited to 20 % of a CPU: the
-wall step went from 105 to 220 ms on *every* rank and CPU time per step stayed 41-44 ms on every
-rank, while forward + optimizer step was 29 ms on the healthy ranks and 73 ms on the slowed one.
+otherwise); docs/recovery.md#stragglers has the measurement that chose this figure.
 
 :class:`StragglerWatch` (a daemon thread, one per rank) posts the rank's mean work per step every
 ``straggler.check_s`` to the store: on its node's store when the rank is linked to one

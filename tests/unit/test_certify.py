@@ -47,6 +47,21 @@ def test_slo_verdicts_name_what_failed() -> None:
     assert certify._check(t, cert) == ["recover_s", "goodput", "bit_exact"]  # no figure: no pass
 
 
+def test_a_fault_that_raises_nothing_is_judged_by_where_it_was_caught_and_who_was_named() -> None:
+    # rank 1's weights flipped at step 6 (t=10.6): caught at step 6 by the guard, or named by the
+    # replicas' digests, rank 1 and no other
+    evs = [_step(10 + 0.1 * s, r, s, pid=100 + r) for s in range(6) for r in (0, 1, 2)]
+    evs.append({"ts": 10.62, "event": "fault_detected", "rank": 0, "step": 6})
+    evs.append({"ts": 10.63, "event": "sdc_detected", "rank": 0, "step": 5, "ranks": [1]})
+    m = certify.measure(sorted(evs, key=lambda e: e["ts"]), injected_ts=10.6, nproc=3, ref_step_s=0.1)
+    assert (m["detect_step"], m["named_ranks"]) == (6, [1])
+    cert = _cert(detect_at_step=True, names_rank=True)  # (the class's planned rank: 1)
+    good = certify.Trial("k", 0, 6, ok=True, detect_step=6, named_ranks=[1], bit_exact=True)
+    assert certify._check(good, cert) == []
+    bad = certify.Trial("k", 0, 6, ok=True, detect_step=7, named_ranks=[0, 1], bit_exact=True)
+    assert certify._check(bad, cert) == ["detect_at_step", "names_rank"]
+
+
 def test_summary_counts_skipped_classes_apart() -> None:
     cert = _cert()
     rows = certify.summarize(cert, [certify.Trial("k", 0, 5, skipped="no cgroup v1 memory controller")])
