@@ -2,8 +2,10 @@
 checks on and blocks with them off, alternated (ABBA) in the same processes, same model, same group.
 
 The checks: the guard (each tracked optimizer's gradient norm before its step, the spike window,
-the watch on ``clip_grad_norm_``; resilient/runtime/guard.py). Both arms run inside ``ctx.steps``,
-so everything else the runtime does (snapshots, the collective count) is in both and cancels.
+the watch on ``clip_grad_norm_``; resilient/runtime/guard.py) and the replica digests at
+``sdc.interval: auto`` (resilient/runtime/sdc.py: a digest wherever state is kept and at least
+every 100 steps, posted with the collective count). Both arms run inside ``ctx.steps``, so
+everything else the runtime does (snapshots, the collective count) is in both and cancels.
 
     python benchmarks/checks_ab.py [--model tiny|fsdp2] [--pairs 30] [--block 20]
 
@@ -62,7 +64,8 @@ def worker(model_name: str, pairs: int, block: int) -> None:
             clip = True
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         ctx.track(model=model, optimizer=opt, data=gen)
-        guard = ctx._rt.guard  # type: ignore[attr-defined]  (the benchmark switches the checks)
+        loop = ctx._rt  # type: ignore[attr-defined]  (the benchmark switches the checks)
+        guard, sdc = loop.guard, loop.sdc
 
         def step() -> None:
             tokens = torch.randint(0, vocab, (8, seq + 1), generator=gen)
@@ -78,6 +81,7 @@ def worker(model_name: str, pairs: int, block: int) -> None:
         def checks(on: bool) -> None:
             guard.detach()
             guard.clips.uninstall()
+            loop.sdc = sdc if on else None
             if on:
                 guard.attach("optimizer", opt)
                 guard.clips.install()

@@ -62,6 +62,8 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
         else:
             lines.append(f"  not recovered ({inc.mode})")
         lines.append(f"  cause      {inc.signature}")
+        later = [i.start for i in acc.incidents if i.start > inc.start]
+        lines += _verdicts(inc, events, min(later, default=float("inf")))
         rep = _report_for(inc, reports)
         if rep is not None:
             pid = rep.get("pid")
@@ -78,6 +80,36 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
                     lines.append(f"  {title} (pid {pid}{src}):")
                     lines += ["    " + ln for ln in str(rep[key]).rstrip().splitlines()]
         out.append("\n".join(lines))
+    for e in events:  # a straggler is no fault of its own: reported, and maybe replaced
+        if e.get("event") == "straggler_detected":
+            out.append(
+                f"straggler: rank {e.get('rank')} on {e.get('host')}, {e.get('slowdown')}x its peers' work "
+                f"per step for {e.get('for_s')} s, at {_clock(e['ts'])} (action: {e.get('action')})"
+            )
+    return out
+
+
+def _verdicts(inc: Incident, events: list[dict[str, Any]], until: float) -> list[str]:
+    """What a fault that raised nothing led to, up to the next fault (``until``): who the
+    replicas' digests named, a spike applied or a batch skipped on replay (each verdict once)."""
+    seen: set[str] = set()
+    out = []
+    for e in events:
+        if not (inc.start - 1.0 <= e.get("ts", 0) < until):
+            continue
+        ev = e.get("event")
+        if ev == "sdc_detected":
+            ranks = e.get("ranks") or []
+            who = f"rank {', '.join(map(str, ranks))} corrupt" if ranks else "no rank named yet"
+            line = f"  replicas   {who} ({e.get('how')}; after step {e.get('step')})"
+        elif ev in ("spike_accepted", "batch_skipped") and inc.kind in ("spike", "nonfinite"):
+            what = "applied: it came back on replay" if ev == "spike_accepted" else "its batch skipped"
+            line = f"  on replay  step {e.get('step')} {what}"
+        else:
+            continue
+        if line not in seen:
+            seen.add(line)
+            out.append(line)
     return out
 
 

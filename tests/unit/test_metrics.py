@@ -413,3 +413,18 @@ def test_a_step_the_guard_rejected_is_a_roll_back_not_a_crash():
     assert acc.seconds["recovery"] == acc.seconds["rerun"] == 0.0
     assert acc.seconds["rollback"] == pytest.approx(0.5 + 0.1 + 0.9)  # the recovery, step 20, then 11-19
     assert acc.seconds["productive"] == pytest.approx(1.9 + 2.0)
+
+
+def test_fault_blocks_show_the_verdicts_of_faults_that_raise_nothing():
+    evs = [
+        {**e, "kind": "sdc", "signature": "sdc: SilentCorruption: replicas differ"}
+        if e["event"] == "fault_detected"
+        else e
+        for e in in_process_run()
+    ]
+    for r in (0, 1):  # both ranks name rank 1: shown once
+        evs.append(ev(4.2, "sdc_detected", r, step=19, ranks=[1], how="majority"))
+    evs.append(ev(6.0, "straggler_detected", 1, slowdown=2.1, for_s=30.0, action="report"))
+    block, straggler = fault_blocks(evs)
+    assert block.count("replicas   rank 1 corrupt (majority; after step 19)") == 1
+    assert straggler.startswith("straggler: rank 1 on") and "2.1x its peers' work per step" in straggler
