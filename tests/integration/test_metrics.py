@@ -139,7 +139,8 @@ def test_prometheus_sees_the_faults_restarts_and_goodput_the_log_records(tmp_pat
         steps = prom.vector(f"max_over_time(resilient_step{rng})", "rank")
         assert set(steps) == {"0", "1"} and min(steps.values()) >= acc.steps - 1
         rules = prom.get("/api/v1/rules")["groups"][0]["rules"]
-        assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
+        shipped = (ROOT / "configs" / "prometheus" / "alerts.yml").read_text().count("- alert:")
+        assert len(rules) == shipped == 8 and all(r["health"] == "ok" for r in rules), rules
 
     reports = [e for e in events if e["event"] == "fault_report"]
     exc = [r for r in reports if r.get("kind") == "exception"]

@@ -45,6 +45,7 @@ def test_with_three_replicas_the_corrupt_one_is_named(tmp_path, reference):
     assert d["0"] == d["1"] != d["2"]
 
 
+@pytest.mark.slow  # (a launch at 3 ranks with a standby; and while it is known to fail, not in CI)
 @pytest.mark.xfail(
     strict=False,
     reason="known, intermittent: after the standby joins, one survivor's replay from the agreed step "
