@@ -78,6 +78,24 @@ def worker(model_name: str, pairs: int, block: int) -> None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
 
+        spent = {"guard": 0.0, "digests": 0.0, "digest_calls": 0}  # their own time, in the on blocks
+
+        def timed(fn, key):  # type: ignore[no-untyped-def]
+            def run(*a, **k):  # type: ignore[no-untyped-def]
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    spent[key] += time.perf_counter() - t0
+                    if key == "digests":
+                        spent["digest_calls"] += 1
+
+            return run
+
+        guard.check = timed(guard.check, "guard")
+        if sdc is not None:
+            sdc.digests = timed(sdc.digests, "digests")
+
         def checks(on: bool) -> None:
             guard.detach()
             guard.clips.uninstall()
@@ -91,6 +109,7 @@ def worker(model_name: str, pairs: int, block: int) -> None:
             step()
         out: dict[str, list[float]] = {"off": [], "on": [], "off_steps": [], "on_steps": []}
         checks_before = guard.checks
+        spent.update(guard=0.0, digests=0.0, digest_calls=0)
         for arm in (["off", "on", "on", "off"] * ((pairs + 1) // 2))[: 2 * pairs]:
             checks(arm == "on")
             starts = []
@@ -102,6 +121,9 @@ def worker(model_name: str, pairs: int, block: int) -> None:
             out[arm].append(statistics.median(each))
             out[f"{arm}_steps"] += each
         out["checks"] = [guard.checks - checks_before]
+        out["guard_ms_per_check"] = [1e3 * spent["guard"] / max(1, guard.checks - checks_before)]
+        out["digest_ms_per_window"] = [1e3 * spent["digests"] / max(1, spent["digest_calls"])]
+        out["digest_windows"] = [spent["digest_calls"]]
         return out
 
     got = train()
@@ -112,7 +134,7 @@ def worker(model_name: str, pairs: int, block: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny", choices=["tiny", "fsdp2"])
-    ap.add_argument("--pairs", type=int, default=30, help="on/off block pairs (ABBA order)")
+    ap.add_argument("--pairs", type=int, default=60, help="on/off block pairs (ABBA order)")
     ap.add_argument("--block", type=int, default=20, help="steps per block")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -140,6 +162,10 @@ def main() -> None:
         "cost_pct_median_of_pairs": 100 * statistics.median(ratios),
         "cost_pct_iqr": [100 * q[0], 100 * q[2]],
         "checks_in_on_blocks": ab["checks"][0],
+        "guard_ms_per_check": ab["guard_ms_per_check"][0],
+        "guard_pct_of_step": 100 * ab["guard_ms_per_check"][0] / statistics.median(ab["off_steps"]),
+        "digest_windows_in_on_blocks": ab["digest_windows"][0],
+        "digest_ms_per_window": ab["digest_ms_per_window"][0],
     }
     for k, v in result.items():
         print(f"{k:28s} {v if not isinstance(v, float) else round(v, 3)}")
