@@ -153,10 +153,11 @@ class CollectiveCount:
         if self.world > 1:
             self._pending, self._digests = (k, n, since, step), digests
 
-    def settle(self, block: bool) -> bool:
+    def settle(self, block: bool, running: bool = True) -> bool:
         """Compare the pending window with the next rank's count: True once compared (or nothing
         was pending), False if ``block`` is off and the neighbour has not posted yet. Raises
-        :class:`CollectiveDesync` when the counts differ."""
+        :class:`CollectiveDesync` when the counts differ. ``running``: the ranks are still
+        stepping (not in a recovery), so a replica group's members will post this window."""
         if self._pending is None:
             return True
         k, n, since, step = self._pending
@@ -181,7 +182,8 @@ class CollectiveCount:
             p = next_member(group, self.rank)
             theirs = posts[p].digests.get(group_id(group))
             if theirs != mine:
-                self._await_group(k, group, posts)
+                if running:
+                    self._await_group(k, group, posts)
                 raise SilentCorruption(
                     f"replicas differ after step {step}: rank {self.rank}'s state replicated over ranks "
                     f"{_span(group)} has digest {mine}, rank {p}'s {theirs}; the state is not kept",

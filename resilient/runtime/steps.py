@@ -455,7 +455,7 @@ class StepLoop:
             return
         end = count.pending
         try:
-            if count.settle(block=False):
+            if count.settle(block=False, running=False):  # (in a recovery: nobody posts now)
                 return
         except (CollectiveDesync, SilentCorruption):
             pass
