@@ -63,9 +63,7 @@ def test_cpu_certificate_passes_every_slo(tmp_path: Path) -> None:
     kinds = {"exception", "hang", "oom", "sigkill", "segfault", "sigstop", "gil_hang", "corrupt_checkpoint",
              "collective_stall", "collective_desync", "bitflip", "bitflip_3", "kernel_oom", "slow_disk",
              "link_drop", "nan", "grad_spike", "link_loss"}  # fmt: skip
-    # (straggler: a 400-step job of its own; test_a_slowed_rank_is_reported_by_rank below)
-    only = ",".join(sorted(kinds))
-    r = _chaos(tmp_path, "certify", str(cfg), "--out", str(out), "--trials", "1", "--classes", only)
+    r = _chaos(tmp_path, "certify", str(cfg), "--out", str(out), "--trials", "1")
     cert = json.loads((out / "certificate.json").read_text())
     assert r.returncode == 0 and cert["passed"], r.stdout + r.stderr
     classes = {c["class"]: c for c in cert["classes"]}
