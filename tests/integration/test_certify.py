@@ -61,9 +61,11 @@ def test_cpu_certificate_passes_every_slo(tmp_path: Path) -> None:
     before = _namespaces()
     cfg = _time_slos_scaled(ROOT / "configs" / "chaos" / "cpu.yaml", tmp_path / "cpu-ci.yaml", 2.0)
     kinds = {"exception", "hang", "oom", "sigkill", "segfault", "sigstop", "gil_hang", "corrupt_checkpoint",
-             "collective_stall", "collective_desync", "bitflip", "bitflip_3", "kernel_oom", "slow_disk",
+             "collective_stall", "collective_desync", "bitflip", "kernel_oom", "slow_disk",
              "link_drop", "nan", "grad_spike", "link_loss"}  # fmt: skip
-    r = _chaos(tmp_path, "certify", str(cfg), "--out", str(out), "--trials", "1")
+    # (bitflip_3 needs a 3-rank reference of its own: tests/integration/test_sdc.py names the rank)
+    only = ",".join(sorted(kinds))
+    r = _chaos(tmp_path, "certify", str(cfg), "--out", str(out), "--trials", "1", "--classes", only)
     cert = json.loads((out / "certificate.json").read_text())
     assert r.returncode == 0 and cert["passed"], r.stdout + r.stderr
     classes = {c["class"]: c for c in cert["classes"]}
@@ -153,6 +155,7 @@ def test_the_readme_main_command_works_as_written_with_relative_paths(tmp_path: 
     assert "Warning" not in r.stderr, r.stderr  # no deprecation noise on a clean run
 
 
+@pytest.mark.slow  # (3 CPU-bound ranks, 250 steps, twice: ~50 s; the rule and the exchange are unit-tested)
 @pytest.mark.timeout(300)
 def test_a_slowed_rank_is_reported_by_rank(tmp_path: Path) -> None:
     """3 CPU-bound ranks, rank 2 slowed for good (a CPU quota where root has cgroup v1 cpu, else a
