@@ -138,13 +138,15 @@ def certify(session: nox.Session) -> None:
 
 @nox.session(name="certify-stacks", python=PY)
 def certify_stacks(session: nox.Session) -> None:
-    """The user-style examples' certificates: the FSDP2 transformer (1-D, and FSDP + TP on a 2-D
-    mesh at 4 ranks), the DataLoader epoch loop and the accumulation loop, every class they list,
-    3 trials each (chaos_fsdp2/, chaos_mesh2d/, chaos_epochs/, chaos_accum/). Exit 1 on a failed SLO."""
+    """The user-style examples' certificates: the FSDP2 transformer (1-D, FSDP + TP and HSDP on
+    2-D meshes at 4 ranks), the DataLoader epoch loop and the accumulation loop, every class they
+    list, 3 trials each (chaos_fsdp2/, chaos_mesh2d/, chaos_hsdp/, chaos_epochs/, chaos_accum/).
+    Exit 1 on a failed SLO."""
     _install(session, "dev", "chaos")
     env = {"OMP_NUM_THREADS": "1"}
     trials = session.posargs or ["--trials", "3"]
-    jobs = ("fsdp2", "fsdp2"), ("mesh2d", "mesh2d"), ("ddp_epochs", "epochs"), ("accum", "accum")
+    jobs = ("fsdp2", "fsdp2"), ("mesh2d", "mesh2d"), ("hsdp", "hsdp"), ("ddp_epochs", "epochs")
+    jobs += (("accum", "accum"),)
     for cfg, out in jobs:
         out = f"chaos_{out}"
         session.run("chaos", "certify", f"configs/chaos/{cfg}.yaml", "--out", out, *trials, env=env)

@@ -57,7 +57,10 @@ class Bitflip(InProcess):
         module = next((o for o in state if isinstance(o, torch.nn.Module)), None)
         if module is None:
             raise InjectedFault("bitflip: no tracked torch.nn.Module to flip a bit in")
-        param = next(p for p in module.parameters() if p.is_floating_point() and p.numel() > 0)
+        # a DTensor's (FSDP2, HSDP, TP) flip is in this rank's own shard: a DTensor op on the
+        # parameter itself would issue a collective only this rank makes
+        local = [getattr(p, "_local_tensor", p) for p in module.parameters()]
+        param = next(t for t in local if t.is_floating_point() and t.numel() > 0)
         optimizer = next((o for o in state if isinstance(o, torch.optim.Optimizer)), None)
         if optimizer is None:
             flip_bit(param)
