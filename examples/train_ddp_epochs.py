@@ -73,6 +73,7 @@ def main() -> None:
             for source, targets in ctx.steps(loader):
                 opt.zero_grad()
                 loss = F.mse_loss(model(source), targets)
+                ctx.observe(loss=loss)  # a NaN or a spike in it rolls back (docs/recovery.md)
                 loss.backward()
                 opt.step()
             if ctx.rank == 0:

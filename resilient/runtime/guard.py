@@ -48,6 +48,7 @@ from resilient.events import Event, EventLog
 from resilient.runtime.faults import FaultKind, FaultRecord
 
 LOSS = "loss"  # the window of the observed loss (optimizers' windows are named after them)
+REJECTED = ": the step is not applied; rolled back"
 
 
 def grad_norm(optimizer: torch.optim.Optimizer) -> tuple[float, bool] | None:
@@ -279,7 +280,7 @@ class StepGuard:
     def _reject(self, cls: type[StepRejected], step: int | None, value: float, what: str) -> None:
         where = self._where()
         at = f"step {step}" + (f" ({where})" if where else "")
-        raise cls(f"{what} at {at}: the step is not applied; rolled back", step, value, where)
+        raise cls(f"{what} at {at}{REJECTED}", step, value, where)
 
     # -- what the recovery tells it ------------------------------------------------------------------------
     def learn(self, fault: FaultRecord, history: list[dict[str, object]]) -> None:
@@ -297,7 +298,8 @@ class StepGuard:
                 what = "on_nonfinite" if kind == FaultKind.NONFINITE.value else "on_spike"
                 raise FaultRepeats(
                     step,
-                    f"{fault.message.split(': ', 1)[-1]}; it came back on replay, so it is the data's, not "
+                    f"{fault.message.split(': ', 1)[-1].removesuffix(REJECTED)}: it came back on replay, so "
+                    "it is the data's, not "
                     f"a transient fault (guard.{what}: stop; skip_batch would skip that batch)",
                     2,
                     history,
