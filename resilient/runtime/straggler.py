@@ -81,6 +81,8 @@ class WorkMeter:
         self._open: dict[int, Any] = {}  # id(hooked object) -> its start (a clock value or a CUDA event)
         self._pending: list[tuple[Any, Any]] = []  # CUDA (start, end) pairs not read yet
         self._acc = 0.0  # this step's work so far (main thread only)
+        self._fwd_end: float | None = None  # a CPU module's forward ended here; its backward follows
+        self._last_grad: float | None = None  # ... and its last hooked gradient was ready here
         self._lock = threading.Lock()
         self._work_s = 0.0  # since the last take()
         self._steps = 0
@@ -93,15 +95,41 @@ class WorkMeter:
             self._hooked.add(id(module))
             self._handles += [
                 module.register_forward_pre_hook(lambda m, a: self._begin(id(m), cuda)),
-                module.register_forward_hook(lambda m, a, o: self._end(id(m), cuda)),
+                module.register_forward_hook(lambda m, a, o: self._forward_done(id(m), cuda)),
             ]
+            if not cuda:
+                # the backward's own compute: from the forward's end until the gradients of the
+                # first parameters (ready last in backward) were accumulated; DDP's wait for its
+                # all-reduces comes after that, and is not this rank's work
+                for p in [p for p in module.parameters() if p.requires_grad][:4]:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooked:
             cuda = any(p.is_cuda for g in obj.param_groups for p in g["params"])
             self._hooked.add(id(obj))
             self._handles += [
-                obj.register_step_pre_hook(lambda o, a, k: self._begin(id(o), cuda)),
+                obj.register_step_pre_hook(lambda o, a, k: self._optimizer_begins(id(o), cuda)),
                 obj.register_step_post_hook(lambda o, a, k: self._end(id(o), cuda)),
             ]
+
+    def _forward_done(self, key: int, cuda: bool) -> None:
+        self._end(key, cuda)
+        self._backward_done()
+        if not cuda:
+            self._fwd_end = self.clock()
+
+    def _grad_ready(self, _p: torch.Tensor) -> None:
+        self._last_grad = self.clock()
+
+    def _backward_done(self) -> None:
+        """The backward since the last forward (if its gradients were seen) counts as work."""
+        start, end = self._fwd_end, self._last_grad
+        if start is not None and end is not None and end > start:
+            self._acc += end - start
+        self._fwd_end = self._last_grad = None
+
+    def _optimizer_begins(self, key: int, cuda: bool) -> None:
+        self._backward_done()
+        self._begin(key, cuda)
 
     def _begin(self, key: int, cuda: bool) -> None:
         if cuda:
@@ -124,6 +152,7 @@ class WorkMeter:
 
     def step_done(self) -> None:
         """At a step's end: its work counts (CUDA pairs that completed meanwhile are read now)."""
+        self._backward_done()
         if self._pending:
             done = [p for p in self._pending if p[1].query()]
             if done:
@@ -148,6 +177,7 @@ class WorkMeter:
             h.remove()
         self._handles, self._hooked, self._open, self._pending = [], set(), {}, []
         self._acc = 0.0
+        self._fwd_end = self._last_grad = None
 
 
 # ---- the rule -------------------------------------------------------------------------------------

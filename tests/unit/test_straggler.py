@@ -79,7 +79,7 @@ def test_two_ranks_and_only_the_judged_ones() -> None:
     assert rule.judge({0: (1.0, "h")}, range(1), 1.3, 0.0) == []  # no peer: no verdict
 
 
-def test_the_meter_times_forward_and_optimizer_step_not_the_rest() -> None:
+def test_the_meter_times_forward_backward_and_optimizer_step_not_the_rest() -> None:
     t = [0.0]
     meter = WorkMeter(clock=lambda: t[0])
 
@@ -90,7 +90,9 @@ def test_the_meter_times_forward_and_optimizer_step_not_the_rest() -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             t[0] += 0.25  # the forward "takes" 0.25 s
-            return self.lin(x)
+            out = self.lin(x)
+            out.register_hook(lambda g: t.__setitem__(0, t[0] + 1.0))  # its backward 1 s, before the grads
+            return out
 
     model = Slow()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -105,10 +107,10 @@ def test_the_meter_times_forward_and_optimizer_step_not_the_rest() -> None:
     assert meter.take() is None
     for _ in range(2):
         model(torch.ones(1, 2)).sum().backward()
-        t[0] += 5.0  # waiting for peers, the loader...: not counted
+        t[0] += 5.0  # waiting for peers (DDP's all-reduce after the last gradient), the loader: not counted
         opt.step()
         meter.step_done()
-    assert meter.take() == 0.75
+    assert meter.take() == 0.25 + 1.0 + 0.5
     meter.clear()
     model(torch.ones(1, 2))
     meter.step_done()
