@@ -7,6 +7,8 @@ which rank is slow. What does is the time a rank spends in work that waits for n
 - the **forward of a module that issues no collective inside it**: DDP's inner module (DDP's own
   buffer broadcast and bucket rebuild happen outside it), or a plain module; not an FSDP2 module
   or one holding DTensors, whose forward all-gathers;
+- on CPU, that module's **backward** up to the gradients of its first parameters (ready last in
+  backward), before DDP waits for its all-reduces;
 - the **optimizer step**, which is local under DDP, FSDP2 and TP alike.
 
 :class:`WorkMeter` times them with module and optimizer hooks (CUDA events on a GPU, read lazily:
