@@ -22,6 +22,13 @@ from resilient.errors import ConfigError
 BUILTIN_CHECKS = ("gpu", "host_memory", "checkpoint_dir", "store")
 
 
+def _interval_or_auto(v: int | str) -> int | str:
+    """A snapshot or digest interval: ``auto``, or at least 1 step."""
+    if isinstance(v, int) and v < 1:
+        raise ValueError("must be >= 1 or 'auto'")
+    return v
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -62,12 +69,7 @@ class SnapshotConfig(_Model):
         "node's per-rank state survives it; 0 turns the replica off",
     )
 
-    @field_validator("interval")
-    @classmethod
-    def _positive(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be >= 1 or 'auto'")
-        return v
+    _positive = field_validator("interval")(classmethod(lambda cls, v: _interval_or_auto(v)))
 
 
 class GuardConfig(_Model):
@@ -117,12 +119,7 @@ class SdcConfig(_Model):
         100, ge=1, description="auto: also every this many steps when state is kept less often"
     )
 
-    @field_validator("interval")
-    @classmethod
-    def _positive(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be >= 1 or 'auto'")
-        return v
+    _positive = field_validator("interval")(classmethod(lambda cls, v: _interval_or_auto(v)))
 
 
 class HealthConfig(_Model):

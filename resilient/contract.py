@@ -82,7 +82,11 @@ def is_unhealthy(directory: Path, local_rank: int) -> bool:
 def take_unhealthy(directory: Path, local_rank: int) -> dict[str, Any] | None:
     """The agent side: the mark of ``local_rank`` (``check``, ``value``, ``detail``), removed as it
     is read so that one failure counts once; None without a readable mark."""
-    path = unhealthy_path(directory, local_rank)
+    return _take(unhealthy_path(directory, local_rank))
+
+
+def _take(path: Path) -> dict[str, Any] | None:
+    """A mark's record, removed as it is read (one mark counts once); None without a readable one."""
     try:
         mark = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -108,13 +112,7 @@ def mark_replace(directory: Path, local_rank: int, detail: dict[str, Any]) -> bo
 
 def take_replace(directory: Path, local_rank: int) -> dict[str, Any] | None:
     """The agent side: the replacement mark of ``local_rank``, removed as it is read."""
-    path = replace_path(directory, local_rank)
-    try:
-        mark = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    path.unlink(missing_ok=True)
-    return mark if isinstance(mark, dict) else None
+    return _take(replace_path(directory, local_rank))
 
 
 def clear_worker(directory: Path, local_rank: int) -> None:
