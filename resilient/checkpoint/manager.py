@@ -23,6 +23,7 @@ import enum
 import functools
 import os
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -45,6 +46,7 @@ from resilient.checkpoint.manifest import (
     quarantine,
     read_manifest,
     step_name,
+    tmp_dirs,
     tmp_name,
 )
 from resilient.checkpoint.persistent import Uploads, restore_from_tier
@@ -177,10 +179,16 @@ class Checkpointer:
             raise CheckpointError("save() on a closed Checkpointer")
         self._settle(wait=False)
         if self._last is not None and self._last[0] == step:
-            # the same step again (replayed after a restart, or a preemption's final save that the
-            # periodic one already covers): same state, and a second writer into the same temporary
-            # directory would race with rank 0 renaming it
+            # the same step again (a preemption's final save that the periodic one already
+            # covers): same state, and a second writer into the same temporary directory would
+            # race with rank 0 renaming it
             return self._last[1]
+        if (self.root / step_name(step)).is_dir():
+            # committed before a recovery that replays it (see forget_unfinished): every rank
+            # sees the same directory, so every rank skips it alike
+            done: Future[Manifest | None] = Future()
+            done.set_result(read_manifest(self.root / step_name(step) / MANIFEST) if self.rank == 0 else None)
+            return done
         t0 = time.perf_counter()
         busy = self._inflight is not None and not self._inflight.done()
         if self.on_busy is OnBusy.SKIP:
@@ -262,6 +270,24 @@ class Checkpointer:
         except Exception as e:
             self._last = None
             raise CheckpointError(f"checkpoint {step_name(step)} failed: {type(e).__name__}: {e}") from e
+
+    def forget_unfinished(self) -> list[Path]:
+        """After a recovery, once every rank's save in flight was settled (committed or failed):
+        a replayed step is saved afresh unless it was committed. Each rank forgets the save it
+        made itself (a peer may not have made it, or rank 0's commit of it may have failed and
+        removed its part), and rank 0 removes this writer's uncommitted temporary directories,
+        whose parts and failure reports would otherwise meet the replay's. The caller makes
+        sure no rank saves before rank 0 returned from here. Returns the directories removed."""
+        self._settle(wait=True)
+        self._last = None
+        if self.rank != 0:
+            return []
+        gone = []
+        for _, token, path in tmp_dirs(self.root):
+            if token == self.token:
+                shutil.rmtree(path, ignore_errors=True)
+                gone.append(path)
+        return gone
 
     def in_flight(self) -> tuple[int, float] | None:
         """The save still being written: (its step, seconds since it started), else None."""

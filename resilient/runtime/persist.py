@@ -182,6 +182,17 @@ class Persistence:
                     self.ckpt.root, step, token, self.rank, RuntimeError("the rank's process died")
                 )
 
+    def forget_unfinished(self, generation: int, step: int | None) -> None:
+        """In a recovery, once every rank settled its save in flight: the steps the replay passes
+        are saved afresh on every rank unless committed (``Checkpointer.forget_unfinished``)."""
+        try:
+            gone = self.ckpt.forget_unfinished()
+        except CheckpointError as e:
+            self._failed(e, generation, step if step is not None else -1)
+            gone = self.ckpt.forget_unfinished()
+        for path in gone:
+            logger.info(f"rank {self.rank}: removed {path.name}: not committed before the recovery")
+
     def rebase(self, step: int) -> None:
         """Resumed at ``step`` (the same on every rank): the next save is counted from there, so
         a rank that saved a step its peers did not reach before the fault does not differ."""

@@ -138,6 +138,10 @@ class Recovery:
             raise HardFault(f"rank {s.rank}: {e}; the launcher restarts the group") from e
         if own is not None:  # raised outside the handler: the user's exception keeps its own chain
             raise raised_as_itself(own, s.rank)
+        if persist is not None:
+            # every rank settled its saves before that agreement, and none saves again before
+            # the barrier in prepare_restore: rank 0 clears what did not commit in between
+            persist.forget_unfinished(gen, step)
         pending = loop.prepare_restore(gen, restore, step, fault_ts, self.coord.same)
         if persist is not None:  # a rank the fault interrupted before its save must not differ
             persist.rebase(restore)

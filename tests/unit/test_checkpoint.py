@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import random
@@ -353,3 +354,43 @@ def test_process_writer_death_is_a_checkpoint_error(tmp_path: Path) -> None:
     finally:
         ck.close()
     assert committed_steps(tmp_path) == [1]
+
+
+def test_a_step_replayed_after_a_failed_commit_is_saved_afresh_on_every_rank(tmp_path: Path) -> None:
+    """A recovery replays a step whose save rank 2 had finished but whose commit failed (rank 1
+    died; its replacement reported it): rank 0 discarded the directory, rank 2's part with it.
+    Once every rank forgot what did not commit, the replayed save commits; a rank that returned
+    its earlier save instead would leave rank 0 waiting for a part that never comes."""
+    x = torch.arange(8.0)
+    kw: dict[str, Any] = {"token": "t", "world_size": 3, "commit_timeout": 5.0}
+    ranks = [Checkpointer(tmp_path, rank=r, **kw) for r in range(3)]
+    try:
+        ranks[2].save(5, {"x": x + 2})
+        ranks[2].wait()
+        from resilient.checkpoint.writer import report_failure
+
+        report_failure(tmp_path, 5, "t", 1, RuntimeError("the rank's process died"))
+        ranks[0].save(5, {"x": x})
+        with pytest.raises(CheckpointError, match="rank 1 failed"):
+            ranks[0].wait()
+        assert committed_steps(tmp_path) == []
+        for ck in ranks:  # the recovery, every rank settled
+            ck.forget_unfinished()
+        futures = [ck.save(5, {"x": x + r}) for r, ck in enumerate(ranks)]
+        assert all(f is not None for f in futures)
+        manifest = futures[0].result(timeout=10)  # type: ignore[union-attr]
+        assert manifest is not None and committed_steps(tmp_path) == [5]
+        for r in range(3):
+            loaded = load_latest(tmp_path, r, 3)
+            assert loaded is not None and torch.equal(loaded.state["x"], x + r)
+        # replayed again after a later recovery: committed, so every rank skips it alike
+        for ck in ranks:
+            ck.forget_unfinished()
+        again = [ck.save(5, {"x": x}) for ck in ranks]
+        assert all(f is not None and f.done() for f in again)
+        assert again[0].result().step == 5  # type: ignore[union-attr]
+        assert not list(tmp_path.glob("*.tmp"))
+    finally:
+        for ck in ranks:
+            with contextlib.suppress(CheckpointError):
+                ck.close()
