@@ -225,7 +225,7 @@ class StragglerConfig(_Model):
     threshold: float = Field(
         1.3, gt=1, description="a rank this many times slower than the median of its peers is slow"
     )
-    window_s: float = Field(30.0, ge=0, description="slow in every check for this long: a straggler")
+    window_s: float = Field(30.0, ge=0, description="a rank slow on average over this long: a straggler")
     action: Literal["report", "replace"] = Field(
         "report",
         description="report: a `straggler_detected` event; replace (under `resilient launch`): its "

@@ -36,6 +36,7 @@ import socket
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -187,20 +188,24 @@ class WorkMeter:
 class Straggler:
     rank: int
     host: str
-    slowdown: float  # its work per step / the median of its peers'
+    slowdown: float  # its mean work per step over the window / the median of its peers' means
     work_s: float
     median_s: float
-    for_s: float  # how long it has been that slow
+    for_s: float  # the span of the checks judged
 
 
 @dataclass
 class StragglerRule:
-    """A rank whose work per step is ``threshold`` × the median of its peers' (every other rank
-    that posted in the same check) in every check for ``window_s`` is a straggler, reported once
-    until it is no longer slow. The clock comes in: tests never sleep."""
+    """A rank whose mean work per step over the last ``window_s`` is ``threshold`` × the median
+    of its peers' means over the same checks (every other rank that posted) is a straggler, once
+    its figures span ``window_s``; reported once until its mean is under the threshold again. One
+    check's figure is noisy (a CPU quota throttles in 100 ms periods, and a second's throttling
+    may fall in a collective's wait, which is not counted as work), so one fast check does not
+    restart the window: the window's mean is what is judged. The clock comes in: tests never sleep."""
 
     clock: Callable[[], float] = time.monotonic
-    since: dict[int, float] = field(default_factory=dict)  # rank -> when it was first seen slow
+    seen: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)  # rank -> (t, work)
+    since: dict[int, float] = field(default_factory=dict)  # rank -> its first figure (this episode)
     reported: set[int] = field(default_factory=set)
 
     def judge(
@@ -212,25 +217,34 @@ class StragglerRule:
     ) -> list[Straggler]:
         """``figures``: rank -> (work per step, host) of one check; ``ranks``: those judged here."""
         now, out = self.clock(), []
+        for r, (work, _) in figures.items():
+            self.since.setdefault(r, now)
+            self.seen.setdefault(r, deque()).append((now, work))
+        for r, seen in list(self.seen.items()):
+            while seen and seen[0][0] < now - window_s:
+                seen.popleft()
+            if not seen:
+                del self.seen[r]
+        means = {r: statistics.fmean(w for _, w in seen) for r, seen in self.seen.items()}
         for r in ranks:
             if r not in figures:
                 continue  # no figure this check (no step completed): neither cleared nor advanced
-            peers = [w for q, (w, _) in figures.items() if q != r]
+            peers = [m for q, m in means.items() if q != r and q in figures]
             median = statistics.median(peers) if peers else 0.0
-            work, host = figures[r]
-            if median <= 0 or work < threshold * median:
-                self.since.pop(r, None)
+            mean = means[r]
+            if median <= 0 or mean < threshold * median:
                 self.reported.discard(r)
                 continue
-            first = self.since.setdefault(r, now)
-            if now - first >= window_s and r not in self.reported:
+            span = now - self.since[r]
+            if span >= window_s and r not in self.reported:
                 self.reported.add(r)
-                out.append(Straggler(r, host, work / median, work, median, now - first))
+                out.append(Straggler(r, figures[r][1], mean / median, mean, median, min(span, window_s)))
         return out
 
     def forget(self, rank: int) -> None:
         """``rank`` was replaced: its successor is judged afresh."""
         self.since.pop(rank, None)
+        self.seen.pop(rank, None)
         self.reported.discard(rank)
 
 
@@ -361,6 +375,9 @@ class StragglerWatch:
         if p.rank == 0:  # read by every node's judge by now: the oldest window goes
             self.store.delete_key(self.key(judged - 3))
         cfg = self.settings.current()
+        if figures:
+            logger.debug("straggler check {}: work per step by rank {}", judged,
+                         {r: round(w * 1e3, 2) for r, (w, _) in sorted(figures.items())})  # fmt: skip
         found = self.rule.judge(figures, p.node_ranks, cfg.threshold, cfg.window_s)
         for s in found:
             self._report(s, cfg)
