@@ -94,6 +94,18 @@ class ShmSnapshot:
                 })  # fmt: skip
         return sorted(held, key=lambda m: -int(m["step"]))
 
+    def drop_after(self, step: int) -> list[int]:
+        """Forget the snapshots of steps after ``step`` (a roll-back to it replays them, and the
+        replay, not the state before the roll-back, is what stands): their descriptions go, so
+        nothing restores them and the next capture writes afresh. Returns the steps dropped."""
+        dropped = []
+        for slot in (0, 1):
+            meta = self._usable(slot)
+            if meta is not None and int(meta["step"]) > step:
+                (self.dir / f"slot{slot}.json").unlink(missing_ok=True)
+                dropped.append(int(meta["step"]))
+        return dropped
+
     def holds(self, step: int, rank: int, world: int) -> bool:
         return any((m["step"], m["rank"], m["world"]) == (step, rank, world) for m in self.slots())
 

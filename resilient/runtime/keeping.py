@@ -177,6 +177,18 @@ class Mirrors:
         replacement for a dead peer holds too (the ring's own schedule may not have kept them)."""
         return sorted({*self.ring.steps(), *self.own_mirror_steps()}, reverse=True)
 
+    def drop_after(self, step: int) -> None:
+        """A replica that passed its neighbour's comparison may still hold what a corrupt peer's
+        gradients made of it (found by the next pair's comparison): a mirror of a step after the
+        roll-back is never restored, nor skipped as already written when the replay gets there."""
+        s = self.session
+        if self.shm is not None:
+            for gone in self.shm.drop_after(step):
+                logger.debug("rank {}: shared-memory snapshot of step {} dropped (rolled back)", s.rank, gone)
+        if self.replica is not None:
+            with contextlib.suppress(Exception):  # (the replica is a second line of defence)
+                self.replica.drop_after(step)
+
     def materialize(self, step: int) -> tuple[dict[str, Any], bool]:
         if step in self.ring.steps() or self.shm is None:
             state = self.ring.materialize(step)

@@ -111,6 +111,18 @@ class StoreReplica:
         for s in set(old) - set(keep):
             self.store.delete_key(self.key(self.rank, s))
 
+    def drop_after(self, step: int) -> None:
+        """Forget this rank's posts of steps after ``step`` (see ``ShmSnapshot.drop_after``)."""
+        if self.max_bytes <= 0:
+            return
+        index = f"{self.prefix}/r{self.rank}/index"
+        old = json.loads(self.store.get(index)) if self.store.check([index]) else []
+        keep = [s for s in old if s <= step]
+        if keep != old:
+            self.store.set(index, json.dumps(keep))
+            for s in set(old) - set(keep):
+                self.store.delete_key(self.key(self.rank, s))
+
     def fetch(self, rank: int, step: int) -> tuple[list[str], Any] | None:
         key = self.key(rank, step)
         if not self.store.check([key]):

@@ -65,6 +65,11 @@ class Keeper(Protocol):
         its state kept in the ring for the final checkpoint (``keep`` then ends the step)."""
         ...
 
+    def drop_after(self, step: int) -> None:
+        """The ranks rolled back to ``step``: what was kept of later steps goes (their replay
+        keeps them afresh; the state before the roll-back may be what the fault corrupted)."""
+        ...
+
 
 class RingOnly:
     """The keeper of an engine that keeps its snapshots in the ring alone."""
@@ -88,6 +93,9 @@ class RingOnly:
 
     def stopping(self) -> bool:
         return False
+
+    def drop_after(self, step: int) -> None:
+        return None
 
 
 class Cost:
@@ -222,6 +230,7 @@ class StepLoop:
         )
         state, owned = self.keeper.materialize(step)
         self.ring.drop_after(step)
+        self.keeper.drop_after(step)
         return PendingRestore(step, state, owned, fault_step, fault_ts)
 
     def close(self) -> None:

@@ -63,6 +63,29 @@ def test_replica_off_posts_nothing(store: dist.Store) -> None:
     assert rep.fetch(0, 1) is None
 
 
+def test_a_roll_back_drops_the_mirrors_of_later_steps(tmp_path: Path, store: dist.Store) -> None:
+    # a replica that passed its neighbour's comparison may hold what a corrupt peer's gradients
+    # made of it: after a roll-back to step 7, its step-8 mirror must neither be restored nor
+    # stand in for the replay's (a capture of the same step is skipped while it is held)
+    shm = ShmSnapshot("job", 0, base=tmp_path)
+    shm.capture(7, _state(7), checksum=False, owner=(0, 2))
+    shm.capture(8, _state(99), checksum=False, owner=(0, 2))
+    assert shm.drop_after(7) == [8]
+    assert shm.steps() == [7] and not shm.holds(8, 0, 2)
+    got = shm.load()
+    assert got is not None and got[0] == 7
+    assert_bit_exact(_state(7), got[1])
+    shm.capture(8, _state(8), checksum=False, owner=(0, 2))  # the replay's
+    loaded = shm.load(8)
+    assert loaded is not None
+    assert_bit_exact(_state(8), loaded[1])
+    rep = resume.StoreReplica(store, "job/replica", rank=0, max_bytes=1 << 16)
+    for step in (7, 8):
+        rep.publish(step, world=2, state=_state(step))
+    rep.drop_after(7)
+    assert rep.fetch(0, 8) is None and rep.fetch(0, 7) is not None
+
+
 def test_shm_slots_carry_the_writing_rank_and_world(tmp_path: Path) -> None:
     shm = ShmSnapshot("job", 1, base=tmp_path)  # directory of local rank 1
     shm.capture(7, _state(7), checksum=False, owner=(5, 8))
