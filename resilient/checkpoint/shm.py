@@ -2,7 +2,8 @@
 
 Files in ``/dev/shm`` outlive the process that wrote them (unlike ``multiprocessing.shared_memory``,
 whose resource tracker unlinks segments when the creator dies). Two slots alternate, each with its
-own ``slotK.json`` (JSON skeleton, layout, xxh3-128 of the bytes), removed before the slot is
+own ``slotK.json`` (JSON skeleton, layout, xxh3-128 of the bytes or, for the runtime's mirror, the
+byte sums of its tensors the replica digests already took), removed before the slot is
 overwritten and written back after: a worker killed mid-copy leaves the other snapshot whole, and
 both complete snapshots are offered, so ranks one snapshot apart can still agree on a step. The
 launcher keeps the directory across restarts of the worker and removes it when the job ends.
@@ -14,6 +15,7 @@ import json
 import mmap
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from resilient.checkpoint.codec import check_layout, decode, dtype_from_name, en
 from resilient.checkpoint.manifest import write_json_durable
 from resilient.checkpoint.staging import Arena, extent
 from resilient.errors import CheckpointError
+from resilient.state.digest import Leaf, tensor_sums
 from resilient.state.dtensor import holds_dtensors
 
 SHM = Path("/dev/shm")
@@ -60,6 +63,11 @@ class ShmSnapshot:
             ("rank", meta.get("rank") is None or (type(meta["rank"]) is int and meta["rank"] >= 0)),
             ("world", meta.get("world") is None or (type(meta["world"]) is int and meta["world"] >= 1)),
             ("xxh3", meta.get("xxh3") is None or isinstance(meta["xxh3"], str)),
+            (
+                "sums",
+                meta.get("sums") is None
+                or (isinstance(meta["sums"], dict) and all(type(v) is int for v in meta["sums"].values())),
+            ),
             ("skeleton", "skeleton" in meta),
         ):
             if not ok:
@@ -116,9 +124,12 @@ class ShmSnapshot:
         *,
         checksum: bool = True,
         owner: tuple[int, int] | None = None,
+        sums: Mapping[str, Leaf] | None = None,
     ) -> None:
         """Copy ``state`` into the older slot. Its ``slotK.json`` goes first and comes back last, so
-        a worker killed mid-copy leaves the other slot, and only it, described and whole."""
+        a worker killed mid-copy leaves the other slot, and only it, described and whole.
+        ``sums``: the byte sums of ``state``'s tensor leaves by path, already taken (the replica
+        digests'): kept with the slot and verified when it is loaded, at no cost to the capture."""
         self.dir.mkdir(parents=True, exist_ok=True)
         if not self._arenas:
             self._arenas = [Arena(self.dir / f"slot{i}.bin") for i in (0, 1)]
@@ -136,6 +147,7 @@ class ShmSnapshot:
             "world": owner[1] if owner else None,
             "size": size,
             "xxh3": digest,
+            "sums": {k: int(v[0]) for k, v in sums.items()} if sums is not None else None,
             "sharded": holds_dtensors(state),  # (only a mesh of the same size takes them back)
             "skeleton": skeleton,
             "layout": [[s.key, s.dtype, list(s.shape), s.offset, s.nbytes] for s in slots],
@@ -191,6 +203,7 @@ class ShmSnapshot:
         finally:
             if mm is not None:
                 mm.close()
+        _verify_sums(meta, tensors, path)
         return want, decode(meta["skeleton"], tensors)
 
     @staticmethod
@@ -205,6 +218,7 @@ class ShmSnapshot:
                 tensors.append(raw.view(dt).reshape(tuple(shape)))
             else:
                 tensors.append(torch.empty(tuple(shape), dtype=dt))
+        _verify_sums(meta, tensors, "snapshot slot")
         return decode(meta["skeleton"], tensors)
 
     def close(self) -> None:
@@ -217,3 +231,17 @@ class ShmSnapshot:
         """Remove every rank's snapshot of this job from shared memory."""
         self.close()
         shutil.rmtree(self.top, ignore_errors=True)
+
+
+def _verify_sums(meta: Mapping[str, Any], tensors: list[torch.Tensor], where: object) -> None:
+    """The slot's tensors against the byte sums taken when they were captured, if any were."""
+    sums = meta.get("sums")
+    if not sums:
+        return
+    keyed = [(key, t) for (key, *_), t in zip(meta["layout"], tensors, strict=True) if key in sums]
+    for (key, _), total in zip(keyed, tensor_sums([t for _, t in keyed]), strict=True):
+        if total != sums[key]:
+            raise CheckpointError(
+                f"{where}: leaf {key!r} of the snapshot of step {meta['step']} has byte sum {total:#x}, "
+                f"{sums[key]:#x} when captured (corrupt snapshot)"
+            )

@@ -32,6 +32,7 @@ from resilient.runtime.persist import Persistence
 from resilient.runtime.schedule import SnapshotSchedule
 from resilient.runtime.session import Session
 from resilient.state import Registry, SnapshotRing
+from resilient.state.digest import Leaf
 from resilient.state.dtensor import live_meshes
 from resilient.state.registry import RNG, restore_rng
 
@@ -43,8 +44,12 @@ class MappedState(dict[str, Any]):
 
 def shm_state(shm: ShmSnapshot, step: int, *, mapped: bool = False) -> dict[str, Any]:
     """The state of ``step`` in this node's shared memory; its slot may have been evicted since
-    (a newer snapshot took it): then :class:`StateRestoreError`, naming it."""
-    got = shm.load(step, mapped=mapped)
+    (a newer snapshot took it), or it no longer matches its sums: then :class:`StateRestoreError`,
+    naming it."""
+    try:
+        got = shm.load(step, mapped=mapped)
+    except CheckpointError as e:
+        raise StateRestoreError(f"{shm.dir}: the snapshot of step {step} is not restored: {e}") from e
     if got is None:
         raise StateRestoreError(f"{shm.dir}: the snapshot of step {step} is gone")
     return MappedState(got[1]) if mapped else dict(got[1])
@@ -205,8 +210,9 @@ class Mirrors:
         return self.persist is not None and self.persist.preempt_requested is not None
 
     def keep(
-        self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None, step_s: float | None
-    ) -> None:
+        self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None,
+        step_s: float | None, sums: dict[str, Leaf] | None = None,
+    ) -> None:  # fmt: skip
         p, registry = self.persist, gen.registry
         if p is not None and p.preempt_requested is not None:  # (kept in the ring: see stopping)
             if nxt not in self.ring.steps():  # (the signal came after the step loop asked)
@@ -219,7 +225,9 @@ class Mirrors:
             if self.mirror_schedule.due(nxt, total) or self._ckpt_due:
                 clock = self.session.clock
                 t_mirror = clock()
-                self.mirror(nxt, state if state is not None else registry.capture())
+                if state is None:
+                    state, sums = registry.capture(), None
+                self.mirror(nxt, state, sums)
                 mirror_s = clock() - t_mirror
             self.mirror_schedule.observe(nxt, step_s, mirror_s)
         if p is None:
@@ -238,14 +246,14 @@ class Mirrors:
             self._arm(hard)
             gen.progress = self.session.clock()
 
-    def mirror(self, step: int, state: dict[str, Any]) -> None:
+    def mirror(self, step: int, state: dict[str, Any], sums: dict[str, Leaf] | None = None) -> None:
         """Under ``resilient launch``: the snapshot also goes where it outlives this process (this
         node's shared memory; its small objects to the job's store, which outlives the node)."""
         if self.shm is None:
             return
         s = self.session
         if not self.shm.holds(step, s.rank, s.world_size):  # not when just restored from it
-            self.shm.capture(step, state, checksum=False, owner=(s.rank, s.world_size))
+            self.shm.capture(step, state, checksum=False, owner=(s.rank, s.world_size), sums=sums)
         if self.replica is not None:
             try:
                 self.replica.publish(step, s.world_size, state)

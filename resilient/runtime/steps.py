@@ -34,6 +34,7 @@ from resilient.runtime.sdc import ReplicaCheck
 from resilient.runtime.session import Session
 from resilient.runtime.straggler import WorkMeter
 from resilient.state import SnapshotRing
+from resilient.state.digest import Leaf
 from resilient.state.loader import batches_consumed, finish_pass
 from resilient.state.registry import EPOCHS, RNG, restore_rng
 
@@ -51,8 +52,9 @@ class Keeper(Protocol):
         ...
 
     def keep(self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None,
-             step_s: float | None) -> None:  # fmt: skip
-        """After each step (``state``: what was captured for the ring, if anything was)."""
+             step_s: float | None, sums: dict[str, Leaf] | None = None) -> None:  # fmt: skip
+        """After each step (``state``: what was captured for the ring, if anything was; ``sums``:
+        its tensor leaves' byte sums, where the replica digests took them)."""
         ...
 
     def materialize(self, step: int) -> tuple[dict[str, Any], bool]:
@@ -85,7 +87,7 @@ class RingOnly:
         return False
 
     def keep(self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None,
-             step_s: float | None) -> None:  # fmt: skip
+             step_s: float | None, sums: dict[str, Leaf] | None = None) -> None:  # fmt: skip
         return None
 
     def materialize(self, step: int) -> tuple[dict[str, Any], bool]:
@@ -383,6 +385,7 @@ class StepLoop:
         nxt = step + 1
         capture_s = None
         state: dict[str, Any] | None = None
+        sums: dict[str, Leaf] | None = None
         count, sdc = gen.count, self.sdc
         if count is not None and count.pending is not None:  # the last kept snapshot, verified now
             self._settle(count, False)
@@ -396,7 +399,7 @@ class StepLoop:
         digest_due = sdc is not None and count is not None and sdc.due(nxt)
         if ring_due or leaves or digest_due:
             state = gen.registry.capture()
-            digests, sums = None, None
+            digests = None
             if sdc is not None and count is not None:  # the replicated state's digests, with the count
                 objects = dict(zip(gen.registry.names(), gen.registry.objects(), strict=True))
                 digests, sums = sdc.digests(step, state, objects)
@@ -416,7 +419,7 @@ class StepLoop:
             s.events.emit(Event.STEP_COMPLETED, generation=s.generation, step=step, step_s=step_s, log=False)
         for h in s.hooks:
             h.after_step(s.generation, step, step_s)
-        self.keeper.keep(gen, nxt, total, state, step_s)
+        self.keeper.keep(gen, nxt, total, state, step_s, sums)
         self.cost.add(step, now, s.clock() - now, capture_s is not None)
         if gen.resume_pending:
             gen.resume_pending = False

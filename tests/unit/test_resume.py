@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from chaos.compare import assert_bit_exact
 from resilient.checkpoint.shm import ShmSnapshot
+from resilient.errors import CheckpointError
 from resilient.runtime import resume
 
 
@@ -84,6 +86,29 @@ def test_a_roll_back_drops_the_mirrors_of_later_steps(tmp_path: Path, store: dis
         rep.publish(step, world=2, state=_state(step))
     rep.drop_after(7)
     assert rep.fetch(0, 8) is None and rep.fetch(0, 7) is not None
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_mirror_slot_is_verified_against_the_sums_taken_at_capture(tmp_path: Path, mapped: bool) -> None:
+    # the runtime's mirror carries no checksum of its bytes (too dear per capture) but the byte
+    # sums the replica digests already took: a slot that changed since is never loaded
+    from resilient.state.digest import leaf_sums
+
+    shm = ShmSnapshot("job", 0, base=tmp_path)
+    state = _state(3)
+    shm.capture(5, state, checksum=False, owner=(0, 2), sums=leaf_sums(state))
+    got = shm.load(5, mapped=mapped)
+    assert got is not None
+    assert_bit_exact(state, got[1])
+    meta = json.loads((shm.dir / "slot0.json").read_text())
+    _key, _, _, offset, _ = next(e for e in meta["layout"] if e[0] == "/model/w")
+    with open(shm.dir / "slot0.bin", "r+b") as f:  # one flipped bit in one weight
+        f.seek(offset + 4)
+        byte = f.read(1)[0]
+        f.seek(offset + 4)
+        f.write(bytes([byte ^ 0x10]))
+    with pytest.raises(CheckpointError, match="leaf '/model/w' of the snapshot of step 5"):
+        shm.load(5, mapped=mapped)
 
 
 def test_shm_slots_carry_the_writing_rank_and_world(tmp_path: Path) -> None:
