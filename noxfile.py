@@ -113,14 +113,18 @@ def bench(session: nox.Session) -> None:
 @nox.session(name="bench-replace", python=PY)
 def bench_replace(session: nox.Session) -> None:
     """A dead rank replaced alone vs the whole group relaunched vs torchrun, NVRx ft_launcher and
-    torchft 0.2.0, side by side (benchmarks/replace.py: the example, SIGKILL and SIGSTOP); then
-    the ~1 GB state (benchmarks/relaunch.py). About 25 min."""
+    torchft 0.2.0, side by side (benchmarks/replace.py: the example, SIGKILL and SIGSTOP; then
+    examples/train_hf.py, parked vs importing standby); then the ~1 GB state
+    (benchmarks/relaunch.py). About 35 min."""
     _install(session, "dev", "bench")
     # torchft's own pins would replace torch: its wheel alone, and the small packages it imports
     session.install("--no-deps", "torchft==0.2.0")
     session.install("opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http")
     env = {"OMP_NUM_THREADS": "1"}
     session.run("python", "benchmarks/replace.py", "--trials", "8", *session.posargs, env=env)
+    # a script whose imports take seconds (transformers): a parked standby against an importing one
+    session.run("python", "benchmarks/replace.py", "--script", "hf", "--trials", "5", "--at", "150",
+                "--steps", "200", "--out", "benchmarks/results/replace_hf.json", env=env)  # fmt: skip
     session.run("python", "benchmarks/relaunch.py", "--trials", "5", env=env)
 
 

@@ -3,7 +3,10 @@
 The bundled example (examples/train_tiny.py: DDP over gloo, 2 ranks, steps padded to 50 ms) under
 
 - **rank**: ``resilient launch --replace rank --standby 1`` (the default): the survivor stays in
-  its process; a warm standby takes the dead rank's place and restores its shared-memory snapshot;
+  its process; a warm standby, parked in the script's ``resilient.wrap`` call, takes the dead
+  rank's place and restores its shared-memory snapshot;
+- **rank-import**: the same with ``--standby-mode import``: the standby has imported torch and the
+  runtime only, and runs the script's imports and top level once promoted;
 - **group**: ``resilient launch --replace group``: every worker is relaunched and restores from
   the shared-memory snapshots (the behaviour before replacement);
 - **torchrun**: ``torchrun --max-restarts``, the script without the runtime, torch.save + fsync
@@ -27,7 +30,10 @@ again (per-step progress lines, same host clock). SIGSTOP: the launcher's heartb
 (``--heartbeat-timeout``, 3 s) is part of the figure, and is also reported subtracted. Modes and
 signals alternate trial by trial.
 
-    python benchmarks/replace.py [--trials 10] [--at 100]
+``--script hf`` runs examples/train_hf.py instead (a GPT-2 built from a config with
+``transformers``, whose import alone takes seconds): rank, rank-import and group.
+
+    python benchmarks/replace.py [--trials 10] [--at 100] [--script tiny|hf] [--modes rank,...]
 """
 
 from __future__ import annotations
@@ -42,11 +48,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.suite import RESULTS, job, recoveries
+from benchmarks.suite import EXAMPLE, RESULTS, ROOT, job, recoveries
 
 HEARTBEAT_S = 3.0
 MODES = {
-    "rank": ("resilient", ("--replace", "rank", "--standby", "1")),
+    "rank": ("resilient", ("--replace", "rank", "--standby", "1")),  # (a parked standby)
+    "rank-import": ("resilient", ("--replace", "rank", "--standby", "1", "--standby-mode", "import")),
     "group": ("resilient", ("--replace", "group")),
     "torchrun": ("torchrun", ()),
 }
@@ -73,13 +80,17 @@ def peer_trial(mode: str) -> dict[str, Any]:
     return out
 
 
-def trial(mode: str, sig: signal.Signals, at: int, steps: int) -> dict[str, Any]:
+SCRIPTS = {"tiny": EXAMPLE, "hf": str(ROOT / "examples" / "train_hf.py")}
+
+
+def trial(mode: str, sig: signal.Signals, at: int, steps: int, script: str = EXAMPLE) -> dict[str, Any]:
     if mode in PEERS:
         return peer_trial(mode)
     engine, args = MODES[mode]
     launch = (*args, *LAUNCH) if engine == "resilient" else ()
     extra = ("--ckpt-dir", "ckpt", "--ckpt-every", "10") if engine == "resilient" else ()
-    r = job(engine, 2, steps, kills=(at,), launch_args=launch, extra=extra, kill_signal=sig, timeout=180)
+    r = job(engine, 2, steps, kills=(at,), launch_args=launch, extra=extra, kill_signal=sig, timeout=180,
+            script=script)  # fmt: skip
     got = recoveries(r)
     out: dict[str, Any] = {"mode": mode, "signal": sig.name, "finished": r["finished"]}
     if r["finished"] and got and got[0]["recover_s"] == got[0]["recover_s"]:
@@ -95,12 +106,23 @@ def main() -> None:
     ap.add_argument("--at", type=int, default=100, help="the step after which rank 1 is signalled")
     ap.add_argument("--steps", type=int, default=140)
     ap.add_argument("--out", type=Path, default=RESULTS / "replace.json")
+    ap.add_argument(
+        "--script",
+        choices=sorted(SCRIPTS),
+        default="tiny",
+        help="tiny: examples/train_tiny.py; hf: examples/train_hf.py (imports transformers)",
+    )
+    ap.add_argument("--modes", default=None, help="comma-separated SIGKILL modes (default: all)")
     args = ap.parse_args()
     runs: list[dict[str, Any]] = []
     plan = [(m, signal.SIGKILL) for m in (*MODES, *PEERS)] + [(m, signal.SIGSTOP) for m in ("rank", "group")]
+    if args.modes:
+        plan = [(m, signal.SIGKILL) for m in args.modes.split(",")]
+    elif args.script != "tiny":  # (the torchrun baseline and the peers run the example's own loop)
+        plan = [(m, signal.SIGKILL) for m in ("rank", "rank-import", "group")]
     for t in range(args.trials):
         for mode, sig in plan:
-            r = trial(mode, sig, args.at, args.steps)
+            r = trial(mode, sig, args.at, args.steps, SCRIPTS[args.script])
             r["trial"] = t
             runs.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
@@ -127,7 +149,7 @@ def main() -> None:
             + above
         )
     k = summary.get("SIGKILL/rank", {}).get("median_s")
-    for other in ("group", "torchrun", *PEERS):
+    for other in ("rank-import", "group", "torchrun", *PEERS):
         o = summary.get(f"SIGKILL/{other}", {}).get("median_s")
         if k and o:
             print(f"SIGKILL: {other} / rank (medians) {o / k:.2f}x")

@@ -138,13 +138,14 @@ def job(
     timeout: float = 240.0,
     launch_args: tuple[str, ...] = (),
     kill_signal: signal.Signals = signal.SIGKILL,
+    script: str = EXAMPLE,
 ) -> dict[str, Any]:
-    """Run the example once; send ``kill_signal`` (SIGKILL) to rank 1 when it first completes each
-    step in ``kills``."""
+    """Run the example (or ``script``, which takes the same options) once; send ``kill_signal``
+    (SIGKILL) to rank 1 when it first completes each step in ``kills``."""
     d = Path(tempfile.mkdtemp(prefix=f"suite-{engine}-", dir="/var/tmp"))
     progress, injections = d / "progress.jsonl", d / "injections.jsonl"
     work = [
-        EXAMPLE,
+        script,
         "--steps",
         str(steps),
         "--step-ms",

@@ -113,13 +113,26 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def main() -> None:
-    args = parse()
+def _attempt() -> int:
+    """This process's launch attempt. Read inside the wrapped function, where a rank's variables
+    are: a `resilient launch` standby runs the top level before it knows whose rank it takes."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if os.environ.get("RESILIENT_JOIN_GENERATION"):  # `resilient launch` replaced a dead rank with us
         attempt += 1
-    planned = args.fault if args.fault_attempt is None or args.fault_attempt == attempt else ""
-    injector = Injector.parse(planned)  # outlives restarts: each fault fires as often as planned
+    return attempt
+
+
+def main() -> None:
+    args = parse()
+    injectors: list[Injector] = []  # one per process, made at the first entry: outlives restarts
+
+    def fault_plan() -> Injector:
+        if not injectors:  # each fault fires as often as planned, in the planned attempt
+            attempt = _attempt()
+            planned = args.fault if args.fault_attempt is None or args.fault_attempt == attempt else ""
+            injectors.append(Injector.parse(planned))
+        return injectors[0]
+
     overrides: dict[str, object] = {}
     if args.hang_timeout is not None:
         overrides["hang_timeout"] = args.hang_timeout
@@ -140,7 +153,7 @@ def main() -> None:
         }
 
     def train(ctx: resilient.Context) -> None:
-        rank = dist.get_rank()
+        rank, injector, attempt = dist.get_rank(), fault_plan(), _attempt()
         torch.manual_seed(0)
         device = ctx.device
         model = DDP(TinyLM(dim=args.dim, seq=args.seq).to(device))
@@ -196,6 +209,7 @@ def main() -> None:
         # relaunched job can read the dead attempt's gloo addresses (connectFullMesh to a closed
         # port, measured). The keys of each launch attempt get their own prefix.
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        attempt = _attempt()
         host = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, host, timeout=timeout

@@ -43,7 +43,8 @@ class Event(str, enum.Enum):
     GROUP_STOPPED = "group_stopped"
     RELAUNCHED = "relaunched"
     RANK_REPLACED = "rank_replaced"  # the agent: one dead worker replaced, its survivors kept
-    STANDBY_READY = "standby_ready"  # the agent: a warm standby finished its imports and waits
+    STANDBY_READY = "standby_ready"  # the agent: a warm standby waits (warmth: parked | imported)
+    STANDBY_FALLBACK = "standby_fallback"  # the agent: a standby could not park in the script, and why
     NODE_LOST = "node_lost"
     NODE_EXCLUDED = "node_excluded"
     STEP_COMPLETED = "step_completed"  # only with events.steps: true (one line per rank per step)

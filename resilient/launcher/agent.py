@@ -95,6 +95,7 @@ class ResilientAgent(LocalElasticAgent):
         backoff_max_s: float = 10.0,
         admit_waiting: bool = False,
         standby: int = 0,
+        standby_mode: str = "park",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -107,7 +108,8 @@ class ResilientAgent(LocalElasticAgent):
         self.startup_timeout = startup_timeout
         self.events = events
         self.backoff = Backoff(backoff_initial_s, backoff_max_s)
-        self.replacer = Replacer(self.elastic, heartbeat_dir, self._emit, standby)
+        park = standby_mode == "park"
+        self.replacer = Replacer(self.elastic, heartbeat_dir, self._emit, standby, park=park)
         self.verdict: int | None = None  # an exit code the launcher must end with, not restart
         self.excluded = False
         self.failures: list[dict[str, Any]] = []

@@ -94,8 +94,16 @@ def parser() -> Any:
         "--standby",
         type=count(0, 4096),
         default=1,
-        help="warm standby processes per node (torch and the runtime imported) that take a dead "
-        "rank's place with --replace rank; 0: a new process each time",
+        help="warm standby processes per node that take a dead rank's place with --replace rank; "
+        "0: a new process each time",
+    )
+    p.add_argument(
+        "--standby-mode",
+        choices=("park", "import"),
+        default="park",
+        help="park: a standby runs the script's imports and top level and waits in its "
+        "resilient.wrap call (it falls back to import, with a standby_fallback event, where the top "
+        "level reads a rank); import: it imports torch and the runtime only",
     )
     p.add_argument(
         "--events-dir", type=Path, default=Path("resilient_runs"), help="<dir>/<run_id>/events.jsonl"
@@ -237,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         backoff_max_s=args.backoff_max,
         admit_waiting=args.admit_waiting,
         standby=max(0, args.standby) if args.replace == "rank" else 0,
+        standby_mode=args.standby_mode,
     )
     _forward_preemption(agent)
     exporter = None

@@ -104,6 +104,10 @@ class Elastic:
         """The environment torch gave ``local_rank``'s worker (``RANK``, the store, ...)."""
         return dict(self._pc.envs[local_rank])
 
+    def local_ranks(self) -> list[int]:
+        """This node's workers' local ranks."""
+        return sorted(self._pc.envs)
+
     def command(self, local_rank: int) -> tuple[str, tuple[str, ...]]:
         return str(self._spec.entrypoint), tuple(self._pc.args[local_rank])
 

@@ -25,7 +25,7 @@ from resilient.contract import Beat, beat_path, read_beat, run_namespace
 from resilient.events import Event
 from resilient.launch_env import Var
 from resilient.launcher.elastic import Elastic
-from resilient.launcher.standby import Standby, target
+from resilient.launcher.standby import RANK_VARS, Standby, target
 
 STANDBY_DELAY_S = 2.0
 
@@ -34,11 +34,17 @@ class Replacer:
     """Replaces dead ranks' processes and keeps ``standby`` warm standbys waiting for that."""
 
     def __init__(
-        self, elastic: Elastic, heartbeat_dir: Path, emit: Callable[..., None], standby: int
+        self,
+        elastic: Elastic,
+        heartbeat_dir: Path,
+        emit: Callable[..., None],
+        standby: int,
+        park: bool = True,
     ) -> None:
         self.elastic = elastic
         self.heartbeat_dir = heartbeat_dir
         self.standby_count = standby
+        self.park = park  # standbys run the script up to its resilient.wrap (standby.py)
         self._emit = emit
         self._standbys: list[Standby] = []
         self._store_client: Any = None  # the workers' store, where a death is posted as a fault
@@ -103,11 +109,11 @@ class Replacer:
         """A process for ``local_rank`` with ``env``: a promoted standby if one waits, else a new one."""
         tgt = target(*self.elastic.command(local_rank))
         stdout, stderr = self.elastic.outputs(local_rank)
-        while self._standbys and tgt is not None:
-            sb = self._standbys.pop(0)
-            if sb.alive():
-                sb.promote(local_rank, {**os.environ, **env}, tgt, stdout, stderr)
-                return sb, True
+        for sb in [s for s in self._standbys if tgt is not None and s.alive() and s.takes(tgt)]:
+            self._standbys.remove(sb)
+            assert tgt is not None
+            sb.promote(local_rank, {**os.environ, **env}, tgt, stdout, stderr)
+            return sb, True
         return self.elastic.start(local_rank, env), False
 
     def keep_standbys(self, workers: Sequence[Any], newest_start: float) -> None:
@@ -116,9 +122,15 @@ class Replacer:
         worker's, or slow a replacement's first steps on a node with few cores)."""
         self._standbys = [s for s in self._standbys if s.alive()]
         for sb in self._standbys:
+            why = sb.fallback() if not sb.fallback_seen else None
+            if why is not None:
+                sb.fallback_seen = True
+                logger.warning(f"standby {sb.proc.pid} cannot wait in the script (it imports only): {why}")
+                self._emit(Event.STANDBY_FALLBACK, standby_pid=sb.proc.pid, reason=why)
             if not sb.announced and sb.ready():
                 sb.announced = True
-                self._emit(Event.STANDBY_READY, standby_pid=sb.proc.pid, standbys=len(self._standbys))
+                self._emit(Event.STANDBY_READY, standby_pid=sb.proc.pid, standbys=len(self._standbys),
+                           warmth=sb.warmth())  # fmt: skip
         if len(self._standbys) >= self.standby_count:
             return
         if time.monotonic() - newest_start < STANDBY_DELAY_S:
@@ -127,7 +139,16 @@ class Replacer:
             beat = read_beat(beat_path(self.heartbeat_dir, w.local_rank))
             if beat is None or beat.step < 0 or beat.exiting:  # (starting, or the run is over)
                 return
-        self._standbys.append(Standby({**os.environ, **self.elastic.env(0)}, self.heartbeat_dir))
+        env0 = self.elastic.env(0)
+        park = target(*self.elastic.command(0)) if self.park else None
+        self._standbys.append(Standby({**os.environ, **env0}, self.heartbeat_dir, park, self._rank_vars()))
+
+    def _rank_vars(self) -> tuple[str, ...]:
+        """The worker variables a parking standby's script must not see: a worker's identity, the
+        job's size and store, and any that differs between this node's workers."""
+        envs = [self.elastic.env(r) for r in self.elastic.local_ranks()]
+        differ = {k for k in envs[0] if len({e.get(k) for e in envs}) > 1}
+        return tuple(sorted(differ | {k for k in envs[0] if k in RANK_VARS or k.startswith("TORCHELASTIC_")}))
 
     def close(self) -> None:
         """Stop the standbys that wait (they exit when their stdin closes, or by SIGTERM)."""

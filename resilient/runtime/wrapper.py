@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, overload
 
 from resilient.config import Config, load_config
+from resilient.launcher.standby import park_until_promoted
 from resilient.runtime import hooks as hooks_mod
 from resilient.runtime.context import Context
 from resilient.runtime.exits import excepthook_exit_codes
@@ -93,6 +94,7 @@ def wrap(
         @functools.wraps(f)
         def run(*args: Any, **kwargs: Any) -> Any:
             global _current
+            park_until_promoted()  # (a standby of `resilient launch` waits here to be a rank)
             excepthook_exit_codes()
             active = [*hooks, *hooks_mod.discover()]
             rt = engine_for(Setup.of(cfg, checks, hooks=active))

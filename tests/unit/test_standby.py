@@ -66,3 +66,83 @@ def test_a_standby_whose_order_never_comes_exits_quietly(tmp_path: Path, wait_un
     assert sb.proc.stdin is not None
     sb.proc.stdin.close()  # the agent went away without promoting it
     assert sb.proc.wait(60) == 0
+
+
+def _parking_script(tmp_path: Path, top: str) -> tuple[Path, Path]:
+    """A script whose top level appends to ``top.log`` (and runs ``top``), then waits where
+    ``resilient.wrap`` would, then records what it sees as a rank."""
+    script = tmp_path / "job" / "train.py"
+    script.parent.mkdir()
+    out = tmp_path / "seen.json"
+    script.write_text(
+        "import json, os, sys\n"
+        f"open({str(tmp_path / 'top.log')!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        f"{top}\n"
+        "print('top level ran')\n"
+        "from resilient.launcher.standby import park_until_promoted\n"
+        "park_until_promoted()\n"
+        "print('promoted')\n"
+        "seen = {'name': __name__, 'argv': sys.argv, 'rank': os.environ['RANK'], 'stdin': sys.stdin.read()}\n"
+        f"json.dump(seen, open({str(out)!r}, 'w'))\n"
+    )
+    return script, out
+
+
+def test_a_parked_standby_has_run_the_top_level_and_becomes_the_rank(tmp_path: Path, wait_until: Any) -> None:
+    script, out = _parking_script(tmp_path, "import argparse")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "RANK": "0"}
+    tgt = Target(False, str(script), ("--steps", "4"))
+    sb = Standby(env, tmp_path, park=tgt, hide=("RANK",))
+    try:
+        wait_until(sb.ready, 120, "the standby to park in the script")
+        assert sb.warmth() == "parked" and sb.fallback() is None
+        assert (tmp_path / "top.log").read_text().split() == [str(sb.proc.pid)]  # before any order
+        assert sb.takes(tgt) and not sb.takes(Target(False, str(script), ("--steps", "5")))
+        rank_out = tmp_path / "rank1.out"
+        sb.promote(1, {**env, "RANK": "3"}, tgt, str(rank_out), None)
+        assert sb.proc.wait(60) == 0
+    finally:
+        sb.close()
+        sb.proc.wait(10)
+    seen = json.loads(out.read_text())
+    assert seen == {"name": "__main__", "argv": [str(script), "--steps", "4"], "rank": "3", "stdin": ""}
+    assert (tmp_path / "top.log").read_text().split() == [str(sb.proc.pid)]  # the top level ran once
+    assert rank_out.read_text() == "promoted\n"  # the rank's output goes where the rank's goes
+    assert "top level ran" in (tmp_path / f"standby-{sb.proc.pid}.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("top", "why"),
+    [
+        ("rank = int(os.environ.get('RANK', 0))", r"the script's top level read RANK read at .*train\.py:3"),
+        ("raise RuntimeError('no GPU here')", "the script's top level raised RuntimeError: no GPU here"),
+        ("sys.exit(0)", "raised SystemExit"),
+    ],
+)
+def test_a_top_level_that_needs_a_rank_falls_back_to_importing(
+    tmp_path: Path, wait_until: Any, top: str, why: str
+) -> None:
+    import re
+
+    script, out = _parking_script(tmp_path, top if "exit" not in top else "pass")
+    if "exit" in top:  # (the script ends before it reaches wrap)
+        script.write_text(script.read_text().replace("park_until_promoted()\n", "sys.exit(0)\n"))
+        why = "ended without calling resilient.wrap|raised SystemExit"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "RANK": "0"}
+    tgt = Target(False, str(script), ())
+    sb = Standby(env, tmp_path, park=tgt, hide=("RANK",))
+    try:
+        reason = wait_until(sb.fallback, 120, "the standby to give up parking")
+        assert re.search(why, reason), reason
+        wait_until(sb.ready, 120, "the standby to wait as an importing one")
+        assert sb.warmth() == "imported" and sb.takes(Target(False, "other.py", ()))
+        if "exit" in top or "raise" in top:
+            return  # (the promoted script would fail again, as under torchrun)
+        sb.promote(1, {**env, "RANK": "3"}, tgt, None, None)
+        assert sb.proc.wait(60) == 0
+    finally:
+        sb.close()
+        sb.proc.wait(10)
+    assert json.loads(out.read_text())["rank"] == "3"
+    pids = (tmp_path / "top.log").read_text().split()
+    assert pids == [str(sb.proc.pid)] * 2  # the same process ran the top level again, afresh
