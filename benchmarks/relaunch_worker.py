@@ -7,6 +7,8 @@
 
 Each completed step appends {"attempt", "step", "t", "pid"} to --progress (the driver's clock);
 the built model appends {"built": true, "t", "pid"} (what the restore costs is measured after it).
+The model is built at the top level, which needs no rank: a parked standby of `resilient launch`
+has built it before it is promoted.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ def main() -> None:
     p.add_argument("--progress", type=Path, required=True)
     p.add_argument("--ckpt", type=Path, default=None)
     args = p.parse_args()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def report(s: int) -> None:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # (a rank's: read once it has one)
         with open(args.progress, "a") as f:
             f.write(json.dumps({"attempt": attempt, "step": s, "t": time.time(), "pid": os.getpid()}) + "\n")
 

@@ -62,6 +62,7 @@ class Trial:
     detected_rank: int | None = None  # the rank the detection event names
     named_ranks: list[int] | None = None  # the ranks an attribution (sdc_detected) named corrupt
     rate_back_s: float | None = None  # detection → steps within 10 % of the fault-free step time
+    standby: str | None = None  # the launcher's standby that waited when the harness fired, if one did
     restarts: int | None = None  # incarnations beyond the first, over every rank
     lost_checkpoints: int | None = None  # committed checkpoints that no longer load
     fired: int = 0
@@ -185,6 +186,7 @@ def _run_trial(
         t.error = t.error or f"the fault never fired (the rank never reached step {step}?)"
         return t
     inj = injections[0]
+    t.standby = inj.get("standby")
     m = measure(evs, inj["ts"], j.nproc, ref_step_s, kind.evidence.detection)
     t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
     t.detect_step = m.get("detect_step")
@@ -278,6 +280,8 @@ def _check(t: Trial, cert: Certification) -> list[str]:
         failed.append("names_rank")
     if s.rate_back_s is not None and (t.rate_back_s is None or t.rate_back_s > s.rate_back_s):
         failed.append("rate_back_s")
+    if s.standby_ready and t.standby is None:
+        failed.append("standby_ready")
     return failed
 
 

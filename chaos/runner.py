@@ -29,6 +29,7 @@ class Tail:
         self.cwd = cwd
         self._tail = EventTail(cwd / "resilient_runs")
         self.reached: dict[int, tuple[int, int]] = {}  # rank → (newest step completed, its pid)
+        self.standbys: dict[int, str] = {}  # pid → warmth of the launcher's standbys that wait
 
     def poll(self) -> None:
         for e in self._tail.poll():
@@ -36,6 +37,10 @@ class Tail:
                 self.reached[e["rank"]] = (e["step"], e["pid"])
             elif e["event"] == "run_started" and e["rank"] >= 0:  # a new process: from its start
                 self.reached[e["rank"]] = (-1, e["pid"])
+            elif e["event"] == "standby_ready":
+                self.standbys[e["standby_pid"]] = e.get("warmth", "imported")
+            elif e["event"] == "rank_replaced" and e.get("standby"):
+                self.standbys.pop(e["new_pid"], None)
 
 
 @dataclass
@@ -87,8 +92,11 @@ class Runner:
             return None  # gone already (another fault's relaunch): not injected, not counted
 
     def record(self, kind: str, rank: int, step: int, **extra: Any) -> float:
-        """Append to the job's ``injections.jsonl`` what the harness did, and when."""
-        return record_injection(self.cwd, kind, rank, step, **extra)
+        """Append to the job's ``injections.jsonl`` what the harness did, and when, with the
+        standby that waited then (``parked``/``imported``; None: none was ready)."""
+        self.tail.poll()
+        waiting = sorted(self.tail.standbys.values(), key=lambda w: w != "parked")
+        return record_injection(self.cwd, kind, rank, step, standby=waiting[0] if waiting else None, **extra)
 
     def lasts(self, seconds: float) -> float:
         """Wait while a fault lasts (or until the job ends); the time it ended."""

@@ -62,6 +62,9 @@ class SLO(_Model):
         None, gt=0, description="link faults: link back → first step completed after, at most"
     )
     detect_rank: bool = Field(False, description="the detection event names the faulty rank (straggler)")
+    standby_ready: bool = Field(
+        False, description="a standby waited when the harness fired (parked or imported): a warm replacement"
+    )
     rate_back_s: float | None = Field(
         None, gt=0, description="detection → steps within 10 % of the fault-free step time again, at most"
     )

@@ -62,6 +62,32 @@ def test_a_fault_that_raises_nothing_is_judged_by_where_it_was_caught_and_who_wa
     assert certify._check(bad, cert) == ["detect_at_step", "names_rank"]
 
 
+def test_a_warm_replacement_is_certified_only_when_a_standby_waited(tmp_path: Path) -> None:
+    # the harness's tail follows the launcher's standbys: one ready, then used by a replacement
+    import json
+
+    from chaos.runner import Tail
+
+    runs = tmp_path / "resilient_runs" / "r"
+    runs.mkdir(parents=True)
+    log = runs / "events.jsonl"
+    tail = Tail(tmp_path)
+    log.write_text(json.dumps({"ts": 1, "event": "standby_ready", "rank": -1, "standby_pid": 7,
+                               "warmth": "parked"}) + "\n")  # fmt: skip
+    tail.poll()
+    assert tail.standbys == {7: "parked"}
+    with open(log, "a") as f:
+        used = {"ts": 2, "event": "rank_replaced", "rank": -1, "new_pid": 7, "standby": True}
+        f.write(json.dumps(used) + "\n")
+    tail.poll()
+    assert tail.standbys == {}
+    cert = _cert(recover_s=1.0, standby_ready=True)
+    warm = certify.Trial("k", 0, 5, ok=True, recover_s=0.5, bit_exact=True, standby="parked")
+    assert certify._check(warm, cert) == []
+    cold = certify.Trial("k", 0, 5, ok=True, recover_s=0.5, bit_exact=True, standby=None)
+    assert certify._check(cold, cert) == ["standby_ready"]
+
+
 def test_summary_counts_skipped_classes_apart() -> None:
     cert = _cert()
     rows = certify.summarize(cert, [certify.Trial("k", 0, 5, skipped="no cgroup v1 memory controller")])
