@@ -132,6 +132,18 @@ class RunMetrics:
         yield _gauge(
             "resilient_generation", "the newest generation (in-process restarts so far)", run, m.generation
         )
+        ready = GaugeMetricFamily(
+            "resilient_standbys_ready",
+            "standbys that wait to take a dead rank's place, by warmth (parked in the script, or imported)",
+            labels=[*labels, "warmth"],
+        )
+        for w in ("parked", "imported"):
+            ready.add_metric([self.run_id, w], float(sum(v == w for v in m.standbys.values())))
+        yield ready
+        yield _counter(
+            "resilient_standby_fallbacks", "standbys that could not park in the script (standby_fallback)",
+            run, m.standby_fallbacks,
+        )  # fmt: skip
         incidents = acc.incidents if acc is not None else []
         faults = CounterMetricFamily(
             "resilient_faults",

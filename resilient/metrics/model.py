@@ -29,6 +29,8 @@ class Model:
     info: dict[str, str] = field(default_factory=dict)  # engine, backend, world size
     # (rank, host) -> (straggler_detected reports, the last one's slowdown)
     stragglers: dict[tuple[int, str], tuple[int, float]] = field(default_factory=dict)
+    standbys: dict[int, str] = field(default_factory=dict)  # pid -> warmth of the standbys that wait
+    standby_fallbacks: int = 0  # standbys that could not park in the script
 
 
 def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = None) -> Model:
@@ -67,7 +69,13 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
         elif ev == "straggler_detected" and isinstance(r, int):
             n, _ = m.stragglers.get((r, str(e.get("host") or "")), (0, 0.0))
             m.stragglers[(r, str(e.get("host") or ""))] = (n + 1, float(e.get("slowdown") or 0.0))
-        elif ev in ("workers_started", "rank_replaced") and e.get("restarts_left") is not None:
+        elif ev == "standby_ready" and e.get("standby_pid") is not None:
+            m.standbys[int(e["standby_pid"])] = str(e.get("warmth") or "imported")
+        elif ev == "standby_fallback":
+            m.standby_fallbacks += 1
+        if ev == "rank_replaced" and e.get("standby"):
+            m.standbys.pop(int(e.get("new_pid") or -1), None)
+        if ev in ("workers_started", "rank_replaced") and e.get("restarts_left") is not None:
             m.budget["launcher"] = float(e["restarts_left"])
     incidents = acc.incidents
     if max_restarts is not None:

@@ -217,13 +217,18 @@ def status_table(events: list[dict[str, Any]], beats: dict[int, tuple[float, int
             "—" if beat is None else f"{beat[0]:.1f} s",
         )  # fmt: skip
     last = acc.incidents[-1] if acc.incidents else None
-    tail = Text(
+    fault = (
         f"last fault: {last.kind} on rank {last.rank} at step {last.step}, {last.mode}"
         + (f" in {last.recover_s:.2f} s" if last.recover_s is not None else " (recovering)")
         if last
         else "no faults"
     )
-    return Group(head, t, tail)
+    waiting = sorted(m.standbys.values())
+    kinds = ", ".join(f"{waiting.count(w)} {w}" for w in sorted(set(waiting)))
+    standby = f"standbys waiting: {len(waiting)} ({kinds})" if waiting else "standbys waiting: none"
+    if m.standby_fallbacks:
+        standby += f"; {m.standby_fallbacks} could not park in the script (standby_fallback)"
+    return Group(head, t, Text(f"{fault}\n{standby}"))
 
 
 def heartbeats(run_id: str) -> dict[int, tuple[float, int, int]]:

@@ -299,6 +299,31 @@ def test_status_shows_every_rank_and_the_goodput(tmp_path: Path, capsys: pytest.
     assert "│ 0    │ h" in out and "│ 1    │ h" in out
 
 
+def test_status_and_metrics_say_which_standbys_wait(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    evs = in_process_run()
+    evs += [
+        ev(1.0, "standby_ready", -1, standby_pid=7, warmth="parked"),
+        ev(1.1, "standby_fallback", -1, standby_pid=8, reason="the script's top level read RANK"),
+        ev(1.2, "standby_ready", -1, standby_pid=8, warmth="imported"),
+        ev(2.0, "rank_replaced", -1, new_pid=7, standby=True, restarts_left=2),  # the parked one used
+    ]
+    log = write_log(tmp_path, evs)
+    assert cli(["status", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "standbys waiting: 1 (1 imported); 1 could not park in the script" in out
+    m = RunMetrics(log, run_id="abc123", refresh_s=0.0)
+    m.poll(force=True)
+    ex = Exporter(m, 0, "127.0.0.1")
+    assert ex.start()
+    try:
+        got = scrape(ex.port)
+    finally:
+        ex.close()
+    ready = {s.labels["warmth"]: s.value for s in got["resilient_standbys_ready"]}
+    assert ready == {"parked": 0.0, "imported": 1.0}
+    assert [s.value for s in got["resilient_standby_fallbacks_total"]] == [1.0]
+
+
 def test_events_faults_prints_the_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     log = write_log(tmp_path, in_process_run())
     assert cli(["events", str(log.parent), "--faults"]) == 0
