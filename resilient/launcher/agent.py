@@ -65,6 +65,7 @@ from resilient.errors import ExitCode
 from resilient.events import Event, EventLog
 from resilient.launch_env import Var
 from resilient.launcher.causes import describe_exit, dump_stacks, oom_kills
+from resilient.launcher.deaths import DeathWatch, WakeableTime
 from resilient.launcher.elastic import Elastic, RendezvousView
 from resilient.launcher.policy import Action, Death, Decision, GiveUp, LaunchPolicy, Replace
 from resilient.launcher.replace import Replacer
@@ -110,6 +111,9 @@ class ResilientAgent(LocalElasticAgent):
         self.backoff = Backoff(backoff_initial_s, backoff_max_s)
         park = standby_mode == "park"
         self.replacer = Replacer(self.elastic, heartbeat_dir, self._emit, standby, park=park)
+        # torch's loop sleeps its monitor interval between looks at the workers: a death wakes it
+        self._clock = WakeableTime()
+        self.deaths = DeathWatch(self.elastic.pids, self._clock.wake)
         self.verdict: int | None = None  # an exit code the launcher must end with, not restart
         self.excluded = False
         self.failures: list[dict[str, Any]] = []
@@ -157,6 +161,19 @@ class ResilientAgent(LocalElasticAgent):
 
     def close_standbys(self) -> None:
         self.replacer.close()
+        self.deaths.close()
+
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        """torch's loop, its sleep woken by a worker's death (:mod:`resilient.launcher.deaths`)."""
+        from torch.distributed.elastic.agent.server import api as elastic_api
+
+        real, elastic_api.time = elastic_api.time, self._clock  # type: ignore[assignment]
+        self.deaths.start()
+        try:
+            return super()._invoke_run(role)
+        finally:
+            elastic_api.time = real
+            self.deaths.close()
 
     # ---- lifecycle hooks --------------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:

@@ -96,6 +96,12 @@ class Elastic:
                 out.append((local_rank, code))
         return out
 
+    def pids(self) -> list[int]:
+        """The pids of this node's worker processes (none before they start)."""
+        pc = getattr(self._agent, "_pcontext", None)
+        handlers = getattr(pc, "subprocess_handlers", None) or {}
+        return [h.proc.pid for h in handlers.values()]
+
     def process(self, local_rank: int) -> Any:
         """The handler of ``local_rank``'s process (``proc`` is its ``Popen``)."""
         return self._pc.subprocess_handlers.get(local_rank)
