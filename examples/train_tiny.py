@@ -110,6 +110,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ckpt-keep", type=int, default=3)
     p.add_argument("--ckpt-writer", default="thread", choices=["thread", "process"])
     p.add_argument("--report", action="store_true", help="rank 0 prints a JSON line with loop timing")
+    p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="build the model in resilient.wrap(prepare=...): a parked standby builds it before a fault",
+    )
     return p.parse_args()
 
 
@@ -152,11 +157,18 @@ def main() -> None:
             "writer": args.ckpt_writer,
         }
 
+    def build() -> tuple[TinyLM, float]:
+        """The model, built without a rank (and when): ``--prepare`` hands it to resilient.wrap."""
+        with torch.random.fork_rng():  # (built ahead in a standby: the run's random stream stays)
+            torch.manual_seed(0)
+            return TinyLM(dim=args.dim, seq=args.seq), time.time()
+
     def train(ctx: resilient.Context) -> None:
         rank, injector, attempt = dist.get_rank(), fault_plan(), _attempt()
         torch.manual_seed(0)
         device = ctx.device
-        model = DDP(TinyLM(dim=args.dim, seq=args.seq).to(device))
+        built, built_at = ctx.prepared if args.prepare else (TinyLM(dim=args.dim, seq=args.seq), None)
+        model = DDP(built.to(device))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
@@ -197,6 +209,7 @@ def main() -> None:
                     "model": model.module.state_dict(),
                     "optimizer": opt.state_dict(),
                     "fired": injector.counts(),
+                    "built_at": built_at,
                 },
                 args.out / f"rank{rank}.pt",
             )
@@ -220,7 +233,8 @@ def main() -> None:
         train(plain)  # type: ignore[arg-type]
         dist.destroy_process_group()
     else:
-        resilient.wrap(config=args.config, **overrides)(train)()  # (1) decorate
+        prepare = build if args.prepare else None
+        resilient.wrap(config=args.config, prepare=prepare, **overrides)(train)()  # (1) decorate
 
 
 class _Plain:

@@ -112,7 +112,12 @@ class Replacer:
         for sb in [s for s in self._standbys if tgt is not None and s.alive() and s.takes(tgt)]:
             self._standbys.remove(sb)
             assert tgt is not None
-            sb.promote(local_rank, {**os.environ, **env}, tgt, stdout, stderr)
+            try:
+                sb.promote(local_rank, {**os.environ, **env}, tgt, stdout, stderr)
+            except OSError as e:  # it died meanwhile (its order pipe is closed): the next, or a new one
+                logger.warning(f"standby {sb.proc.pid} could not be promoted ({e}): not used")
+                sb.close()
+                continue
             return sb, True
         return self.elastic.start(local_rank, env), False
 
@@ -120,13 +125,18 @@ class Replacer:
         """Start a standby when fewer than asked wait, once every worker is stepping and the
         newest has been for ``STANDBY_DELAY_S`` (a standby's imports would compete with a starting
         worker's, or slow a replacement's first steps on a node with few cores)."""
-        self._standbys = [s for s in self._standbys if s.alive()]
         for sb in self._standbys:
             why = sb.fallback() if not sb.fallback_seen else None
             if why is not None:
                 sb.fallback_seen = True
+                # the same script would fail the next standby alike: from now on they import only
+                self.park = False
                 logger.warning(f"standby {sb.proc.pid} cannot wait in the script (it imports only): {why}")
                 self._emit(Event.STANDBY_FALLBACK, standby_pid=sb.proc.pid, reason=why)
+        for sb in [s for s in self._standbys if not s.alive()]:
+            sb.close()  # (its ready and fallback files)
+        self._standbys = [s for s in self._standbys if s.alive()]
+        for sb in self._standbys:
             if not sb.announced and sb.ready():
                 sb.announced = True
                 self._emit(Event.STANDBY_READY, standby_pid=sb.proc.pid, standbys=len(self._standbys),

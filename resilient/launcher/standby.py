@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 # (not ``-m``: ``resilient.wrap`` imports this module, which must be the one the standby runs in)
 _ENTRY = (sys.executable, "-u", "-c", "from resilient.launcher.standby import main; main()")
 PARK = "RESILIENT_STANDBY_PARK"  # set in a parking standby's script: the fd its order comes on
+PARK_READY = "RESILIENT_STANDBY_READY"  # ... and its ready file (a fallback is reported next to it)
 # what torch gives a worker that says who it is and where the job is: hidden from a parking
 # standby's script (its top level must not depend on them)
 RANK_VARS = frozenset({
@@ -210,14 +211,26 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
 _parked: dict[str, Any] = {}  # the parking standby's order fd and ready file, until promoted
 
 
+def parking() -> bool:
+    """Whether this process is a standby that runs the script and has not been promoted yet."""
+    return bool(_parked) and PARK in os.environ
+
+
 def park_until_promoted() -> None:
     """Called by ``resilient.wrap`` before the function runs: in a parking standby, wait here for
     the order (the dead rank's environment and output files), then return as that rank. Anywhere
     else, return at once. A top level that read a rank's variable cannot be trusted as this rank's:
     the standby starts afresh as an importing one (this call does not return then)."""
     fd = os.environ.get(PARK)
-    if fd is None or not _parked:
+    if fd is None:
         return
+    if not _parked:
+        # a parking standby's entry point replaced its process (exec: a wrapper such as nsenter
+        # re-running the script) and lost the order pipe: this process is no rank and never will be
+        Path(os.environ[PARK_READY]).with_suffix(".fallback").write_text(
+            "the entry point replaced its process (exec) before resilient.wrap: a standby cannot wait in it"
+        )
+        os._exit(0)
     if _Watched.seen:
         _fall_back(f"the script's top level read {'; '.join(dict.fromkeys(_Watched.seen))}")
     ready: Path = _parked["ready"]
@@ -254,6 +267,7 @@ def _fall_back(why: str) -> None:
     os.dup2(int(os.environ[PARK]), 0)
     os.environ.__class__ = os._Environ
     os.environ.pop(PARK, None)
+    os.environ.pop(PARK_READY, None)
     os.execv(sys.executable, [*_ENTRY, str(ready.parent)])
 
 
@@ -320,6 +334,7 @@ def _park(ready: Path, spec: dict[str, Any]) -> None:
     for key in spec["hide"]:
         os.environ.pop(key, None)
     os.environ[PARK] = str(order_fd)
+    os.environ[PARK_READY] = str(ready)
     _Watched.hidden = frozenset(spec["hide"])
     _Watched.seen = []
     os.environ.__class__ = _Watched

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, overload
 
@@ -53,8 +53,20 @@ class Loop(Protocol):
 class Context:
     """Handle to the runtime for one entry of the training function (one generation)."""
 
-    def __init__(self, runtime: Loop) -> None:
+    def __init__(self, runtime: Loop, prepared: Callable[[], Any] | None = None) -> None:
         self._rt = runtime
+        self._prepared = prepared
+
+    @property
+    def prepared(self) -> Any:
+        """What ``resilient.wrap(prepare=...)`` built for this entry: rank-independent set-up (a
+        model built on the CPU, a tokenizer) that a parked standby of ``resilient launch`` runs
+        before it is promoted; any other entry builds it when first asked."""
+        if self._prepared is None:
+            from resilient.errors import ResilienceError
+
+            raise ResilienceError("ctx.prepared: resilient.wrap was given no prepare= function")
+        return self._prepared()
 
     @property
     def rank(self) -> int:

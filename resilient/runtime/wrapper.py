@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, overload
 
 from resilient.config import Config, load_config
-from resilient.launcher.standby import park_until_promoted
+from resilient.launcher.standby import park_until_promoted, parking
 from resilient.runtime import hooks as hooks_mod
 from resilient.runtime.context import Context
 from resilient.runtime.exits import excepthook_exit_codes
@@ -63,6 +63,7 @@ def wrap(
     config: str | os.PathLike[str] | Config | None = None,
     checks: Sequence[Check] = (),
     hooks: Sequence[StepHook] = (),
+    prepare: Callable[[], Any] | None = None,
     **overrides: Any,
 ) -> Callable[[F], F]: ...
 
@@ -73,6 +74,7 @@ def wrap(
     config: str | os.PathLike[str] | Config | None = None,
     checks: Sequence[Check] = (),
     hooks: Sequence[StepHook] = (),
+    prepare: Callable[[], Any] | None = None,
     **overrides: Any,
 ) -> Any:
     """Make ``fn`` survive soft faults in-process.
@@ -83,6 +85,9 @@ def wrap(
     creates the default process group (on a fresh store generation) before each entry of ``fn``.
     ``hooks``: :class:`~resilient.runtime.hooks.StepHook` objects called at every step, besides the
     ones installed packages register (entry-point group ``resilient.hooks``).
+    ``prepare``: rank-independent set-up (build a model on the CPU, load a tokenizer), its result
+    read as ``ctx.prepared``; a parked standby of ``resilient launch`` runs it before it waits, so
+    a replacement finds it done. It must not read a rank or touch the process group.
     """
     cfg = config if isinstance(config, Config) else load_config(config, **overrides)
     if isinstance(config, Config) and overrides:
@@ -94,6 +99,7 @@ def wrap(
         @functools.wraps(f)
         def run(*args: Any, **kwargs: Any) -> Any:
             global _current
+            ahead = [prepare()] if prepare is not None and parking() else []  # (a standby's, built early)
             park_until_promoted()  # (a standby of `resilient launch` waits here to be a rank)
             excepthook_exit_codes()
             active = [*hooks, *hooks_mod.discover()]
@@ -101,7 +107,15 @@ def wrap(
 
             def entry(loop: StepLoop) -> Any:
                 global _current
-                ctx = Context(loop)  # (either engine: the same surface)
+                built: list[Any] = []
+
+                def prepared() -> Any:  # once per entry: the standby's for its first, else built now
+                    if not built:
+                        assert prepare is not None
+                        built.append(ahead.pop() if ahead else prepare())
+                    return built[0]
+
+                ctx = Context(loop, prepared if prepare is not None else None)  # (either engine)
                 _current = ctx
                 return f(*args, ctx=ctx, **kwargs) if wants_ctx else f(*args, **kwargs)
 

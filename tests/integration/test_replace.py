@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import assert_bit_exact
+from tests.integration.conftest import EXAMPLE, STEPS, assert_bit_exact
 from tests.integration.test_launcher import (
     Launch,
     _example,
@@ -35,7 +35,8 @@ def _bit_exact(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
     survivor still holds the plan its first process was given, the replacement none)."""
     for r, (a, b) in enumerate(zip(ref, got, strict=True)):
         a, b = dict(a), dict(b)
-        a.pop("fired", None), b.pop("fired", None)
+        for k in ("fired", "built_at"):  # (what fired, and when the model was built, are not state)
+            a.pop(k, None), b.pop(k, None)
         assert_bit_exact(a, b, f"rank{r}")
 
 
@@ -55,6 +56,10 @@ def test_a_dead_rank_is_replaced_and_its_survivor_stays_bit_exact(
     replaced = [e for e in events if e["event"] == "rank_replaced"]
     assert len(replaced) == 1 and replaced[0]["old_pid"] == victim, replaced
     assert replaced[0]["fault_posted"] and replaced[0]["standby"] == bool(standby), replaced
+    if standby:  # it had run the example's imports and top level, and waited in resilient.wrap
+        ready = [e for e in events if e["event"] == "standby_ready"]
+        assert ready and ready[0]["warmth"] == "parked", ready
+        assert not [e for e in events if e["event"] == "standby_fallback"]
     assert not [e for e in events if e["event"] == "relaunched"], "the whole group was restarted"
     assert len(_pids(events, 0)) == 1, "the survivor's process changed"
     assert _pids(events, 1) == [victim, replaced[0]["new_pid"]]
@@ -137,3 +142,76 @@ def test_a_replacement_killed_in_its_restore_falls_back_to_the_group(
     stopped = [e for e in events if e["event"] == "group_stopped"]
     assert "rank 1 not replaced alone: it died before its first step" in stopped[0]["reason"], stopped
     _bit_exact(reference[2], _final_states(tmp_path))
+
+
+def test_a_top_level_that_reads_the_rank_gets_an_importing_standby_that_says_why(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # the user's script reads RANK before resilient.wrap: no standby can park in it (it would take
+    # another rank's place with this rank's value); the standby imports only, says why, and the
+    # replacement still ends bit-exact
+    script = tmp_path / "train_rank_at_top.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        "print('rank', os.environ.get('RANK'))  # rank-dependent work at the top level\n"
+        f"sys.argv[0] = {EXAMPLE!r}\n"
+        f"runpy.run_path({EXAMPLE!r}, run_name='__main__')\n"
+    )
+    cwd = tmp_path / "run"
+    run = Launch(
+        cwd,
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
+        "--replace", "rank", "--standby", "1",
+        "--heartbeat-timeout", "3", "--startup-timeout", "60", "--backoff-initial", "0",
+        # (slow steps: the standby tries to park, execs itself and imports again before it waits)
+        str(script), "--steps", str(STEPS), "--step-ms", "1000", "--ckpt-dir", str(cwd / "ck"),
+        "--ckpt-every", "4", "--out", str(cwd / "state"),
+    )  # fmt: skip
+    _signal_after_checkpoint(run, 1, "SIGKILL", standby=True)
+    events = run.events()
+    (fallback,) = [e for e in events if e["event"] == "standby_fallback"]
+    assert f"RANK read at {script}:2" in fallback["reason"], fallback
+    ready = [e for e in events if e["event"] == "standby_ready"]
+    assert ready[0]["warmth"] == "imported" and ready[0]["standby_pid"] == fallback["standby_pid"], ready
+    assert [e["standby"] for e in events if e["event"] == "rank_replaced"] == [True]
+    _bit_exact(reference[2], _final_states(cwd))
+
+
+def test_a_parked_standby_replaces_a_rank_of_a_transformers_script_bit_exact(tmp_path: Path) -> None:
+    # examples/train_hf.py: a GPT-2 from a config, DDP, DataLoader epochs, dropout; its top level
+    # imports transformers (seconds), which the parked standby has done before the kill
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    script = str(Path(EXAMPLE).parent / "train_hf.py")
+
+    def launch(cwd: Path) -> Launch:
+        return Launch(
+            cwd,
+            "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
+            "--replace", "rank", "--standby", "1",
+            "--heartbeat-timeout", "3", "--startup-timeout", "60", "--backoff-initial", "0",
+            script, "--steps", "60", "--epochs", "2", "--step-ms", "200", "--ckpt-dir", str(cwd / "ck"),
+            "--ckpt-every", "4", "--out", str(cwd / "state"),
+        )  # fmt: skip
+
+    ref = launch(tmp_path / "ref")
+    assert ref.finish() == 0, ref.output()
+    run = launch(tmp_path / "run")
+    _signal_after_checkpoint(run, 1, "SIGKILL", standby=True)
+    events = run.events()
+    assert next(e["warmth"] for e in events if e["event"] == "standby_ready") == "parked"
+    assert [e["standby"] for e in events if e["event"] == "rank_replaced"] == [True]
+    _bit_exact(_final_states(tmp_path / "ref"), _final_states(tmp_path / "run"))
+
+
+def test_what_prepare_builds_is_built_by_the_parked_standby_before_the_fault(tmp_path: Path) -> None:
+    # `resilient.wrap(prepare=build)`: the example's model is built by the parked standby before
+    # the kill (its build time precedes the replacement), and the run ends as a fault-free one does
+    ref = _example(tmp_path / "ref", "--prepare", replace="rank")  # (fault-free: the state to end with)
+    assert ref.finish() == 0, ref.output()
+    warm = ("--standby", "1")
+    run = _example(tmp_path / "run", "--step-ms", "250", "--prepare", replace="rank", launch=warm)
+    _signal_after_checkpoint(run, 1, "SIGKILL", standby=True)
+    (replaced,) = [e for e in run.events() if e["event"] == "rank_replaced"]
+    final = _final_states(tmp_path / "run")
+    assert final[1]["built_at"] < replaced["ts"]  # the replacement's model was built before the kill
+    _bit_exact(_final_states(tmp_path / "ref"), final)

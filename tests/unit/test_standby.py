@@ -146,3 +146,22 @@ def test_a_top_level_that_needs_a_rank_falls_back_to_importing(
     assert json.loads(out.read_text())["rank"] == "3"
     pids = (tmp_path / "top.log").read_text().split()
     assert pids == [str(sb.proc.pid)] * 2  # the same process ran the top level again, afresh
+
+
+def test_an_entry_point_that_execs_ends_the_standby_and_says_why(tmp_path: Path, wait_until: Any) -> None:
+    # a wrapper entry point (like `python -m chaos.netns script.py`, which re-runs the script under
+    # nsenter) replaces the standby's process: the new image has lost the order pipe and must not
+    # run as any rank; it says why and exits
+    script, _out = _parking_script(tmp_path, "pass")
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(f"import os, sys\nos.execv(sys.executable, [sys.executable, {str(script)!r}])\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    sb = Standby(env, tmp_path, park=Target(False, str(wrapper), ()), hide=("RANK",))
+    try:
+        reason = wait_until(sb.fallback, 120, "the standby to give up")
+        assert "replaced its process (exec)" in reason
+        assert sb.proc.wait(60) == 0
+        assert not sb.ready()
+    finally:
+        sb.close()
+        sb.proc.wait(10)
