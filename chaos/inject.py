@@ -106,11 +106,18 @@ def _record(f: Fault) -> None:
     path = os.environ.get("CHAOS_INJECTIONS")
     if not path:
         return
-    line = json.dumps({"ts": time.time(), "kind": f.kind, "rank": f.rank, "step": f.step, "pid": os.getpid(),
-                       "by": "injector"})  # fmt: skip
+    # (fsync: the next thing may be a hang, an OOM-kill or a GIL-bound loop)
+    append_line(path, {"ts": time.time(), "kind": f.kind, "rank": f.rank, "step": f.step, "pid": os.getpid(),
+                       "by": "injector"}, fsync=True)  # fmt: skip
+
+
+def append_line(path: str | os.PathLike[str], record: dict[str, object], fsync: bool = False) -> None:
+    """Append ``record`` as one JSON line in one write: lines of different ranks never interleave
+    (the injections file, an example's ``--progress`` file)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        os.write(fd, (line + "\n").encode())  # one write: lines of different ranks never interleave
-        os.fsync(fd)  # the next thing may be a hang, an OOM-kill or a GIL-bound loop
+        os.write(fd, (json.dumps(record) + "\n").encode())
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)

@@ -14,7 +14,6 @@ replacement does not pay for the imports (docs/launcher.md).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -27,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import resilient
+from chaos import append_line  # (the benchmarks' --progress lines)
 
 
 class Tokens(Dataset):
@@ -92,22 +92,15 @@ def main() -> None:
                 if args.step_ms:
                     time.sleep(max(0.0, args.step_ms / 1e3 - (time.perf_counter() - t0)))
                 if args.progress is not None:
-                    _progress(args.progress, ctx.step, rank)
+                    append_line(
+                        args.progress, {"t": time.time(), "step": ctx.step, "rank": rank, "pid": os.getpid()}
+                    )
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             state = {"model": model.module.state_dict(), "optimizer": opt.state_dict()}
             torch.save(state, args.out / f"rank{rank}.pt")
 
     train()
-
-
-def _progress(path: Path, step: int, rank: int) -> None:
-    line = json.dumps({"t": time.time(), "step": step, "rank": rank, "pid": os.getpid()})
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())  # one write: lines of different ranks never interleave
-    finally:
-        os.close(fd)
 
 
 if __name__ == "__main__":

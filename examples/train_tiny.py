@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import resilient
-from chaos import Injector
+from chaos import Injector, append_line
 
 
 class TinyLM(nn.Module):
@@ -194,7 +194,8 @@ def main() -> None:
             if args.step_ms:
                 time.sleep(max(0.0, args.step_ms / 1e3 - (time.perf_counter() - t0)))
             if args.progress is not None:
-                _progress(args.progress, step, rank, attempt)
+                append_line(args.progress, {"t": time.time(), "step": step, "rank": rank, "pid": os.getpid(),
+                                            "attempt": attempt})  # fmt: skip
             if isinstance(ctx, _Plain):  # the plain baseline checkpoints by itself
                 ctx.completed(step)
         if args.report and rank == 0 and t_loop is not None:
@@ -284,15 +285,6 @@ class _Plain:
             f.flush()
             os.fsync(f.fileno())
         tmp.rename(self._path(nxt, self.rank))
-
-
-def _progress(path: Path, step: int, rank: int, attempt: int) -> None:
-    line = json.dumps({"t": time.time(), "step": step, "rank": rank, "pid": os.getpid(), "attempt": attempt})
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())  # one write: lines of different ranks never interleave
-    finally:
-        os.close(fd)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ class DeathWatch:
         self.on_death = on_death
         self.refresh_s = refresh_s
         self._fds: dict[int, int] = {}  # pid -> its pidfd
+        self.synced = threading.Event()  # set once the processes ``pids()`` named are watched
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -85,6 +86,7 @@ class DeathWatch:
         while not self._halt.is_set():
             try:
                 self._sync()
+                self.synced.set()
                 poller = select.poll()
                 for fd in self._fds.values():
                     poller.register(fd, select.POLLIN)

@@ -342,7 +342,7 @@ def _park(ready: Path, spec: dict[str, Any]) -> None:
     try:
         _run(spec["module"], spec["name"], spec["args"])
     except BaseException as e:
-        if not _parked:  # promoted: the rank's own failure, as under torchrun
+        if not _parked:  # promoted: the rank's own failure (SystemExit too), as under torchrun
             raise
         _fall_back(f"the script's top level raised {type(e).__name__}: {e}"[:500])
     if _parked:

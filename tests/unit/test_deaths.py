@@ -31,9 +31,7 @@ def test_an_exit_is_reported_without_waiting_for_a_poll() -> None:
         if not watch.start():
             pytest.skip("pidfd_open is refused by this kernel")
         # the watch holds the pid's fd before the process ends (else it could only see it at a refresh)
-        deadline = time.monotonic() + 10
-        while p.pid not in watch._fds and time.monotonic() < deadline:
-            time.sleep(0.01)  # (polling the watch's own state, set by its thread)
+        assert watch.synced.wait(10)
         assert not died.is_set()
         assert p.stdin is not None
         p.stdin.close()
