@@ -191,6 +191,8 @@ class Checkpointer:
             return done
         t0 = time.perf_counter()
         busy = self._inflight is not None and not self._inflight.done()
+        if not busy:
+            self._settle(wait=False)  # it may have ended since the first look: its error must surface
         if self.on_busy is OnBusy.SKIP:
             if self.world_size > 1:  # every rank must skip the same steps, or no step commits
                 busy = self._any_busy(step, busy)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import pickle
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +247,35 @@ def test_write_error_surfaces_on_next_save_and_on_close(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="step-00000004 failed"):
         ck.close()
     ck.close()  # idempotent
+
+
+def test_a_write_that_fails_between_two_looks_still_surfaces(tmp_path: Path) -> None:
+    """The save in flight fails after save() first looked at it but before save() decided whether
+    it is busy: its error must still reach the caller, not be overwritten by the next save."""
+    gate = threading.Event()
+
+    class LateFailure(Checkpointer):
+        def _settle(self, wait: bool) -> None:
+            fut = self._inflight
+            super()._settle(wait)
+            if not wait and fut is not None and not gate.is_set():
+                gate.set()  # let the write fail now, between the two looks
+                concurrent.futures.wait([fut])
+
+    ck = LateFailure(tmp_path / "ck", token="t")
+    write = ck.writer.write
+
+    def gated(job: Any) -> Any:
+        gate.wait(10)
+        return write(job)
+
+    ck.writer.write = gated  # type: ignore[method-assign]
+    shutil.rmtree(tmp_path / "ck", ignore_errors=True)
+    (tmp_path / "ck").write_text("now a file")  # every write fails for real
+    ck.save(2, {"x": torch.ones(4)})
+    with pytest.raises(CheckpointError, match="step-00000002 failed"):
+        ck.save(3, {"x": torch.ones(4)})
+    ck.close()  # save(3) raised before it started: nothing is left in flight
 
 
 def test_skip_policy_never_waits_for_the_disk(tmp_path: Path) -> None:
