@@ -46,6 +46,7 @@ class Event(str, enum.Enum):
     STANDBY_READY = "standby_ready"  # the agent: a warm standby waits (warmth: parked | imported)
     STANDBY_FALLBACK = "standby_fallback"  # the agent: a standby could not park in the script, and why
     NODE_LOST = "node_lost"
+    SPARE_WAITING = "spare_waiting"  # the agent: nodes wait in the rendezvous to take a lost node's place
     NODE_EXCLUDED = "node_excluded"
     STEP_COMPLETED = "step_completed"  # only with events.steps: true (one line per rank per step)
     PROGRESS = "progress"  # a process's first completed step, then one every events.progress_s

@@ -123,6 +123,7 @@ class ResilientAgent(LocalElasticAgent):
         self._group_reason: str | None = None  # why the group restarts, not one rank (group_stopped)
         self._members: set[Any] | None = None  # the nodes of the running round
         self._lost_reported = False
+        self._spares: frozenset[Any] = frozenset()  # the nodes that wait as spares, as last said
         self._started = time.monotonic()
         self._worker_started: dict[int, float] = {}  # local rank -> when its current process started
         self._oom = oom_kills()
@@ -146,6 +147,11 @@ class ResilientAgent(LocalElasticAgent):
                 return n
             queued = state.wait_list
             waiting = len(queued) if admit_waiting else len(queued & self._members)
+            spares = frozenset(queued - self._members) if not admit_waiting else frozenset()
+            if spares != self._spares:  # (a change: said once, not at every poll)
+                self._spares = spares
+                if spares:
+                    self._emit(Event.SPARE_WAITING, nodes=sorted(str(x) for x in spares))
             lost = self._members - state.participants - queued
             if lost and not state.closed and not self._lost_reported:
                 self._lost_reported = True

@@ -11,13 +11,15 @@ each new rank's state comes from, in this order:
    the same node). Nothing moves between processes.
 2. **peer**: another rank holds old rank ``r``'s snapshot (the rendezvous renumbered the nodes):
    it sends it over the new process group.
-3. **replica + replicated**: nobody holds it (the node was lost). Small objects (RNG states, data
+3. **replica + peer**: nobody holds it (the node was lost). Small objects (RNG states, data
    position, scheduler: up to ``snapshot.replica_max_bytes`` per rank) come from the replica every
-   rank posts to the job's store with each snapshot; large ones (model, optimizer) from a peer,
-   only if they are *verified replicated*: at least two holders of that step carry identical bytes
-   (xxh3-128), as data-parallel training keeps them. Anything else (a sharded state, a per-rank
-   object too large for the store) cannot be rebuilt from memory: the ranks fall back to the
-   checkpoint on disk together (whose sharded format reshards).
+   rank posts to the job's store with each snapshot; large ones (model, optimizer) from a peer
+   that holds an equal copy, as data-parallel training keeps them. With each replica the rank
+   posts a :func:`fingerprint` of every object too large for the store: a holder whose copy has
+   the lost rank's own fingerprint sends it, and the receiver checks the fingerprint of what
+   arrived. (Without a posted fingerprint, two holders with equal fingerprints vouch for each
+   other.) Anything else (a sharded state, a per-rank object nobody holds) cannot be rebuilt from
+   memory: the ranks fall back to the checkpoint on disk together (whose sharded format reshards).
 
 Every rank computes the same plan from the same exchanged facts; the ranks vote at the end, and
 if any failed to load, everyone falls back to the checkpoint path together.
@@ -25,6 +27,7 @@ if any failed to load, everyone falls back to the checkpoint path together.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,13 +35,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 from loguru import logger
 
 from resilient.checkpoint.codec import check_layout, decode, dtype_from_name, encode
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.checkpoint.staging import extent, plan, typed_view
 from resilient.errors import CheckpointError
+from resilient.state.digest import tensor_sums
 
 Exchange = Callable[[str, str], list[str]]
 
@@ -71,12 +74,17 @@ def unpack(
     return decode(header["skeleton"], tensors)
 
 
-def digest(obj: Any) -> str:
-    """xxh3-128 of one object's skeleton and tensor bytes: equal on ranks that hold equal state."""
-    header, buf = pack({"o": obj})
-    h = xxhash.xxh3_128()
-    h.update(json.dumps(header, sort_keys=True).encode())
-    h.update(buf.numpy().data)
+def fingerprint(obj: Any) -> str:
+    """A checksum of one object as held, taken where its tensors live and without a copy: its
+    skeleton, and each tensor leaf's path, dtype, shape and exact byte sum
+    (:func:`resilient.state.digest.tensor_sums`: a flipped bit changes it). Equal state has an
+    equal fingerprint on any device, captured live or loaded from a shared-memory slot."""
+    skeleton, leaves = encode(obj)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(skeleton, sort_keys=True).encode())
+    for leaf, total in zip(leaves, tensor_sums([leaf.tensor for leaf in leaves]), strict=True):
+        t = leaf.tensor
+        h.update(f"\n{leaf.key}|{t.dtype}|{tuple(t.shape)}|{total}".encode())
     return h.hexdigest()
 
 
@@ -95,14 +103,18 @@ class StoreReplica:
         if self.max_bytes <= 0:
             return
         small: dict[str, Any] = {}
+        prints: dict[str, str] = {}  # what did not fit: a peer's equal copy stands in for it
         budget = self.max_bytes
         for name in sorted(state):
             _, leaves = encode(state[name])
             n = sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves)
             if n <= budget:
                 small[name], budget = state[name], budget - n
+            elif world > 1:  # (alone, a lost rank has no peer to take its state from)
+                prints[name] = fingerprint(state[name])
         header, buf = pack(small)
-        blob = json.dumps({"step": step, "world": world, **header}).encode() + b"\n" + buf.numpy().tobytes()
+        head = {"step": step, "world": world, "fingerprints": prints, **header}
+        blob = json.dumps(head).encode() + b"\n" + buf.numpy().tobytes()
         self.store.set(self.key(self.rank, step), blob)  # type: ignore[arg-type]  # bytes work
         index = f"{self.prefix}/r{self.rank}/index"
         old = json.loads(self.store.get(index)) if self.store.check([index]) else []
@@ -124,23 +136,38 @@ class StoreReplica:
                 self.store.delete_key(self.key(self.rank, s))
 
     def fetch(self, rank: int, step: int) -> tuple[list[str], Any] | None:
+        got = self._read(rank, step)
+        return (sorted(got[0]), got[0]) if got is not None else None
+
+    def _read(self, rank: int, step: int) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """(the small objects, the fingerprints of the others) rank ``rank`` posted for ``step``."""
         key = self.key(rank, step)
         if not self.store.check([key]):
             return None
         raw = self.store.get(key)
         head, _, body = raw.partition(b"\n")
+        where = f"store replica of rank {rank}, step {step}"
         try:
-            tree = unpack(json.loads(head), body, f"store replica of rank {rank}, step {step}")
+            header = json.loads(head)
+            tree = unpack(header, body, where)
+            prints = header.get("fingerprints", {})
             if not isinstance(tree, dict):
-                raise CheckpointError(f"store replica of rank {rank}, step {step}: not a dict of objects")
+                raise CheckpointError(f"{where}: not a dict of objects")
+            if not isinstance(prints, dict) or not all(isinstance(v, str) for v in prints.values()):
+                raise CheckpointError(f"{where}: malformed fingerprints")
         except (CheckpointError, ValueError, RecursionError) as e:  # (a peer's garbage: no replica)
             logger.warning(f"rank {self.rank}: ignoring a malformed store replica: {e}")
             return None
-        return sorted(tree), tree
+        return tree, prints
 
     def names(self, rank: int, step: int) -> list[str]:
         got = self.fetch(rank, step)
         return got[0] if got is not None else []
+
+    def fingerprints(self, rank: int, step: int) -> dict[str, str]:
+        """The fingerprints rank ``rank`` posted for ``step`` of its objects too large to post."""
+        got = self._read(rank, step)
+        return got[1] if got is not None else {}
 
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -159,7 +186,8 @@ class _Plan:
     world_from: int
     owners: dict[int, int]  # new rank -> new rank holding old rank r's snapshot
     replica: dict[int, list[str]] = field(default_factory=dict)  # orphan rank -> names from the store
-    donated: dict[str, int] = field(default_factory=dict)  # verified-replicated object -> donor rank
+    donated: dict[str, dict[int, int]] = field(default_factory=dict)  # object -> {orphan: donor rank}
+    prints: dict[int, dict[str, str]] = field(default_factory=dict)  # orphan -> its posted fingerprints
 
 
 def _owner_of(held: list[list[dict[str, Any]]], step: int, old_rank: int, world_from: int) -> int | None:
@@ -225,26 +253,39 @@ class _Resume:
         if not orphans:
             return p
         # Orphans (old rank lost with its node): small objects from the store replica, as rank 0
-        # sees it (every rank plans alike); large ones from holders that verifiably agree.
-        view = {r: self.replica.names(r, step) for r in orphans} if self.replica is not None else {}
+        # sees it (every rank plans alike); large ones from a holder of a verifiably equal copy.
+        rep = self.replica
+        view = {r: [rep.names(r, step), rep.fingerprints(r, step)] for r in orphans if rep is not None}
         agreed = json.loads(self.exchange(f"resume_replica_s{step}", json.dumps(view))[0])
-        p.replica = {int(r): v for r, v in agreed.items()}
+        p.replica = {int(r): v[0] for r, v in agreed.items()}
+        p.prints = {int(r): v[1] for r, v in agreed.items()}
         need = sorted({n for r in orphans for n in self.names if n not in p.replica.get(r, [])})
         mine: dict[str, str] = {}
         if need and any(m["step"] == step for m in held[self.rank]):
             local = self._local(step)
-            mine = {n: digest(local[n]) for n in need if local is not None and n in local}
-        digests = [json.loads(v) for v in self.exchange(f"resume_digests_s{step}", json.dumps(mine))]
+            mine = {n: fingerprint(local[n]) for n in need if local is not None and n in local}
+        prints = [json.loads(v) for v in self.exchange(f"resume_digests_s{step}", json.dumps(mine))]
         for n in need:
-            by = {q: d[n] for q, d in enumerate(digests) if n in d}
-            if len(by) < 2 or len(set(by.values())) != 1:
-                logger.info(
-                    f"step {step}: {n!r} of a lost rank is neither in the store replica nor verified "
-                    f"replicated ({len(by)} holder(s), {len(set(by.values()))} distinct copies): "
-                    "not restorable from memory"
-                )
-                return None
-            p.donated[n] = min(by)
+            by = {q: d[n] for q, d in enumerate(prints) if n in d}
+            for r in orphans:
+                if n in p.replica.get(r, []):
+                    continue
+                want = p.prints.get(r, {}).get(n)
+                if want is not None:  # the lost rank's own word for what it held
+                    donors = [q for q, f in by.items() if f == want]
+                elif len(by) >= 2 and len(set(by.values())) == 1:  # two equal copies vouch for each other
+                    donors = list(by)
+                else:
+                    donors = []
+                if not donors:
+                    logger.info(
+                        f"step {step}: {n!r} of lost rank {r} is not in the store replica and no "
+                        f"holder's copy is verifiably equal to it ({len(by)} holder(s), "
+                        f"{len(set(by.values()))} distinct, lost rank's fingerprint "
+                        f"{'posted' if want else 'not posted'}): not restorable from memory"
+                    )
+                    return None
+                p.donated.setdefault(n, {})[r] = r if r in donors else min(donors)
         return p
 
     # ---- moving state ---------------------------------------------------------------------------
@@ -308,17 +349,25 @@ class _Resume:
                     raise CheckpointError(f"store replica of rank {rank}, step {step} is gone")
                 state.update({n: fetched[1][n] for n in p.replica[rank]})
                 sources.update(dict.fromkeys(p.replica[rank], "replica"))
-            orphans = [r for r in range(self.world) if r not in p.owners]
-            for n, donor in sorted(p.donated.items()):
-                for r in orphans:
-                    if n in p.replica.get(r, []) or donor == r:
+            for n, by_orphan in sorted(p.donated.items()):
+                for r, donor in sorted(by_orphan.items()):
+                    if rank not in (r, donor):
                         continue
-                    if rank == donor:
-                        local = self._local(step)
+                    local = self._local(step) if rank == donor else None
+                    if donor == r:  # the orphan holds an equal copy itself
+                        got = {n: local[n]} if local is not None else {}
+                    elif rank == donor:
                         self._send({n: local[n]} if local is not None else None, r)
-                    elif rank == r:
-                        state.update(self._recv(donor))
-                        sources[n] = f"peer:{donor}"
+                        continue
+                    else:
+                        got = self._recv(donor)
+                    want = p.prints.get(r, {}).get(n)
+                    if n not in got or (want is not None and fingerprint(got[n]) != want):
+                        raise CheckpointError(
+                            f"{n!r} from rank {donor} does not match the fingerprint lost rank {r} posted"
+                        )
+                    state[n] = got[n]
+                    sources[n] = f"peer:{donor}" if donor != r else "shm"
         except Exception as e:  # any failure: vote, then everyone goes to disk together
             logger.warning(f"restoring step {step} from memory failed on rank {rank}: {e}")
             ok = False

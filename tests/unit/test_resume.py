@@ -33,13 +33,24 @@ def test_pack_unpack_round_trips_bit_exact() -> None:
     assert_bit_exact(s, resume.unpack(header, buf.numpy().tobytes()))
 
 
-def test_equal_state_has_equal_digest_and_unequal_differs() -> None:
-    # the aligned layout leaves padding between tensors: it must not make equal state look different
+def test_equal_state_has_equal_fingerprint_and_unequal_differs(tmp_path: Path) -> None:
     a, b = _state(1), _state(1)
-    assert resume.digest(a["model"]) == resume.digest(b["model"])
-    b["model"]["w"][0, 0] += 1e-6
-    assert resume.digest(a["model"]) != resume.digest(b["model"])
-    assert resume.digest(a["data"]) != resume.digest(_state(2)["data"])
+    assert resume.fingerprint(a["model"]) == resume.fingerprint(b["model"])
+    b["model"]["w"].view(torch.int32)[0, 0] ^= 1 << 30  # one flipped bit
+    assert resume.fingerprint(a["model"]) != resume.fingerprint(b["model"])
+    assert resume.fingerprint(a["data"]) != resume.fingerprint(_state(2)["data"])
+    b = _state(1)
+    b["data"]["position"] += 1  # not a tensor: the skeleton counts too
+    assert resume.fingerprint(a["data"]) != resume.fingerprint(b["data"])
+    # live state and its shared-memory copy (loaded, or mapped) have one fingerprint
+    live = {"model": torch.nn.Linear(5, 3).state_dict()}
+    shm = ShmSnapshot("job", 0, base=tmp_path)
+    shm.capture(3, live, checksum=False, owner=(0, 2))
+    for mapped in (False, True):
+        got = shm.load(3, mapped=mapped)
+        assert got is not None
+        assert resume.fingerprint(got[1]["model"]) == resume.fingerprint(live["model"])
+    shm.close()
 
 
 @pytest.fixture
@@ -55,6 +66,8 @@ def test_store_replica_keeps_small_objects_and_the_two_newest_steps(store: dist.
     names, tree = rep.fetch(3, 6)
     assert "model" in names and "data" not in names and "__rng__" in names
     assert_bit_exact(_state(6)["model"], tree["model"])
+    # what did not fit is named by its fingerprint, for a peer's equal copy to stand in for it
+    assert rep.fingerprints(3, 6) == {"data": resume.fingerprint(_state(6)["data"])}
     assert rep.fetch(3, 4) is None and rep.fetch(3, 5) is not None  # the oldest was deleted
     assert rep.fetch(2, 6) is None  # another rank's: never posted
 
@@ -194,6 +207,39 @@ def test_a_lost_rank_without_a_replica_or_verifiable_copy_falls_back(tmp_path: P
                               newest_checkpoint=-1)  # fmt: skip
 
     assert _run_ranks(2, fn) == [None, None]
+
+
+@pytest.mark.parametrize("equal", [True, False])
+def test_a_lost_rank_takes_large_objects_from_a_survivor_with_its_fingerprint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, equal: bool
+) -> None:
+    # 2 ranks, rank 1's node lost: one survivor holds the model. Rank 1 posted its small objects
+    # and the fingerprint of its model: the survivor's copy stands in for it only if they match.
+    mine = _state(1)
+    ShmSnapshot("job", 0, base=tmp_path / "n0").capture(6, mine, checksum=False, owner=(0, 2))
+    lost = _state(1) if equal else _state(2)
+    names = ["model", "data", "__rng__"]
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # (the plan only: nothing is sent)
+    plans: list = [None, None]
+
+    def fn(rank, exchange, store):
+        rep = resume.StoreReplica(store, "r", rank, max_bytes=2048)
+        if rank == 1:
+            rep.publish(6, world=2, state=lost)  # before its node went
+        exchange("posted", "")
+        shm = ShmSnapshot("job", rank, base=tmp_path / f"n{rank}")
+        how = resume._Resume(shm, rank, 2, names, exchange, rep)
+        held = [json.loads(v) for v in exchange("slots", json.dumps(how.shm.slots()))]
+        plans[rank] = how._plan(6, 2, held)
+
+    _run_ranks(2, fn)
+    if not equal:
+        assert plans == [None, None]
+        return
+    for p in plans:
+        assert p.owners == {0: 0} and p.replica == {1: ["__rng__", "model"]}
+        assert p.donated == {"data": {1: 0}}  # (the 5 KB generator state did not fit in 2 KiB)
+        assert p.prints == {1: {"data": resume.fingerprint(lost["data"])}}
 
 
 def test_dtensor_shards_of_another_world_size_go_to_the_checkpoint(tmp_path: Path) -> None:

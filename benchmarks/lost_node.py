@@ -1,0 +1,230 @@
+"""A lost node with a spare waiting: the spare's rank comes back from a survivor's memory, or from
+the checkpoint on disk, side by side in one run.
+
+Per trial: one c10d rendezvous on 127.0.0.1, two agents of `resilient launch` (one rank each) run
+examples/train_tiny.py (DDP, gloo; ``--dim`` sets the model's size) and a third agent waits as a
+spare. After rank 0 completed ``--kill-at`` steps, node 1 is lost: its agent and worker SIGKILLed,
+its ``/dev/shm`` removed. The rendezvous admits the spare; then, by mode:
+
+- memory: the lost rank's model and optimizer come from the survivor's shared-memory snapshot,
+  sent over the new group and checked against the fingerprint the lost rank posted to the job's
+  store; its RNG and data position from the store replica (``snapshot.replica_max_bytes``);
+- checkpoint: the store replica off (``replica_max_bytes: 0``): nothing vouches for the
+  survivor's copy, so every rank loads the newest checkpoint (every ``--ckpt-every`` steps).
+
+Both modes snapshot every ``--snapshot-interval`` steps (1: what a job that wants a lost node to
+re-run at most one step sets) and checkpoint every ``--ckpt-every``.
+
+Figures, from the nodes' event logs: ``recovery_s`` (the kill → every rank completed a step after
+its restore; the rendezvous' keep-alive expiry, 3 s here, is in it, the same in both modes),
+``catchup_s`` (the kill → rank 0 completed again the last step it had completed before the kill),
+``restore_s`` (the restore itself, the slowest rank), ``rerun`` (steps done again: the last step
+rank 0 completed before the kill, + 1, - the step restored), and where the spare's state came from.
+
+    python benchmarks/lost_node.py [--trials 5] [--dim 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
+MODES = ("memory", "checkpoint")
+RDZV_FAST = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Node:
+    def __init__(self, cwd: Path, argv: list[str]) -> None:
+        cwd.mkdir(parents=True)
+        self.cwd = cwd
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(cwd)}
+        env.pop("RESILIENT_RUN_ID", None)
+        with open(cwd / "launch.log", "w") as log:
+            self.p = subprocess.Popen(
+                [sys.executable, "-m", "resilient.cli", "launch", *argv],
+                cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def events(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for f in (self.cwd / "resilient_runs").glob("*/events.jsonl"):
+            for line in f.read_text().splitlines():
+                with contextlib.suppress(ValueError):  # (a line being written)
+                    out.append(json.loads(line))
+        return out
+
+    def kill(self, rdzv_id: str) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait()
+        for e in self.events():  # workers run in sessions of their own
+            if e["event"] == "run_started" and e.get("pid"):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(e["pid"], signal.SIGKILL)
+        for leftover in Path("/dev/shm").glob(f"resilient-*{rdzv_id}-{self.p.pid}"):  # snapshots, heartbeats
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _wait(what: str, fn: Any, timeout: float, nodes: list[Node]) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # polls files other processes append to
+        got = fn()
+        if got:
+            return got
+        for n in nodes:
+            if n.p.poll() is not None:
+                raise RuntimeError(f"{n.cwd.name} exited {n.p.returncode} waiting for {what}")
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
+    rdzv_id = f"lost{os.getpid()}{cwd.name}"
+    port = _free_port()
+    cfg = cwd / "cfg.yaml"
+    cwd.mkdir(parents=True)
+    interval = args.snapshot_interval
+    snapshot: dict[str, Any] = {"interval": int(interval) if interval.isdigit() else interval}
+    if mode == "checkpoint":
+        snapshot["replica_max_bytes"] = 0
+    cfg.write_text(yaml.safe_dump({"events": {"steps": True}, "snapshot": snapshot}))
+    argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+            "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2", "--monitor-interval", "0.2",
+            "--heartbeat-timeout", "30", "--rdzv-conf", RDZV_FAST,
+            EXAMPLE, "--steps", str(args.steps), "--dim", str(args.dim), "--config", str(cfg),
+            "--ckpt-dir", str(cwd / "ck"), "--ckpt-every", str(args.ckpt_every)]  # fmt: skip
+    nodes: list[Node] = []
+    out: dict[str, Any] = {"mode": mode, "recovered": False}
+
+    def steps_of(node: Node, rank: int, after: float = 0.0) -> list[dict[str, Any]]:
+        return [e for e in node.events() if e["event"] == "step_completed" and e["rank"] == rank
+                and e["ts"] > after]  # fmt: skip
+
+    try:
+        nodes.append(Node(cwd / "node0", argv))
+
+        def store_up() -> bool:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                return True
+            return False
+
+        _wait("node 0's rendezvous store", store_up, 60, nodes)
+        nodes.append(Node(cwd / "node1", argv))
+        _wait("rank 0 stepping", lambda: steps_of(nodes[0], 0), 120, nodes)
+        if not any(e["event"] == "run_started" and e["rank"] == 1 for e in nodes[1].events()):
+            out["error"] = "node 1 does not hold rank 1"
+            return out
+        nodes.append(Node(cwd / "spare", argv))
+        spare_said = lambda: [e for e in nodes[0].events() if e["event"] == "spare_waiting"]  # noqa: E731
+        _wait("the spare waiting in the rendezvous", spare_said, 120, nodes)
+        last = _wait(f"rank 0 at step {args.kill_at}",
+                     lambda: [e for e in steps_of(nodes[0], 0) if e["step"] >= args.kill_at],
+                     300, nodes)  # fmt: skip
+        t_kill = time.time()
+        nodes[1].kill(rdzv_id)
+        done_before = max(e["step"] for e in steps_of(nodes[0], 0) if e["ts"] <= t_kill)
+        survivors = [nodes[0], nodes[2]]
+
+        def restored() -> list[dict[str, Any]] | None:
+            got = [e for n in survivors for e in n.events()
+                   if e["event"] == "state_restored" and e["ts"] > t_kill]  # fmt: skip
+            return got if len(got) == 2 else None
+
+        def stepping() -> list[float] | None:
+            got = restored()
+            if got is None:
+                return None
+            firsts = []
+            for n, e in ((n, e) for n in survivors for e in got if e in n.events()):
+                after = steps_of(n, e["rank"], e["ts"])
+                if not after:
+                    return None
+                firsts.append(min(x["ts"] for x in after))
+            return firsts if len(firsts) == 2 else None
+
+        firsts = _wait("every rank stepping after the restore", stepping, args.timeout, survivors)
+        got = restored() or []
+        t_restored = min(e["ts"] for e in got)
+
+        def back() -> list[float]:
+            return [e["ts"] for e in steps_of(nodes[0], 0, t_restored) if e["step"] >= done_before]
+
+        again = _wait(f"rank 0 back at step {done_before}", back, args.timeout, survivors)
+        spare = next(e for e in got if e in nodes[2].events())
+        out.update(
+            recovered=True, recovery_s=max(firsts) - t_kill, catchup_s=min(again) - t_kill,
+            killed_after=last[0]["step"],
+            restore_s=max(e["duration_s"] for e in got), restored_step=got[0]["step"],
+            rerun=done_before + 1 - got[0]["step"], source=Path(spare["source"]).name,  # (a checkpoint's dir)
+            spare_sources=spare.get("sources", {}),
+        )  # fmt: skip
+        return out
+    except (TimeoutError, RuntimeError) as e:
+        out["error"] = str(e)
+        return out
+    finally:
+        for n in nodes:
+            n.kill(rdzv_id)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--dim", type=int, default=1024, help="train_tiny's model width (1024: ~290 MB of state)")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--kill-at", type=int, default=25)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--snapshot-interval", default="1", help="snapshot.interval (both modes): N or auto")
+    ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lost_node.json")
+    args = ap.parse_args()
+    modes = tuple(args.modes.split(","))
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
+        for t in range(args.trials):
+            for mode in modes:  # alternating: a slow minute of the machine hits both alike
+                r = trial(mode, Path(d) / f"{mode}{t}", args)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    for mode in modes:
+        ok = [r for r in results if r["mode"] == mode and r["recovered"]]
+        n = sum(r["mode"] == mode for r in results)
+        if not ok:
+            print(f"{mode:10s} recovered 0/{n}")
+            continue
+
+        def med(key: str, rs: list[dict[str, Any]] = ok) -> float:
+            return statistics.median(r[key] for r in rs)
+
+        rerun = f"steps re-run {med('rerun'):.0f} (max {max(r['rerun'] for r in ok)})"
+        print(f"{mode:10s} recovered {len(ok)}/{n}  recovery {med('recovery_s'):.2f} s  back at the step "
+              f"{med('catchup_s'):.2f} s  restore {med('restore_s'):.2f} s  {rerun}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
