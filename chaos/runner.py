@@ -93,10 +93,11 @@ class Runner:
 
     def record(self, kind: str, rank: int, step: int, **extra: Any) -> float:
         """Append to the job's ``injections.jsonl`` what the harness did, and when, with the
-        standby that waited then (``parked``/``imported``; None: none was ready)."""
+        standby that waited then (``parked``/``imported``; ``none``: none was ready)."""
         self.tail.poll()
         waiting = sorted(self.tail.standbys.values(), key=lambda w: w != "parked")
-        return record_injection(self.cwd, kind, rank, step, standby=waiting[0] if waiting else None, **extra)
+        standby = waiting[0] if waiting else "none"
+        return record_injection(self.cwd, kind, rank, step, standby=standby, **extra)
 
     def lasts(self, seconds: float) -> float:
         """Wait while a fault lasts (or until the job ends); the time it ended."""

@@ -84,8 +84,16 @@ def test_a_warm_replacement_is_certified_only_when_a_standby_waited(tmp_path: Pa
     cert = _cert(recover_s=1.0, standby_ready=True)
     warm = certify.Trial("k", 0, 5, ok=True, recover_s=0.5, bit_exact=True, standby="parked")
     assert certify._check(warm, cert) == []
-    cold = certify.Trial("k", 0, 5, ok=True, recover_s=0.5, bit_exact=True, standby=None)
+    cold = certify.Trial("k", 0, 5, ok=True, recover_s=0.5, bit_exact=True, standby="none")
     assert certify._check(cold, cert) == ["standby_ready"]
+    # both figures, side by side: the replacements a standby took, and the cold ones
+    more = [certify.Trial("k", i, 5, ok=True, recover_s=x, bit_exact=True, standby="parked") for i, x in
+            ((1, 0.4), (2, 0.6))]  # fmt: skip
+    (row,) = certify.summarize(_cert(recover_s=3.0), [warm, cold, *more])
+    assert row["recover_p50_by_standby"] == {"none": 0.5, "parked": 0.5}
+    cold.recover_s = 2.0
+    (row,) = certify.summarize(_cert(recover_s=3.0), [warm, cold, *more])
+    assert row["recover_p50_by_standby"] == {"none": 2.0, "parked": 0.5}
 
 
 def test_summary_counts_skipped_classes_apart() -> None:
