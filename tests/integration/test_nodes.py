@@ -102,10 +102,11 @@ def test_lost_node_is_replaced_by_a_waiting_spare_bit_exact(
     job = Job(tmp_path, "spare", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2",
               "--monitor-interval", "0.2", "--heartbeat-timeout", "10", "--rdzv-conf", RDZV_FAST)  # fmt: skip
     try:
-        a, b = job.start(*_train(tmp_path, cfg)), job.start(*_train(tmp_path, cfg))
+        # (slower steps than the others': the spare's agent starts and waits before the loss)
+        a, b = (job.start(*_train(tmp_path, cfg, "--step-ms", "300")) for _ in range(2))
         b.wait_event("checkpoint_saved", lambda e: e["step"] >= 4 and e["rank"] >= 0)
         assert job.ranks(b) == {1}, "node 1 should hold rank 1 (node 0 started first)"
-        spare = job.start(*_train(tmp_path, cfg))
+        spare = job.start(*_train(tmp_path, cfg, "--step-ms", "300"))
         a.wait_event("spare_waiting")  # the running agents see it wait in the rendezvous
         a.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == 0)
         assert not [e for e in a.events() if e["event"] == "relaunched"], "the spare restarted the job"
@@ -131,7 +132,8 @@ def test_lost_node_is_replaced_by_a_waiting_spare_bit_exact(
 def test_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path) -> None:
     # 3 nodes x 1 rank (a late third node is admitted: --admit-waiting); the middle one is lost and
     # nothing waits: the job goes on with 2 ranks. New rank 1 takes old rank 1's RNG and data
-    # position from the store replica and the model/optimizer the two survivors verifiably share.
+    # position from the store replica, and its model and optimizer from its own node's copy (old
+    # rank 2's), whose fingerprint is the one old rank 1 posted: nothing is sent.
     cfg = _config(tmp_path, "cfg", snapshot={"interval": 1, "replica_max_bytes": 16384})
     job = Job(tmp_path, "shrink", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2",
               "--monitor-interval", "0.2", "--heartbeat-timeout", "10", "--admit-waiting",
@@ -160,7 +162,7 @@ def test_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path) -> None:
     restored = [e for n in survivors for e in _restored(n) if e.get("world_from") == 3]
     assert len(restored) == 2 and all(e["world"] == 2 for e in restored), restored
     orphan = next(e for e in restored if e["rank"] == 1)
-    assert orphan["sources"]["data"] == "replica" and orphan["sources"]["model"] == "peer:0", orphan
+    assert orphan["sources"]["data"] == "replica" and orphan["sources"]["model"] == "shm", orphan
     finals = [torch.load(tmp_path / "state" / f"rank{r}.pt") for r in range(2)]
     assert torch.equal(finals[0]["model"]["head.weight"], finals[1]["model"]["head.weight"])
     finished = [e for n in survivors for e in n.events() if e["event"] == "run_finished"]
