@@ -114,8 +114,9 @@ def bench(session: nox.Session) -> None:
 def bench_replace(session: nox.Session) -> None:
     """A dead rank replaced alone vs the whole group relaunched vs torchrun, NVRx ft_launcher and
     torchft 0.2.0, side by side (benchmarks/replace.py: the example, SIGKILL and SIGSTOP; then
-    examples/train_hf.py, parked vs importing standby); then the ~1 GB state
-    (benchmarks/relaunch.py). About 35 min."""
+    examples/train_hf.py, parked vs importing standby, and its model built by prepare= or not);
+    then the ~1 GB state (benchmarks/relaunch.py), then a lost node (benchmarks/lost_node.py).
+    About an hour."""
     _install(session, "dev", "bench")
     # torchft's own pins would replace torch: its wheel alone, and the small packages it imports
     session.install("--no-deps", "torchft==0.2.0")
@@ -125,7 +126,13 @@ def bench_replace(session: nox.Session) -> None:
     # a script whose imports take seconds (transformers): a parked standby against an importing one
     session.run("python", "benchmarks/replace.py", "--script", "hf", "--trials", "5", "--at", "150",
                 "--steps", "200", "--out", "benchmarks/results/replace_hf.json", env=env)  # fmt: skip
+    # the same script with a bigger model, built in prepare= (by the parked standby) or after promotion
+    session.run("python", "benchmarks/replace.py", "--script", "hf", "--modes", "rank,rank-prepare",
+                "--trials", "5", "--at", "100", "--steps", "150", "--script-args=--layers 6 --width 384",
+                "--out", "benchmarks/results/replace_prepare.json", env=env)  # fmt: skip
     session.run("python", "benchmarks/relaunch.py", "--trials", "5", env=env)
+    # a lost node with a spare: its rank's state from a survivor's memory vs from the checkpoint
+    session.run("python", "benchmarks/lost_node.py", "--trials", "5", env=env)
 
 
 @nox.session(python=PY)

@@ -24,14 +24,18 @@ and the peers that keep survivors or relaunch on their own terms (SIGKILL):
 The resilient modes keep a durable checkpoint every 10 steps too (``--ckpt-dir``), which also
 refreshes the shared-memory mirror: the steps a hard fault re-runs are bounded alike.
 
-Rank 1 is sent the signal when it completes step ``--at`` (late enough that the standby finished
-its imports); recovery = the driver's time from the signal until every rank completed a step
-again (per-step progress lines, same host clock). SIGSTOP: the launcher's heartbeat timeout
+Rank 1 is sent the signal when it completes step ``--at`` and, in the rank modes, a standby
+waits (its agent said ``standby_ready``; ``standby`` in each trial's line); recovery = the
+driver's time from the signal until every rank completed a step again (per-step progress lines,
+same host clock). SIGSTOP: the launcher's heartbeat timeout
 (``--heartbeat-timeout``, 3 s) is part of the figure, and is also reported subtracted. Modes and
 signals alternate trial by trial.
 
 ``--script hf`` runs examples/train_hf.py instead (a GPT-2 built from a config with
-``transformers``, whose import alone takes seconds): rank, rank-import and group.
+``transformers``, whose import alone takes seconds): rank, rank-import and group. Mode
+**rank-prepare** is rank with the script's ``--prepare``: the script builds its model in
+``resilient.wrap(prepare=...)``, which a parked standby runs before the fault, instead of inside
+its function after the promotion (``--script-args '--layers 6 --width 384'``: a bigger model).
 
     python benchmarks/replace.py [--trials 10] [--at 100] [--script tiny|hf] [--modes rank,...]
 """
@@ -53,6 +57,7 @@ from benchmarks.suite import EXAMPLE, RESULTS, ROOT, job, recoveries
 HEARTBEAT_S = 3.0
 MODES = {
     "rank": ("resilient", ("--replace", "rank", "--standby", "1")),  # (a parked standby)
+    "rank-prepare": ("resilient", ("--replace", "rank", "--standby", "1")),  # (and the script's --prepare)
     "rank-import": ("resilient", ("--replace", "rank", "--standby", "1", "--standby-mode", "import")),
     "group": ("resilient", ("--replace", "group")),
     "torchrun": ("torchrun", ()),
@@ -83,16 +88,29 @@ def peer_trial(mode: str) -> dict[str, Any]:
 SCRIPTS = {"tiny": EXAMPLE, "hf": str(ROOT / "examples" / "train_hf.py")}
 
 
-def trial(mode: str, sig: signal.Signals, at: int, steps: int, script: str = EXAMPLE) -> dict[str, Any]:
+def trial(
+    mode: str,
+    sig: signal.Signals,
+    at: int,
+    steps: int,
+    script: str = EXAMPLE,
+    script_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
     if mode in PEERS:
         return peer_trial(mode)
     engine, args = MODES[mode]
     launch = (*args, *LAUNCH) if engine == "resilient" else ()
-    extra = ("--ckpt-dir", "ckpt", "--ckpt-every", "10") if engine == "resilient" else ()
-    r = job(engine, 2, steps, kills=(at,), launch_args=launch, extra=extra, kill_signal=sig, timeout=180,
-            script=script)  # fmt: skip
+    extra: tuple[str, ...] = ("--ckpt-dir", "ckpt", "--ckpt-every", "10") if engine == "resilient" else ()
+    if mode == "rank-prepare":
+        extra += ("--prepare",)
+    extra += script_args
+    r = job(engine, 2, steps, kills=(at,), launch_args=launch, extra=extra, kill_signal=sig, timeout=300,
+            script=script, wait_standby=mode.startswith("rank"))  # fmt: skip
     got = recoveries(r)
     out: dict[str, Any] = {"mode": mode, "signal": sig.name, "finished": r["finished"]}
+    kill = next((f for f in r["faults"] if "standby" in f), None)
+    if kill is not None:
+        out["standby"] = kill["standby"]  # (waited for in the rank modes: what a warm replacement costs)
     if r["finished"] and got and got[0]["recover_s"] == got[0]["recover_s"]:
         out.update(recover_s=got[0]["recover_s"], catchup_s=got[0]["catchup_s"], steps_lost=got[0]["lost"])
     else:
@@ -113,6 +131,9 @@ def main() -> None:
         help="tiny: examples/train_tiny.py; hf: examples/train_hf.py (imports transformers)",
     )
     ap.add_argument("--modes", default=None, help="comma-separated SIGKILL modes (default: all)")
+    ap.add_argument(
+        "--script-args", default="", help="more arguments for the script (e.g. '--layers 6 --width 384')"
+    )
     args = ap.parse_args()
     runs: list[dict[str, Any]] = []
     plan = [(m, signal.SIGKILL) for m in (*MODES, *PEERS)] + [(m, signal.SIGSTOP) for m in ("rank", "group")]
@@ -122,7 +143,7 @@ def main() -> None:
         plan = [(m, signal.SIGKILL) for m in ("rank", "rank-import", "group")]
     for t in range(args.trials):
         for mode, sig in plan:
-            r = trial(mode, sig, args.at, args.steps, SCRIPTS[args.script])
+            r = trial(mode, sig, args.at, args.steps, SCRIPTS[args.script], tuple(args.script_args.split()))
             r["trial"] = t
             runs.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)

@@ -139,9 +139,12 @@ def job(
     launch_args: tuple[str, ...] = (),
     kill_signal: signal.Signals = signal.SIGKILL,
     script: str = EXAMPLE,
+    wait_standby: bool = False,
 ) -> dict[str, Any]:
     """Run the example (or ``script``, which takes the same options) once; send ``kill_signal``
-    (SIGKILL) to rank 1 when it first completes each step in ``kills``."""
+    (SIGKILL) to rank 1 when it first completes each step in ``kills`` (with ``wait_standby``,
+    once a standby of ``resilient launch`` also waits). Each kill records which standby waited
+    then (``parked``, ``imported``, ``none``)."""
     d = Path(tempfile.mkdtemp(prefix=f"suite-{engine}-", dir="/var/tmp"))
     progress, injections = d / "progress.jsonl", d / "injections.jsonl"
     work = [
@@ -183,11 +186,13 @@ def job(
         while p.poll() is None and time.monotonic() < deadline:
             if pending:
                 hit = [x for x in _lines(progress) if x["rank"] == 1 and x["step"] >= pending[0]]
-                if hit:
+                standby = _standby_waiting(d)
+                if hit and (standby != "none" or not wait_standby):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(hit[-1]["pid"], kill_signal)
                     kind = kill_signal.name.lower()
-                    killed.append({"ts": time.time(), "kind": kind, "step": pending.pop(0), "rank": 1})
+                    killed.append({"ts": time.time(), "kind": kind, "step": pending.pop(0), "rank": 1,
+                                   "standby": standby})  # fmt: skip
             time.sleep(0.02)  # polling files other processes append to
         rc, timed_out = p.poll(), p.poll() is None
     finally:
@@ -213,6 +218,19 @@ def job(
     else:
         shutil.rmtree(d, ignore_errors=True)
     return out
+
+
+def _standby_waiting(d: Path) -> str:
+    """The standby of ``resilient launch`` that waits now in run directory ``d``, by its agent's
+    events: ``parked``, ``imported`` or ``none`` (one promoted since is not waiting)."""
+    waiting: dict[int, str] = {}
+    for f in d.glob("resilient_runs/*/events.jsonl"):
+        for e in _lines(f):
+            if e.get("event") == "standby_ready":
+                waiting[e["standby_pid"]] = e.get("warmth", "imported")
+            elif e.get("event") == "rank_replaced" and e.get("standby"):
+                waiting.pop(e.get("new_pid", -1), None)
+    return "parked" if "parked" in waiting.values() else next(iter(waiting.values()), "none")
 
 
 def _done(progress: list[dict[str, Any]], nproc: int, steps: int) -> bool:

@@ -56,6 +56,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--progress", type=Path, default=None, help="append a JSON line per completed step")
     p.add_argument("--out", type=Path, default=None, help="each rank's final state: <out>/rank<R>.pt")
+    p.add_argument("--layers", type=int, default=2, help="GPT-2 blocks")
+    p.add_argument("--width", type=int, default=64, help="GPT-2 embedding width")
+    p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="build the model in resilient.wrap(prepare=...): a parked standby builds it before a fault",
+    )
     return p.parse_args()
 
 
@@ -67,13 +74,21 @@ def main() -> None:
     if args.ckpt_dir is not None:
         overrides["checkpoint"] = {"dir": args.ckpt_dir, "interval": args.ckpt_every}
 
-    @resilient.wrap(config=args.config, **overrides)
+    cfg = GPT2Config(n_layer=args.layers, n_head=2, n_embd=args.width, vocab_size=512, n_positions=args.seq,
+                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+
+    def build() -> GPT2LMHeadModel:
+        """The model, built without a rank: ``--prepare`` hands it to resilient.wrap, and a parked
+        standby builds it before it is promoted (its weights are then the restored ones)."""
+        with torch.random.fork_rng():  # (built ahead in a standby: the run's random stream stays)
+            torch.manual_seed(0)
+            return GPT2LMHeadModel(cfg)
+
+    @resilient.wrap(config=args.config, prepare=build if args.prepare else None, **overrides)
     def train(ctx: resilient.Context) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(0)
-        cfg = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=args.seq,
-                         bos_token_id=0, eos_token_id=0)  # fmt: skip
-        model = DDP(GPT2LMHeadModel(cfg).to(ctx.device))
+        model = DDP((ctx.prepared if args.prepare else GPT2LMHeadModel(cfg)).to(ctx.device))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         per_epoch = math.ceil(args.steps / args.epochs)
         data = Tokens(per_epoch * args.batch * world, args.seq, cfg.vocab_size)

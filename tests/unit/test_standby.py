@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,21 @@ def test_a_standby_whose_order_never_comes_exits_quietly(tmp_path: Path, wait_un
     assert sb.proc.stdin is not None
     sb.proc.stdin.close()  # the agent went away without promoting it
     assert sb.proc.wait(60) == 0
+
+
+def test_a_standby_that_died_while_it_waited_is_not_promoted(tmp_path: Path, wait_until: Any) -> None:
+    # the agent's promotion writes the order to a pipe nobody reads any more: an OSError, which
+    # the agent takes as "not used" and starts the rank in the next standby or a new process
+    sb = Standby({**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}, tmp_path)
+    try:
+        wait_until(sb.ready, 120, "the standby to finish its imports")
+        os.killpg(sb.proc.pid, signal.SIGKILL)  # (the OOM killer, an operator)
+        sb.proc.wait(30)
+        with pytest.raises(OSError):
+            sb.promote(0, dict(os.environ), Target(False, "train.py", ()), None, None)
+    finally:
+        sb.close()
+    assert not sb.alive() and not list(tmp_path.glob("standby-*.ready"))
 
 
 def _parking_script(tmp_path: Path, top: str) -> tuple[Path, Path]:
