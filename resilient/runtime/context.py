@@ -70,14 +70,18 @@ class Context:
 
     @property
     def rank(self) -> int:
+        """This process's global rank in the current group (``dist.get_rank()``); a replacement
+        started by ``resilient launch`` has its dead predecessor's."""
         return self._rt.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks in the current group (``dist.get_world_size()``)."""
         return self._rt.world_size
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node (``LOCAL_RANK``): the GPU it uses on NCCL."""
         return self._rt.local_rank
 
     @property
@@ -104,7 +108,8 @@ class Context:
 
     @property
     def run_dir(self) -> Any:
-        """Directory of this run's event log."""
+        """The directory of this run's event log (``resilient_runs/<run_id>``, a ``Path``):
+        ``resilient events`` and ``resilient report`` read it."""
         return self._rt.run_dir
 
     def track(self, **objects: Any) -> None:
@@ -133,7 +138,7 @@ class Context:
     @overload
     def steps(self, total: Iterable[T]) -> Iterator[T]: ...
 
-    def steps(self, total: Any) -> Iterator[Any]:
+    def steps(self, total: int | Iterable[Any]) -> Iterator[Any]:
         """Yield step indices up to ``total``; after a restart, resume at the last good step.
 
         Completing a loop body is the progress signal (watchdog) and the snapshot point.
@@ -154,10 +159,10 @@ class Context:
                 "ctx.steps(total): total must be an int or an iterable of batches, "
                 f"got {type(total).__name__} {total!r}"
             )
-        total = operator.index(total)
-        if total < 0:
-            raise ValueError(f"total steps must be >= 0, got {total}")
-        return self._rt.steps(total)
+        count = operator.index(total)  # type: ignore[arg-type]  # (checked above: it has __index__)
+        if count < 0:
+            raise ValueError(f"total steps must be >= 0, got {count}")
+        return self._rt.steps(count)
 
     def epochs(self, total: int) -> Iterator[int]:
         """Yield epoch numbers up to ``total``; after a restart, resume at the restored step's epoch

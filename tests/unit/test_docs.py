@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient import config_reference
+from resilient import config_reference, context_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -61,6 +61,23 @@ def test_configuration_reference_is_generated_from_the_code():
         "docs/configuration.md differs from resilient/config.py; regenerate it with "
         f"`{config_reference.COMMAND}`"
     )
+
+
+def test_context_reference_is_generated_from_the_code():
+    expected = context_reference.markdown()
+    current = (DOCS / "context.md").read_text()
+    assert current == expected, (
+        "docs/context.md differs from resilient/runtime/context.py or wrapper.py; regenerate it with "
+        f"`{context_reference.COMMAND}`"
+    )
+
+
+def test_every_public_member_of_the_context_says_what_it_is():
+    assert context_reference.undocumented() == []
+    text = context_reference.markdown()
+    for name, _ in context_reference.members():
+        assert f"`ctx.{name}`" in text
+    assert "ctx.steps(total: int | Iterable[Any]) -> Iterator[Any]" in text
 
 
 def test_generator_lists_every_field():
