@@ -58,12 +58,25 @@ def cmd_config(args: argparse.Namespace) -> int:
 def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per fault generation, computed from the event log alone."""
     rows = []
-    gens = sorted({e["generation"] for e in events})
+    # the launcher's agent replaced a dead rank whose survivors were in generation `join_generation`
+    replaced = {e.get("join_generation"): e for e in events if e["event"] == "rank_replaced"}
+    gens = sorted({e["generation"] for e in events if e["rank"] >= 0})
     for g in gens:
-        faults = [e for e in events if e["generation"] == g and e["event"] == "fault_detected"]
+        faults = [
+            e for e in events if e["generation"] == g and e["event"] == "fault_detected" and e["rank"] >= 0
+        ]
         if not faults:
             continue
-        p = faults[0]
+        p = dict(faults[0])
+        dead = replaced.get(g)
+        if dead is not None and p["kind"] != "died":
+            # a survivor's broken collective with it came first: the dead rank is the origin
+            p.update(
+                kind="died",
+                origin_rank=dead["global_rank"],
+                origin_step=dead.get("last_step", p["origin_step"]),
+            )
+            p["signature"] = dead.get("cause", p["signature"])
         nxt = [e for e in events if e["generation"] == g + 1]
         resumed = [e["ts"] for e in nxt if e["event"] == "step_resumed"]
         restored = next((e for e in nxt if e["event"] == "state_restored"), {})

@@ -353,7 +353,9 @@ class StepLoop:
             generation=self.session.generation,
             step=r.step,
             objects=sorted(r.loaded),
-            steps_rerun=(r.fault_step if r.fault_step is not None else r.step) - r.step,
+            # (a fault between a step's snapshot and the next step's start restores a step ahead of
+            # the loop's count: nothing is re-run, not -1)
+            steps_rerun=max(0, (r.fault_step if r.fault_step is not None else r.step) - r.step),
             since_fault_s=time.time() - (r.fault_ts or time.time()),
             snapshot_interval=self.session.schedule.interval,
         )

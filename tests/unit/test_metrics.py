@@ -453,3 +453,26 @@ def test_fault_blocks_show_the_verdicts_of_faults_that_raise_nothing():
     block, straggler = fault_blocks(evs)
     assert block.count("replicas   rank 1 corrupt (majority; after step 19)") == 1
     assert straggler.startswith("straggler: rank 1 on") and "2.1x its peers' work per step" in straggler
+
+
+def test_the_events_table_names_a_replaced_rank_as_the_origin() -> None:
+    # a SIGKILL of rank 1: the survivor's broken all-reduce with it is posted first, but the row
+    # names the dead rank (the agent replaced it in that generation), not the survivor
+    from resilient.cli import summarize
+
+    events = [
+        ev(1.0, "fault_detected", 0, kind="collective", origin_rank=0, origin_step=12, origin_ts=T0 + 1.0,
+           signature="collective:RuntimeError", origin_latency_s=0.0),
+        ev(1.01, "rank_replaced", -1, join_generation=0, global_rank=1, cause="killed by SIGKILL",
+           last_step=12),
+        ev(1.4, "state_restored", 0, generation=1, step=12, steps_rerun=0),
+        ev(1.5, "step_resumed", 0, generation=1, step=12),
+        ev(1.5, "step_resumed", 1, generation=1, step=12),
+    ]  # fmt: skip
+    (row,) = summarize(events)
+    assert (row["kind"], row["origin_rank"], row["step"]) == ("died", 1, 12)
+    assert row["signature"] == "killed by SIGKILL"
+    assert row["outcome"] == "recovered" and row["recover_s"] == pytest.approx(0.5)
+    # without a replacement the first fault stands
+    (row,) = summarize([e for e in events if e["event"] != "rank_replaced"])
+    assert (row["kind"], row["origin_rank"]) == ("collective", 0)
