@@ -148,6 +148,8 @@ def test_hard_fault_relaunches_and_ends_bit_exact(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
+# (the slow session: a replacement at 3 ranks, test_replace.py, keeps the DDP layout check in CI)
+@pytest.mark.slow
 def test_sigkill_at_3_ranks_relaunches_bit_exact(
     tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
