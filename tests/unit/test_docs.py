@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,21 +55,13 @@ def links(path: Path) -> list[str]:
     return [m.group(1) for m in LINK.finditer(CODE_SPAN.sub("", prose(path.read_text())))]
 
 
-def test_configuration_reference_is_generated_from_the_code():
-    expected = config_reference.markdown()
-    current = (DOCS / "configuration.md").read_text()
-    assert current == expected, (
-        "docs/configuration.md differs from resilient/config.py; regenerate it with "
-        f"`{config_reference.COMMAND}`"
-    )
-
-
-def test_context_reference_is_generated_from_the_code():
-    expected = context_reference.markdown()
-    current = (DOCS / "context.md").read_text()
-    assert current == expected, (
-        "docs/context.md differs from resilient/runtime/context.py or wrapper.py; regenerate it with "
-        f"`{context_reference.COMMAND}`"
+@pytest.mark.parametrize(
+    ("generator", "doc"), [(config_reference, "configuration.md"), (context_reference, "context.md")]
+)
+def test_generated_references_match_the_code(generator: Any, doc: str):
+    current = (DOCS / doc).read_text()
+    assert current == generator.markdown(), (
+        f"docs/{doc} differs from the code it documents; regenerate it with `{generator.COMMAND}`"
     )
 
 
