@@ -44,15 +44,13 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from chaos.harness import free_port  # noqa: E402
+
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
 MODES = ("memory", "checkpoint")
 RDZV_FAST = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Node:
@@ -102,7 +100,7 @@ def _wait(what: str, fn: Any, timeout: float, nodes: list[Node]) -> Any:
 
 def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
     rdzv_id = f"lost{os.getpid()}{cwd.name}"
-    port = _free_port()
+    port = free_port()
     cfg = cwd / "cfg.yaml"
     cwd.mkdir(parents=True)
     interval = args.snapshot_interval
