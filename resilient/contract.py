@@ -149,6 +149,35 @@ def die_with_launcher(launcher: int | None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def wait_exited(pid: int, timeout_s: float) -> bool:
+    """Wait until process ``pid`` has exited (a zombie counts: its memory is freed), at most
+    ``timeout_s``; whether it did. A replacement that needs what its predecessor held (a GPU's
+    memory) waits so for the dead worker its agent only just SIGKILLed."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except (OSError, AttributeError):  # (no pidfd: a kernel before 5.3) the kernel is asked in turn
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+            time.sleep(0.005)
+        return False
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(timeout_s * 1e3))
+    finally:
+        os.close(fd)
+
+
 class Heartbeat:
     """Worker side: a daemon thread beats every ``interval`` s with the step in progress."""
 

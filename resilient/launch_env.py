@@ -40,6 +40,7 @@ class Var(str, enum.Enum):
     LAUNCHER_PID = "RESILIENT_LAUNCHER_PID"
     PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"
     JOIN_GENERATION = "RESILIENT_JOIN_GENERATION"  # a replacement: the generation its survivors left
+    PREDECESSOR_PID = "RESILIENT_PREDECESSOR_PID"  # a replacement: the dead worker's pid (maybe exiting)
     METRICS_BY_AGENT = "RESILIENT_METRICS_BY_AGENT"  # the agent serves the metrics: the workers do not
     # step hooks to load besides entry points: "module:factory,..." (resilient/runtime/hooks.py)
     HOOKS = "RESILIENT_HOOKS"
@@ -75,6 +76,7 @@ class LaunchEnv:
     launcher_pid: int | None  # `resilient launch`: this worker dies with it
     preempt_signals: tuple[str, ...] | None  # None: the checkpoint config's own list
     join_generation: int | None = None  # a replacement for a dead rank: joins its survivors' recovery
+    predecessor_pid: int | None = None  # ... and the pid of the worker it replaces, perhaps still exiting
     hooks: tuple[str, ...] = ()  # step-hook factories ("module:factory") this process loads
 
     @property
@@ -101,6 +103,8 @@ class LaunchEnv:
             launcher_pid = int(launcher) if launcher else None
             join = get(Var.JOIN_GENERATION)
             join_generation = int(join) if join else None
+            pred = get(Var.PREDECESSOR_PID)
+            predecessor_pid = int(pred) if pred else None
         except ValueError as e:
             raise CoordinationError(f"malformed launch environment: {e}") from e
         if not 0 <= rank < world:
@@ -137,5 +141,6 @@ class LaunchEnv:
             launcher_pid=launcher_pid,
             preempt_signals=tuple(s for s in signals.split(",") if s) if signals else None,
             join_generation=join_generation,
+            predecessor_pid=predecessor_pid,
             hooks=tuple(h.strip() for h in (get(Var.HOOKS) or "").split(",") if h.strip()),
         )

@@ -113,6 +113,7 @@ class ResilientAgent(LocalElasticAgent):
         self.replacer = Replacer(self.elastic, heartbeat_dir, self._emit, standby, park=park)
         # torch's loop sleeps its monitor interval between looks at the workers: a death wakes it
         self._clock = WakeableTime()
+        self._clock.deadline = self._silence_deadline
         self.deaths = DeathWatch(self.elastic.pids, self._clock.wake)
         self.verdict: int | None = None  # an exit code the launcher must end with, not restart
         self.excluded = False
@@ -374,20 +375,37 @@ class ResilientAgent(LocalElasticAgent):
             return [_Seen(death, w.local_rank, w.id, cause, False)]
         return []
 
+    def _limit(self, local_rank: int, beat: Beat | None, now: float) -> tuple[float, float]:
+        """(how long ``local_rank`` has been silent, how long it may be): before its first beat
+        and once its last says it is exiting, the start-up limit; else the heartbeat timeout."""
+        if beat is None:
+            return now - self._worker_started.get(local_rank, self._started), self.startup_timeout
+        # a worker that left the runtime is expected to exit, not to beat: its silence counts
+        # against the start-up limit (a teardown that never ends), not the hang limit
+        return beat.age_s, self.startup_timeout if beat.exiting else self.heartbeat_timeout
+
+    def _silence_deadline(self) -> float | None:
+        """When the first worker that beats no more reaches its limit (``time.monotonic()``; a
+        millisecond past it, so that it is over the limit then), if it does not beat before."""
+        try:
+            workers = self.workers()
+        except Exception:  # (no worker group yet)
+            return None
+        now, due = time.monotonic(), None
+        for w in workers:
+            age, limit = self._limit(w.local_rank, self._beat(w.local_rank), now)
+            at = now + (limit - age) + 1e-3
+            due = at if due is None else min(due, at)
+        return due
+
     def _silent(self, worker_group: WorkerGroup) -> list[_Seen]:
         """The first worker that stopped beating, SIGKILLed now (a stopped or GIL-bound process
         never handles SIGTERM), after its stacks were dumped; [] when every worker beats."""
         now = time.monotonic()
         for w in worker_group.workers:
             beat = self._beat(w.local_rank)
-            if beat is None:
-                started = self._worker_started.get(w.local_rank, self._started)
-                age, limit, step = now - started, self.startup_timeout, None
-            else:
-                age, step = beat.age_s, beat.step
-                # a worker that left the runtime is expected to exit, not to beat: its silence
-                # counts against the start-up limit (a teardown that never ends), not the hang limit
-                limit = self.startup_timeout if beat.exiting else self.heartbeat_timeout
+            age, limit = self._limit(w.local_rank, beat, now)
+            step = beat.step if beat is not None else None
             if age <= limit:
                 continue
             record = {"global_rank": w.global_rank, "local_rank": w.local_rank, "pid": w.id,

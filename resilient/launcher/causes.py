@@ -67,7 +67,8 @@ def dump_stacks(pid: int, timeout_s: float = 3.0) -> str | None:
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not os.access(exe, os.X_OK):
         return None
-    for mode in ("--native", "--nonblocking"):
+    # (a stopped process cannot be suspended: its native frames are not read, and not tried)
+    for mode in ("--nonblocking",) if _stopped(pid) else ("--native", "--nonblocking"):
         try:
             out = subprocess.run([exe, "dump", "--pid", str(pid), mode], capture_output=True, text=True,
                                  timeout=timeout_s)  # fmt: skip
@@ -76,3 +77,13 @@ def dump_stacks(pid: int, timeout_s: float = 3.0) -> str | None:
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout[-16000:]
     return None
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP: state ``T`` in ``/proc/<pid>/stat``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rpartition(")")[2].split()  # (the command name may hold spaces and parentheses)
+    return bool(fields) and fields[0] in ("T", "t")

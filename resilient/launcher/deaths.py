@@ -23,13 +23,21 @@ from loguru import logger
 
 
 class WakeableTime:
-    """The ``time`` module, but ``sleep`` ends early when :meth:`wake` is called."""
+    """The ``time`` module, but ``sleep`` ends early when :meth:`wake` is called, or when the
+    ``deadline`` (a ``time.monotonic()`` instant, if any is set and still ahead) comes first: a
+    worker's heartbeat limit is acted on when it runs out, not at the next poll."""
 
     def __init__(self, real: ModuleType = time) -> None:
         self._real = real
         self._event = threading.Event()
+        self.deadline: Callable[[], float | None] | None = None
 
     def sleep(self, seconds: float) -> None:
+        if self.deadline is not None:
+            due = self.deadline()
+            now = self._real.monotonic()
+            if due is not None and due > now:  # (one already passed is the poll's to act on)
+                seconds = min(seconds, due - now)
         self._event.wait(seconds)
         self._event.clear()
 

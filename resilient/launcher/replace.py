@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +29,12 @@ from resilient.launcher.elastic import Elastic
 from resilient.launcher.standby import RANK_VARS, Standby, target
 
 STANDBY_DELAY_S = 2.0
+
+
+def _reap(proc: Any) -> None:
+    """Wait for a dead worker's process (no zombie is left; bounded: it was SIGKILLed)."""
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=30)
 
 
 class Replacer:
@@ -55,18 +62,21 @@ class Replacer:
         local_rank = worker.local_rank
         old = self.elastic.process(local_rank)
         old_pid = old.proc.pid
-        with contextlib.suppress(Exception):
-            old.proc.wait(timeout=10)  # (one SIGKILLed just now after a missed heartbeat)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(old_pid, signal.SIGKILL)  # what it left in its session (loader workers)
         self.elastic.restarts_left -= 1  # a replacement is a restart for TORCHELASTIC_RESTART_COUNT
         t0 = time.time()
-        env = {**self.elastic.env(local_rank), Var.JOIN_GENERATION.value: str(beat.generation)}
+        env = {**self.elastic.env(local_rank), Var.JOIN_GENERATION.value: str(beat.generation),
+               Var.PREDECESSOR_PID.value: str(old_pid)}  # fmt: skip
         posted = self._post_death(env, worker.global_rank, beat, f"rank {worker.global_rank} {cause}")
         beat_path(self.heartbeat_dir, local_rank).unlink(missing_ok=True)
+        # The dead process may still be tearing down (one SIGKILLed just now after a missed
+        # heartbeat frees its memory first): its replacement starts meanwhile, and a replacement
+        # that needs what it holds (a GPU's memory) waits for its exit itself.
         new, warm = self._spawn(local_rank, env)
         self.elastic.swap(local_rank, new)
         worker.id = new.proc.pid
+        threading.Thread(target=_reap, args=(old.proc,), name="resilient-reap", daemon=True).start()
         self._emit(Event.RANK_REPLACED, global_rank=worker.global_rank, local_rank=local_rank,
                    old_pid=old_pid, new_pid=new.proc.pid, standby=warm, join_generation=beat.generation,
                    last_step=beat.step, fault_posted=posted, duration_s=time.time() - t0, cause=cause,

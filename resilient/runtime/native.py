@@ -137,6 +137,16 @@ def _straggler_watch(c: Collaborators) -> StragglerWatch | None:
     )  # fmt: skip
 
 
+def freeze_gc() -> None:
+    """Everything alive now (torch's ~180k import-time objects) leaves the collector's view: the
+    full collection after a fault, which frees the failed generation's model, optimizer state and
+    group before the new ones are built, then scans only what the training function created.
+    Refcounting still frees frozen objects; only cycles among them are kept. A parked standby
+    does it before it waits (the first collection of a process pays for every object alive)."""
+    gc.collect()
+    gc.freeze()
+
+
 class NativeEngine:
     """The native engine behind :func:`resilient.wrap`: ``run(fn)`` calls ``fn(loop)`` once per
     generation until it returns on every rank (or the run gives up, typed)."""
@@ -149,13 +159,7 @@ class NativeEngine:
 
     def run(self, fn: Callable[[StepLoop], Any]) -> Any:
         if self.setup.cfg.freeze_gc:
-            # Everything alive now (torch's ~180k import-time objects) leaves the collector's
-            # view: the full collection after a fault, which frees the failed generation's model,
-            # optimizer state and group before the new ones are built, then scans only what the
-            # training function created. Refcounting still frees frozen objects; only cycles
-            # among them are kept.
-            gc.collect()
-            gc.freeze()
+            freeze_gc()
         # first: a launcher killed while this worker connects (or stopped before it got further)
         # must still take the worker with it
         die_with_launcher(self.setup.launch.launcher_pid)

@@ -12,8 +12,10 @@ import time
 import traceback
 from dataclasses import asdict
 
+import torch
 from loguru import logger
 
+from resilient.contract import wait_exited
 from resilient.errors import (
     CorruptReplica,
     HardFault,
@@ -192,8 +194,22 @@ class Recovery:
         s.generation = gen
         if s.heartbeat is not None:
             s.heartbeat.generation = gen
+        self._await_predecessor()
         self.keeper.adopt_predecessor()
         return self.recover(StepInterrupted(f"peer: rank {s.rank} replaced, joins generation {gen}"))
+
+    def _await_predecessor(self) -> None:
+        """On a machine with GPUs, the dead worker this process replaces may still be freeing its
+        device memory (its agent SIGKILLed it just before starting this one): the restore waits
+        for its exit. Elsewhere nothing it held is needed again."""
+        pid = self.session.launch.predecessor_pid
+        if pid is None or not torch.cuda.is_available():
+            return
+        rank, t0 = self.session.rank, time.monotonic()
+        if not wait_exited(pid, self.t.barrier):
+            logger.warning(f"rank {rank}: predecessor pid {pid} still alive after {self.t.barrier:g} s")
+            return
+        logger.debug("rank {}: predecessor {} gone after {:.3f} s", rank, pid, time.monotonic() - t0)
 
     def _preempt(self, gen: int, primary: FaultRecord) -> None:
         """Every rank left its step: save the newest state all ranks hold, then exit for requeue.

@@ -15,7 +15,7 @@ from resilient.runtime.context import Context
 from resilient.runtime.exits import excepthook_exit_codes
 from resilient.runtime.health import Check
 from resilient.runtime.hooks import StepHook
-from resilient.runtime.native import NativeEngine
+from resilient.runtime.native import NativeEngine, freeze_gc
 from resilient.runtime.steps import StepLoop
 from resilient.runtime.wiring import Setup
 
@@ -99,7 +99,10 @@ def wrap(
         @functools.wraps(f)
         def run(*args: Any, **kwargs: Any) -> Any:
             global _current
-            ahead = [prepare()] if prepare is not None and parking() else []  # (a standby's, built early)
+            standby = parking()
+            if standby and cfg.freeze_gc and cfg.engine == "resilient":
+                freeze_gc()  # (the engine's own freeze, paid while waiting rather than once promoted)
+            ahead = [prepare()] if prepare is not None and standby else []  # (a standby's, built early)
             park_until_promoted()  # (a standby of `resilient launch` waits here to be a rank)
             excepthook_exit_codes()
             active = [*hooks, *hooks_mod.discover()]

@@ -42,3 +42,37 @@ def test_an_exit_is_reported_without_waiting_for_a_poll() -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+class _FrozenClock:
+    """The time module's ``monotonic`` at a fixed instant; its event records how long it waited."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.waited: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, seconds: float) -> bool:
+        self.waited.append(seconds)
+        return False
+
+    def clear(self) -> None:
+        pass
+
+
+def test_the_loops_sleep_ends_at_the_next_heartbeat_deadline_not_at_the_poll() -> None:
+    fake = _FrozenClock(100.0)
+    clock = WakeableTime(fake)  # type: ignore[arg-type]
+    clock._event = fake  # type: ignore[assignment]
+    due: list[float | None] = [100.03]
+    clock.deadline = lambda: due[0]
+    clock.sleep(0.1)
+    due[0] = 99.0  # one already passed: the poll acts on it, the sleep is not cut to nothing
+    clock.sleep(0.1)
+    due[0] = None  # nobody to wait for
+    clock.sleep(0.1)
+    due[0] = 250.0  # further than the poll
+    clock.sleep(0.1)
+    assert fake.waited == [pytest.approx(0.03), 0.1, 0.1, 0.1]

@@ -181,3 +181,31 @@ def test_an_entry_point_that_execs_ends_the_standby_and_says_why(tmp_path: Path,
     finally:
         sb.close()
         sb.proc.wait(10)
+
+
+def test_a_parked_standby_freezes_the_collector_before_it_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first full collection of a process scans every object its imports made (~0.2 s with
+    torch): a parked standby pays it while it waits, not once it is promoted."""
+    import gc
+
+    import resilient
+    from resilient.runtime import wrapper
+
+    class Stop(Exception):
+        pass
+
+    frozen: list[int] = []
+
+    def park() -> None:
+        frozen.append(gc.get_freeze_count())
+        raise Stop
+
+    monkeypatch.setattr(wrapper, "parking", lambda: True)
+    monkeypatch.setattr(wrapper, "park_until_promoted", park)
+    gc.unfreeze()
+    try:
+        with pytest.raises(Stop):
+            resilient.wrap(lambda: None)()
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 1000, frozen
