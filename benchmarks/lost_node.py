@@ -10,7 +10,14 @@ its ``/dev/shm`` removed. The rendezvous admits the spare; then, by mode:
   sent over the new group and checked against the fingerprint the lost rank posted to the job's
   store; its RNG and data position from the store replica (``snapshot.replica_max_bytes``);
 - checkpoint: the store replica off (``replica_max_bytes: 0``): nothing vouches for the
-  survivor's copy, so every rank loads the newest checkpoint (every ``--ckpt-every`` steps).
+  survivor's copy, so every rank loads the newest checkpoint (every ``--ckpt-every`` steps);
+- flushed (with ``--cascade``): the replica off too, and ``checkpoint.flush_on_death``: node 1's
+  agent wrote its dead worker's snapshots to the checkpoint directory before the node went, and
+  the spare reads them back.
+
+``--cascade``: node 1's worker dies first (SIGKILL), then, once its agent has seen the death (and,
+in mode flushed, has flushed it), the whole node: a GPU failure that takes its node down. Its
+agents run no standby there (a replacement on a failing node would not get far either).
 
 Both modes snapshot every ``--snapshot-interval`` steps (1: what a job that wants a lost node to
 re-run at most one step sets) and checkpoint every ``--ckpt-every``.
@@ -50,6 +57,7 @@ from chaos.harness import free_port  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
 MODES = ("memory", "checkpoint")
+CASCADE_MODES = ("memory", "flushed", "checkpoint")
 RDZV_FAST = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1"
 
 
@@ -105,12 +113,16 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
     cwd.mkdir(parents=True)
     interval = args.snapshot_interval
     snapshot: dict[str, Any] = {"interval": int(interval) if interval.isdigit() else interval}
-    if mode == "checkpoint":
+    if mode in ("checkpoint", "flushed"):
         snapshot["replica_max_bytes"] = 0
-    cfg.write_text(yaml.safe_dump({"events": {"steps": True}, "snapshot": snapshot}))
+    sections: dict[str, Any] = {"events": {"steps": True}, "snapshot": snapshot}
+    if mode == "flushed":
+        sections["checkpoint"] = {"flush_on_death": True}
+    cfg.write_text(yaml.safe_dump(sections))
+    standby = ("--standby", "0") if args.cascade else ()
     argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
             "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2", "--monitor-interval", "0.2",
-            "--heartbeat-timeout", "30", "--rdzv-conf", RDZV_FAST,
+            "--heartbeat-timeout", "30", "--rdzv-conf", RDZV_FAST, *standby,
             EXAMPLE, "--steps", str(args.steps), "--dim", str(args.dim), "--config", str(cfg),
             "--ckpt-dir", str(cwd / "ck"), "--ckpt-every", str(args.ckpt_every)]  # fmt: skip
     nodes: list[Node] = []
@@ -141,6 +153,15 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
                      lambda: [e for e in steps_of(nodes[0], 0) if e["step"] >= args.kill_at],
                      300, nodes)  # fmt: skip
         t_kill = time.time()
+        if args.cascade:
+            worker = next(
+                e["pid"] for e in nodes[1].events() if e["event"] == "run_started" and e["rank"] == 1
+            )
+            os.kill(worker, signal.SIGKILL)
+            seen = "snapshot_flushed" if mode == "flushed" else "worker_died"
+            said = _wait(f"node 1's agent: {seen}",
+                         lambda: [e for e in nodes[1].events() if e["event"] == seen], 60, nodes)  # fmt: skip
+            out["flush"] = {k: said[0].get(k) for k in ("steps", "nbytes", "duration_s", "gb_per_s", "error")}
         nodes[1].kill(rdzv_id)
         done_before = max(e["step"] for e in steps_of(nodes[0], 0) if e["ts"] <= t_kill)
         survivors = [nodes[0], nodes[2]]
@@ -196,10 +217,13 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--snapshot-interval", default="1", help="snapshot.interval (both modes): N or auto")
     ap.add_argument("--timeout", type=float, default=180.0)
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    ap.add_argument("--modes", default=None, help="comma-separated subset of " + ", ".join(CASCADE_MODES))
+    ap.add_argument("--cascade", action="store_true", help="node 1's worker dies first, then the node")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lost_node.json")
     args = ap.parse_args()
-    modes = tuple(args.modes.split(","))
+    modes = tuple(args.modes.split(",")) if args.modes else CASCADE_MODES if args.cascade else MODES
+    if "flushed" in modes and not args.cascade:
+        ap.error("mode flushed needs --cascade (an agent flushes a dead worker's snapshots, not its own)")
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
         for t in range(args.trials):

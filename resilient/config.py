@@ -172,6 +172,18 @@ class CheckpointConfig(_Model):
         ("SIGUSR1", "SIGTERM"), description="final checkpoint, then exit with the requeue code (76)"
     )
     mtbf_s: float = Field(86400.0, gt=0, description="auto: MTBF prior until faults are observed")
+    flush_on_death: bool = Field(
+        False,
+        description="under `resilient launch`: a dead worker's newest shared-memory snapshots are "
+        "written to `<dir>/flushed` by its agent (every rank's when the agent gives up), so that a "
+        "later loss of the node, or a requeue of the job, resumes there instead of at the last checkpoint",
+    )
+
+    @model_validator(mode="after")
+    def _flush_needs_dir(self) -> CheckpointConfig:
+        if self.flush_on_death and self.dir is None:
+            raise ValueError("flush_on_death needs checkpoint.dir (where the snapshots are written)")
+        return self
 
     @field_validator("interval")
     @classmethod

@@ -48,6 +48,8 @@ class Event(str, enum.Enum):
     NODE_LOST = "node_lost"
     SPARE_WAITING = "spare_waiting"  # the agent: nodes wait in the rendezvous to take a lost node's place
     NODE_EXCLUDED = "node_excluded"
+    # the agent: a dead worker's shared-memory snapshots written to checkpoint.dir (flush_on_death)
+    SNAPSHOT_FLUSHED = "snapshot_flushed"
     STEP_COMPLETED = "step_completed"  # only with events.steps: true (one line per rank per step)
     PROGRESS = "progress"  # a process's first completed step, then one every events.progress_s
     WORKERS_STARTED = "workers_started"  # the agent started (or restarted) its workers

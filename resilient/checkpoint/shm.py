@@ -46,6 +46,15 @@ class ShmSnapshot:
         self.dir = self.top / f"rank{rank:05d}"
         self._arenas: list[Arena] = []
 
+    @classmethod
+    def at(cls, directory: Path) -> ShmSnapshot:
+        """The snapshot slots in ``directory`` itself, wherever it is (a flushed copy on disk:
+        :mod:`resilient.checkpoint.flushed`); ``unlink`` removes that directory only."""
+        snap = cls.__new__(cls)
+        snap.top = snap.dir = directory
+        snap._arenas = []
+        return snap
+
     def _meta(self, slot: int) -> dict[str, Any] | None:
         """A slot's description, checked field by field before any of it is trusted."""
         path = self.dir / f"slot{slot}.json"

@@ -67,6 +67,7 @@ from resilient.launch_env import Var
 from resilient.launcher.causes import describe_exit, dump_stacks, oom_kills
 from resilient.launcher.deaths import DeathWatch, WakeableTime
 from resilient.launcher.elastic import Elastic, RendezvousView
+from resilient.launcher.flush import Flusher
 from resilient.launcher.policy import Action, Death, Decision, GiveUp, LaunchPolicy, Replace
 from resilient.launcher.replace import Replacer
 
@@ -97,6 +98,7 @@ class ResilientAgent(LocalElasticAgent):
         admit_waiting: bool = False,
         standby: int = 0,
         standby_mode: str = "park",
+        shm_name: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -115,6 +117,7 @@ class ResilientAgent(LocalElasticAgent):
         self._clock = WakeableTime()
         self._clock.deadline = self._silence_deadline
         self.deaths = DeathWatch(self.elastic.pids, self._clock.wake)
+        self.flusher = Flusher(shm_name, self._emit)  # (checkpoint.flush_on_death: a dead rank's snapshots)
         self.verdict: int | None = None  # an exit code the launcher must end with, not restart
         self.excluded = False
         self.failures: list[dict[str, Any]] = []
@@ -169,6 +172,16 @@ class ResilientAgent(LocalElasticAgent):
     def close_standbys(self) -> None:
         self.replacer.close()
         self.deaths.close()
+
+    def flush_before_exit(self, result: RunResult | None, timeout_s: float) -> None:
+        """The agent gives up (restarts spent, a verdict, its node excluded, its own error): what
+        every local rank holds in shared memory is flushed before it goes, where workers asked.
+        Not after a success, nor a preemption (its final checkpoint is committed)."""
+        if self.verdict == int(ExitCode.REQUEUE):
+            return
+        if result is not None and not result.is_failed() and self.verdict is None and not self.excluded:
+            return
+        self.flusher.before_exit(timeout_s)
 
     def _invoke_run(self, role: str = "default") -> RunResult:
         """torch's loop, its sleep woken by a worker's death (:mod:`resilient.launcher.deaths`)."""
@@ -267,7 +280,7 @@ class ResilientAgent(LocalElasticAgent):
             result = super()._monitor_workers(worker_group)
             dead = {s.death.global_rank for s in seen}
             stopped = [s for s in self._from_result(worker_group, result) if s.death.global_rank not in dead]
-            self._report(stopped)
+            self._report(stopped, died=False)
             if result.state != WorkerState.FAILED:
                 result = ours
         self._act(worker_group, decision)
@@ -344,8 +357,12 @@ class ResilientAgent(LocalElasticAgent):
             out.append(_Seen(death, local_rank, f.pid, cause, False))
         return out
 
-    def _report(self, seen: list[_Seen]) -> None:
+    def _report(self, seen: list[_Seen], *, died: bool = True) -> None:
+        """Record each death (``died``: the worker's own, not one torch stopped for a peer's), and
+        flush the dead worker's snapshots where it asked for that."""
         for s in seen:
+            if died and s.local_rank is not None:
+                self.flusher.on_death(s.local_rank, s.death.global_rank)
             if s.reported:
                 continue
             record = {"global_rank": s.death.global_rank, "local_rank": s.local_rank, "pid": s.pid,

@@ -106,6 +106,13 @@ def parser() -> Any:
         "level reads a rank); import: it imports torch and the runtime only",
     )
     p.add_argument(
+        "--flush-timeout",
+        type=positive,
+        default=300.0,
+        help="with checkpoint.flush_on_death in the workers' config: how long this agent, giving up, "
+        "waits for its ranks' snapshots to reach checkpoint.dir before the shared memory goes",
+    )
+    p.add_argument(
         "--events-dir", type=Path, default=Path("resilient_runs"), help="<dir>/<run_id>/events.jsonl"
     )
     p.add_argument(
@@ -246,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         admit_waiting=args.admit_waiting,
         standby=max(0, args.standby) if args.replace == "rank" else 0,
         standby_mode=args.standby_mode,
+        shm_name=shm_name,
     )
     _forward_preemption(agent)
     exporter = None
@@ -262,12 +270,15 @@ def main(argv: list[str] | None = None) -> int:
         exporter = Exporter(metrics, args.metrics_port, args.metrics_addr)
         if not exporter.start():
             exporter = None
+    result = None
     try:
         result = agent.run()
     finally:
+        agent.close_standbys()
+        agent.flush_before_exit(result, args.flush_timeout)  # (the job's shared memory goes next)
+        agent.flusher.close()
         if exporter is not None:
             exporter.close(linger_s=max(0.0, args.metrics_linger))
-        agent.close_standbys()
         if agent.excluded:
             agent.elastic.leave_rendezvous()  # the others go on without this node
         else:

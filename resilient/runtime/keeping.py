@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from loguru import logger
 
+from resilient.checkpoint import flushed
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import CheckpointError, StateRestoreError, StepInterrupted
 from resilient.events import Event
@@ -114,6 +115,7 @@ class Mirrors:
                 exchange=lambda n, p: self.coord.exchange(0, n, p),
                 replica=self.replica,
                 newest_checkpoint=newest[0] if newest else -1,
+                flushed=self._flushed(),
             )
             if got is not None:
                 if set(got.sources.values()) == {"shm"}:  # this rank's own snapshot, as it was
@@ -129,6 +131,13 @@ class Mirrors:
         if loaded is None:
             return 0, False
         return self._apply_restored(registry, loaded.step, loaded.state, str(loaded.path), t0), True
+
+    def _flushed(self) -> Callable[[int], ShmSnapshot] | None:
+        """Where the agents flushed dead workers' snapshots (``checkpoint.flush_on_death``)."""
+        ck = self.session.cfg.checkpoint
+        if not ck.flush_on_death or ck.dir is None:
+            return None
+        return functools.partial(flushed.copy_of, flushed.root(ck.dir))
 
     def _apply_restored(
         self, registry: Registry, step: int, state: dict[str, Any], source: str, t0: float, **detail: Any

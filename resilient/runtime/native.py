@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 from loguru import logger
 
+from resilient.checkpoint import flushed
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.contract import die_with_launcher, mark_replace
 from resilient.errors import (
@@ -105,6 +106,8 @@ def collaborators(setup: Setup, wiring: Wiring) -> Collaborators:
         # keyed by the local rank: a relaunched worker finds its predecessor's snapshot even when
         # the rendezvous renumbered the nodes (each snapshot records the global rank that wrote it)
         shm = ShmSnapshot(launch.shm_name, ep.local_rank)
+        if cfg.checkpoint.flush_on_death and cfg.checkpoint.dir is not None:
+            flushed.offer(shm, flushed.root(cfg.checkpoint.dir))  # (its agent flushes it if it dies)
         replica = resume.StoreReplica(
             session.store, f"resilient/{session.run_id}/replica", ep.rank, cfg.snapshot.replica_max_bytes
         )

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -26,6 +27,7 @@ from typing import Any
 
 from loguru import logger
 
+from resilient.checkpoint import flushed
 from resilient.checkpoint.manager import Checkpointer
 from resilient.checkpoint.manifest import tmp_dirs
 from resilient.checkpoint.reader import Loaded
@@ -244,6 +246,10 @@ class Persistence:
             self._write_s = time.monotonic() - self._save_started.pop(step, time.monotonic())
             self.events.emit(Event.CHECKPOINT_DURABLE, generation=-1, step=step, write_s=self._write_s,
                              nbytes=self.ckpt.last_nbytes, log=False)  # fmt: skip
+            if self.rank == 0 and self.cfg.flush_on_death and self.cfg.dir is not None:
+                # (rank 0's save is done once committed) a flushed snapshot older is never restored
+                with contextlib.suppress(OSError):
+                    flushed.prune(flushed.root(self.cfg.dir), step)
 
     def _plan_next(self, step: int, faults_seen: int) -> None:
         if isinstance(self.cfg.interval, int):

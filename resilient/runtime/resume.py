@@ -175,7 +175,9 @@ class StoreReplica:
 class Restored:
     step: int
     state: dict[str, Any]
-    source: str  # "shm" (every rank from its own node) or "peer" (some state moved between ranks)
+    # "shm" (every rank from its own node), "peer" (some state moved between ranks) or "flushed"
+    # (some ranks from their snapshots an agent flushed to disk, the others from their own node)
+    source: str
     world_from: int
     sources: dict[str, str] = field(default_factory=dict)  # object -> shm | peer:<rank> | replica
 
@@ -188,6 +190,7 @@ class _Plan:
     replica: dict[int, list[str]] = field(default_factory=dict)  # orphan rank -> names from the store
     donated: dict[str, dict[int, int]] = field(default_factory=dict)  # object -> {orphan: donor rank}
     prints: dict[int, dict[str, str]] = field(default_factory=dict)  # orphan -> its posted fingerprints
+    flushed: list[int] = field(default_factory=list)  # ranks that read old rank r's flushed copy on disk
 
 
 def _owner_of(held: list[list[dict[str, Any]]], step: int, old_rank: int, world_from: int) -> int | None:
@@ -208,27 +211,51 @@ class _Resume:
     names: list[str]
     exchange: Exchange
     replica: StoreReplica | None
+    flushed: Callable[[int], ShmSnapshot] | None = None  # old rank r's snapshots its agent flushed
     _loaded: dict[int, dict[str, Any] | None] = field(default_factory=dict)
     _group: Any = None
 
     def run(self, newest_checkpoint: int) -> Restored | None:
-        held = [json.loads(v) for v in self.exchange("resume_slots", json.dumps(self.shm.slots()))]
-        steps = sorted({int(m["step"]) for slots in held for m in slots}, reverse=True)
+        mine = {"shm": self.shm.slots(), "flushed": self._flushed_slots()}
+        got = [json.loads(v) for v in self.exchange("resume_slots", json.dumps(mine))]
+        held = [g["shm"] for g in got]
+        disk = [g["flushed"] for g in got]  # [r]: old rank r's flushed snapshots, as new rank r sees them
+        every = [m for slots in (*held, *disk) for m in slots]
+        steps = sorted({int(m["step"]) for m in every}, reverse=True)
         for step in [s for s in steps if s >= newest_checkpoint]:
-            worlds = {m["world"] for slots in held for m in slots if m["step"] == step}
+            worlds = {m["world"] for m in every if m["step"] == step}
             if len(worlds) != 1 or None in worlds:
                 continue  # unlabelled, or two launches' snapshots of one step: not ours to mix
-            sharded = any(m.get("sharded") for slots in held for m in slots if m["step"] == step)
+            sharded = any(m.get("sharded") for m in every if m["step"] == step)
             if sharded and worlds != {self.world}:
                 logger.info(
                     f"step {step}: DTensor shards of {worlds.pop()} ranks, {self.world} now: from the "
                     "checkpoint, which reshards"
                 )
                 return None
-            p = self._plan(step, int(worlds.pop()), held)
+            p = self._plan(step, int(worlds.pop()), held, disk)
             if p is not None:
                 return self._execute(p)
         return None
+
+    def _flushed_slots(self) -> list[dict[str, Any]]:
+        """The snapshots of old rank ``self.rank`` that an agent flushed to disk, as this rank
+        reads them (only this rank's own index: it is the one that would load them)."""
+        if self.flushed is None:
+            return []
+        try:
+            return [m for m in self.flushed(self.rank).slots() if m["rank"] == self.rank]
+        except (OSError, CheckpointError) as e:
+            logger.warning(f"rank {self.rank}: flushed snapshots not readable: {e}")
+            return []
+
+    def _from_disk(self, step: int) -> dict[str, Any]:
+        """Old rank ``self.rank``'s flushed snapshot of ``step`` (its tensors' byte sums checked)."""
+        assert self.flushed is not None
+        got = self.flushed(self.rank).load(step)
+        if got is None:
+            raise CheckpointError(f"the flushed snapshot of step {step} is gone")
+        return dict(got[1])
 
     def _local(self, step: int) -> dict[str, Any] | None:
         """This rank's own shared-memory snapshot of ``step`` (whichever old rank wrote it)."""
@@ -243,13 +270,20 @@ class _Resume:
             self._loaded[step] = got
         return self._loaded[step]
 
-    def _plan(self, step: int, world_from: int, held: list[list[dict[str, Any]]]) -> _Plan | None:
+    def _plan(
+        self, step: int, world_from: int, held: list[list[dict[str, Any]]], disk: list[list[dict[str, Any]]]
+    ) -> _Plan | None:
         owners = {r: o for r in range(self.world) if (o := _owner_of(held, step, r, world_from)) is not None}
-        orphans = [r for r in range(self.world) if r not in owners]
+        # a rank no node holds in memory, whose agent flushed it: read back from disk by itself
+        from_disk = [
+            r for r in range(self.world)
+            if r not in owners and _owner_of([disk[r]], step, r, world_from) is not None
+        ]  # fmt: skip
+        orphans = [r for r in range(self.world) if r not in owners and r not in from_disk]
         moves = any(o != r for r, o in owners.items())
         if (moves or orphans) and not dist.is_initialized():
             return None  # state would have to move between ranks, and there is no group to move it on
-        p = _Plan(step, world_from, owners)
+        p = _Plan(step, world_from, owners, flushed=from_disk)
         if not orphans:
             return p
         # Orphans (old rank lost with its node): small objects from the store replica, as rank 0
@@ -342,6 +376,10 @@ class _Resume:
                     got = self._recv(o)
                     state.update(got)
                     sources.update(dict.fromkeys(got, f"peer:{o}"))
+            if rank in p.flushed:
+                got = self._from_disk(step)
+                state.update(got)
+                sources.update(dict.fromkeys(got, "flushed"))
             if rank not in p.owners and p.replica.get(rank):
                 assert self.replica is not None
                 fetched = self.replica.fetch(rank, step)
@@ -375,7 +413,10 @@ class _Resume:
         if not all(v == "1" for v in votes):
             return None
         local_only = not p.replica and not p.donated and all(o == r for r, o in p.owners.items())
-        source = "shm" if local_only and len(p.owners) == self.world else "peer"
+        if local_only and len(p.owners) == self.world:
+            source = "shm"
+        else:  # (some state moved between ranks, or came back from what an agent flushed)
+            source = "flushed" if local_only and len(p.owners) + len(p.flushed) == self.world else "peer"
         return Restored(step, state, source, p.world_from, sources)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from pathlib import Path
@@ -12,9 +13,11 @@ import torch
 import torch.distributed as dist
 
 from chaos.compare import assert_bit_exact
+from resilient.checkpoint import flushed
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import CheckpointError
 from resilient.runtime import resume
+from resilient.state.digest import leaf_sums
 
 
 def _state(seed: int) -> dict:
@@ -230,7 +233,7 @@ def test_a_lost_rank_takes_large_objects_from_a_survivor_with_its_fingerprint(
         shm = ShmSnapshot("job", rank, base=tmp_path / f"n{rank}")
         how = resume._Resume(shm, rank, 2, names, exchange, rep)
         held = [json.loads(v) for v in exchange("slots", json.dumps(how.shm.slots()))]
-        plans[rank] = how._plan(6, 2, held)
+        plans[rank] = how._plan(6, 2, held, [[], []])
 
     _run_ranks(2, fn)
     if not equal:
@@ -297,3 +300,79 @@ def test_a_mapped_load_copies_nothing_and_keeps_the_slot_intact(tmp_path: Path) 
     reg.load("opt3", shm.load(5, mapped=True)[1]["opt"], owned=False)
     assert opt3.state[warm.weight]["exp_avg_sq"].data_ptr() == before
     assert_bit_exact(copy["opt"], opt3.state_dict())
+
+
+def _flush_ranks(tmp_path: Path, world: int, step: int) -> Path:
+    """Each rank's snapshot of ``step`` in a node's shared memory, flushed by its agent to disk."""
+    top = tmp_path / "ck" / flushed.FLUSHED
+    for r in range(world):
+        shm = ShmSnapshot("job", r, base=tmp_path / f"node{r}")
+        shm.capture(step, _state(20 + r), checksum=False, owner=(r, world), sums=leaf_sums(_state(20 + r)))
+        got = flushed.flush(shm.dir, top)
+        assert got is not None and got.steps == (step,) and got.rank == r
+        shm.unlink()  # the node is gone with its memory
+    return top
+
+
+def test_a_rank_no_node_holds_comes_back_from_its_flushed_snapshot(tmp_path: Path) -> None:
+    # rank 0's node holds its own snapshot; rank 1's node is gone, its agent flushed it first
+    top = _flush_ranks(tmp_path, 2, 6)
+    ShmSnapshot("job", 0, base=tmp_path / "n0").capture(6, _state(20), checksum=False, owner=(0, 2))
+    names = ["model", "data", "__rng__"]
+
+    def fn(rank, exchange, store):
+        shm = ShmSnapshot("job", rank, base=tmp_path / f"n{rank}")
+        disk = functools.partial(flushed.copy_of, top)
+        return resume.restore(shm=shm, rank=rank, world=2, names=names, exchange=exchange, replica=None,
+                              newest_checkpoint=4, flushed=disk)  # fmt: skip
+
+    got = _run_ranks(2, fn)
+    assert [g.step for g in got] == [6, 6] and [g.source for g in got] == ["flushed", "flushed"]
+    assert set(got[0].sources.values()) == {"shm"} and set(got[1].sources.values()) == {"flushed"}
+    for r in range(2):
+        assert_bit_exact(_state(20 + r), got[r].state)
+
+
+def test_a_requeued_job_resumes_from_every_ranks_flushed_snapshot_unless_a_checkpoint_is_newer(
+    tmp_path: Path,
+) -> None:
+    top = _flush_ranks(tmp_path, 2, 6)
+
+    def fn(newest: int):
+        def run(rank, exchange, store):
+            shm = ShmSnapshot("job", rank, base=tmp_path / f"fresh{rank}")  # (a new launch: nothing held)
+            return resume.restore(shm=shm, rank=rank, world=2, names=["model", "data", "__rng__"],
+                                  exchange=exchange, replica=None, newest_checkpoint=newest,
+                                  flushed=functools.partial(flushed.copy_of, top))  # fmt: skip
+
+        return run
+
+    got = _run_ranks(2, fn(6))
+    assert [g.source for g in got] == ["flushed", "flushed"] and [g.step for g in got] == [6, 6]
+    assert_bit_exact(_state(21), got[1].state)
+    assert _run_ranks(2, fn(7)) == [None, None]  # a newer checkpoint: the disk's own path
+    assert flushed.prune(top, 7) == [0, 1] and not list(top.iterdir())
+
+
+def test_a_flushed_copy_is_never_one_the_writer_was_rewriting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the replacement mirrors its first snapshot into the same slot while the agent copies it: the
+    # copy whose description changed meanwhile is dropped, the other slot's is kept
+    shm = ShmSnapshot("job", 0, base=tmp_path)
+    shm.capture(5, _state(5), checksum=False, owner=(0, 2), sums=leaf_sums(_state(5)))
+    shm.capture(6, _state(6), checksum=False, owner=(0, 2), sums=leaf_sums(_state(6)))
+    real = flushed._copy
+
+    def copy_while_rewritten(src: Path, dst: Path, size: int, durable: bool) -> bool:
+        ok = real(src, dst, size, durable)
+        if src.name == "slot0.bin":  # (step 5's slot: the older, the one a capture overwrites)
+            shm.capture(7, _state(7), checksum=False, owner=(0, 2), sums=leaf_sums(_state(7)))
+        return ok
+
+    monkeypatch.setattr(flushed, "_copy", copy_while_rewritten)
+    got = flushed.flush(shm.dir, tmp_path / "out")
+    assert got is not None and got.steps == (6,)
+    step, state = flushed.copy_of(tmp_path / "out", 0).load()  # type: ignore[misc]
+    assert step == 6
+    assert_bit_exact(_state(6), state)
