@@ -49,6 +49,10 @@ class Loop(Protocol):
 
     def observe(self, loss: Any) -> None: ...
 
+    def begin_step(self) -> int: ...
+
+    def end_step(self) -> None: ...
+
 
 class Context:
     """Handle to the runtime for one entry of the training function (one generation)."""
@@ -163,6 +167,19 @@ class Context:
         if count < 0:
             raise ValueError(f"total steps must be >= 0, got {count}")
         return self._rt.steps(count)
+
+    def begin_step(self) -> int:
+        """For a loop that is not yours (a trainer's: Lightning, the Hugging Face Trainer), called
+        where each optimizer step begins, with :meth:`end_step` where it ends: the two halves of
+        one pass of ``ctx.steps``. Returns the step's index, counted on from the restored step;
+        the first call of an entry restores what a previous process left (as ``ctx.steps``
+        does), so track every object before it. ``resilient.integrations`` calls both for you."""
+        return self._rt.begin_step()
+
+    def end_step(self) -> None:
+        """The step :meth:`begin_step` began is complete: the progress signal for the hang
+        watchdog, the checks, and the snapshot where the schedule keeps one."""
+        self._rt.end_step()
 
     def epochs(self, total: int) -> Iterator[int]:
         """Yield epoch numbers up to ``total``; after a restart, resume at the restored step's epoch

@@ -74,6 +74,7 @@ class Generation:
         self.epochs: EpochPosition | None = None
         self.deferred: int | None = None  # an epoch's last step, completed when the epoch ends
         self.next_step = 0
+        self.open_step: int | None = None  # begun by begin_step (a loop that is not ctx.steps), not ended
         self.progress = now
         self.stepped = False  # a step completed in this generation (hang limit: startup before)
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from loguru import logger
 
-from resilient.errors import CollectiveDesync, SilentCorruption, StateRestoreError
+from resilient.errors import CollectiveDesync, ResilienceError, SilentCorruption, StateRestoreError
 from resilient.events import Event
 from resilient.runtime.buckets import AllSame, DdpBuckets
 from resilient.runtime.collective_check import CollectiveCount, NodeLinkHolder
@@ -312,6 +312,28 @@ class StepLoop:
                 self._complete(step, None)
             step += 1
             self.gen.next_step = step
+
+    def begin_step(self) -> int:
+        """A step of a loop that is not ``ctx.steps`` begins (a trainer's callback, at each
+        optimizer step's start): its index, counted on from the restored step. The first call of
+        a generation begins the run, as ``ctx.steps`` does (a relaunched worker restores here)."""
+        gen = self.gen
+        if gen.open_step is not None:
+            raise ResilienceError(f"ctx.begin_step(): step {gen.open_step} was begun and not ended")
+        step = self._ensure_begun()
+        self._step_begins(step)
+        gen.open_step = step
+        return step
+
+    def end_step(self) -> None:
+        """The step :meth:`begin_step` began is complete (its optimizer step applied): the
+        progress signal, the checks, and the snapshot where the schedule says so."""
+        gen = self.gen
+        step, gen.open_step = gen.open_step, None
+        if step is None:
+            raise ResilienceError("ctx.end_step(): no step was begun (call ctx.begin_step() first)")
+        gen.next_step = step + 1
+        self._complete(step, None)
 
     def steps(self, total: int) -> Iterator[int]:
         start = self._begin_steps(total)

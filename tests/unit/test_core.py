@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.config import Config, load_config
-from resilient.errors import FaultRepeats, HealthCheckFailed, StateRestoreError
+from resilient.errors import FaultRepeats, HealthCheckFailed, ResilienceError, StateRestoreError
 from resilient.events import EventLog, read_events
 from resilient.launch_env import LaunchEnv
 from resilient.runtime import collective_check as fingerprint
@@ -328,3 +328,46 @@ def test_an_evicted_shared_memory_snapshot_is_a_typed_restore_error(tmp_path: Pa
             shm_state(shm, 5)
     finally:
         shm.unlink()
+
+
+def test_a_loop_that_is_not_ctx_steps_marks_its_steps_and_recovers_bit_exact(tmp_path: Path) -> None:
+    # a trainer's own loop (Lightning, the HF Trainer) calls begin_step/end_step from its
+    # callbacks: the same restore, the same steps, the same final state as ctx.steps
+    def fn_for(fault_at: Callable[[int, int], bool]) -> Callable[[StepLoop], dict[str, torch.Tensor]]:
+        def fn(loop: StepLoop) -> dict[str, torch.Tensor]:
+            ctx = Context(loop)
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            ctx.track(model=model, opt=opt)
+            while True:
+                step = ctx.begin_step()
+                if step >= STEPS:
+                    break
+                if fault_at(ctx.generation, step):
+                    raise ValueError(f"boom at step {step}")
+                loss = model(torch.randn(4, 8)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                ctx.end_step()
+            return {k: v.clone() for k, v in model.state_dict().items()}
+
+        return fn
+
+    ref_rt = _runtime(Fakes(tmp_path / "ref"))
+    ref = ref_rt.run(_train(ref_rt, lambda g, s: False))  # (ctx.steps: the same random stream)
+    fakes = Fakes(tmp_path / "faulty")
+    got = _runtime(fakes).run(fn_for(lambda g, s: g == 0 and s == 7))
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+    (restored,) = fakes.events("state_restored")
+    assert restored["step"] == 7
+    with pytest.raises(ResilienceError, match="was begun and not ended"):
+
+        def twice(loop: StepLoop) -> None:
+            ctx = Context(loop)
+            ctx.begin_step()
+            ctx.begin_step()
+
+        _runtime(Fakes(tmp_path / "misuse"), _cfg(restart={"max_restarts": 0})).run(twice)
