@@ -14,8 +14,9 @@ next begins in that one place, so a snapshot holds exactly the state a resumed r
 (``_CheckpointConnector.dump_checkpoint``: the loops' progress and the train dataloader's position,
 every callback's state, the precision plugin's, the datamodule's, what ``on_save_checkpoint``
 hooks add) less the weights, optimizer and scheduler states (tracked as the runtime's own
-objects) and the hyper-parameters; plus ``trainer.should_stop`` and the counters
-``ModelCheckpoint`` keeps outside its ``state_dict`` (the step it last saved at).
+objects) and the hyper-parameters; plus ``trainer.should_stop``, the counters ``ModelCheckpoint``
+keeps outside its ``state_dict`` (the step it last saved at), the logger connector's last metrics
+and what ``self.log`` accumulated in the epoch so far (:mod:`._lightning_metrics`).
 
 **How it is restored.** Into fresh loops (the integration rebuilds ``trainer.fit_loop`` before
 each re-entry of ``fit``), through Lightning's own restore code, as a resume from a checkpoint
@@ -29,6 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from resilient.integrations._lightning_metrics import (
+    capture_metrics,
+    capture_results,
+    restore_metrics,
+    restore_results,
+)
 
 # what dump_checkpoint writes that is not kept here: tracked as the runtime's own objects (weights,
 # optimizers, schedulers), or constant for the run and not always encodable (hyper-parameters)
@@ -62,6 +70,10 @@ class TrainerState:
             "should_stop": bool(t.should_stop),
             # what callbacks read (trainer.callback_metrics: a monitored val_loss between validations)
             "metrics": {k: dict(getattr(lc, k)) for k in _METRIC_DICTS},
+            "first_loop_iter": lc._first_loop_iter,
+            # what self.log(on_epoch=True) and torchmetrics objects accumulated in this epoch so far
+            "results": capture_results(t.fit_loop.epoch_loop._results),
+            "torchmetrics": capture_metrics(t.lightning_module),
         }
         ckpt["checkpoint_counters"] = {
             cb.state_key: {k: getattr(cb, k) for k in _CHECKPOINT_COUNTERS if hasattr(cb, k)}
@@ -90,8 +102,12 @@ class TrainerState:
         finally:
             connector._loaded_checkpoint = {}
         t.should_stop = bool(extra.get("should_stop", False))
+        lc = t._logger_connector
         for k, v in extra.get("metrics", {}).items():
-            setattr(t._logger_connector, k, dict(v))
+            setattr(lc, k, dict(v))
+        lc._first_loop_iter = extra.get("first_loop_iter")
+        restore_results(t.fit_loop.epoch_loop._results, extra.get("results", []), self.pl, t.strategy.reduce)
+        restore_metrics(t.lightning_module, extra.get("torchmetrics", {}))
         for cb in self._model_checkpoints():
             for k, v in counters.get(cb.state_key, {}).items():
                 setattr(cb, k, v)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch.utils.data import DataLoader, Dataset
 
 import resilient
@@ -90,6 +91,7 @@ def _module(
             super().__init__()
             layers = torch.nn.Linear(6, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
             self.net = torch.nn.Sequential(*layers)
+            self.mean_out = torchmetrics.MeanMetric()  # (its state is in no state_dict)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             hidden = self.net[1](self.net[0](batch[0]))
@@ -106,7 +108,11 @@ def _module(
             if hold is not None:
                 hold.append(self.trainer.strategy.model)  # user code that keeps the DDP it saw
             loss = F.mse_loss(out, batch[1])
-            self.log("train_loss", loss)
+            # epoch aggregates (a weighted mean, a torchmetrics object): callback_metrics at the
+            # epoch's end, what a monitoring callback reads
+            self.log("train_loss", loss, on_step=True, on_epoch=True)
+            self.mean_out.update(out.detach())
+            self.log("mean_out", self.mean_out, on_step=False, on_epoch=True)
             return loss
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
