@@ -4,9 +4,13 @@
 model with dropout, SGD with momentum; optionally worker processes with a random augmentation.
 Made resilient with the README's lines: ``ctx.track(loader=...)`` keeps the loader's position,
 ``ctx.epochs`` / ``ctx.steps(loader)`` resume mid-epoch after the batches already consumed.
+``--loader stateful``: torchdata's ``StatefulDataLoader`` instead (tracked the same way);
+``--loop manual``: the other tutorial loop, ``for step in ctx.steps(n)`` with a new
+``iter(loader)`` at each epoch's start.
 
     torchrun --standalone --nproc-per-node 2 examples/train_ddp_epochs.py --epochs 3
     resilient launch --standalone --nproc-per-node 2 examples/train_ddp_epochs.py --num-workers 2
+    torchrun --standalone --nproc-per-node 2 examples/train_ddp_epochs.py --loader stateful --loop manual
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--config", default=None, help="a resilient config file (configs/default.yaml)")
+    p.add_argument("--loader", choices=("plain", "stateful"), default="plain",
+                   help="stateful: torchdata's StatefulDataLoader (pip install torchdata)")  # fmt: skip
+    p.add_argument("--loop", choices=("epochs", "manual"), default="epochs",
+                   help="manual: ctx.steps(n) and a new iter(loader) at each epoch's start")  # fmt: skip
     args = p.parse_args()
     overrides: dict[str, object] = {}
     if args.hang_timeout is not None:
@@ -59,7 +67,11 @@ def main() -> None:
         torch.manual_seed(0)
         dataset = Regression(args.size)
         sampler = DistributedSampler(dataset)
-        loader = DataLoader(
+        if args.loader == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader as Loader
+        else:
+            Loader = DataLoader
+        loader = Loader(
             dataset, batch_size=args.batch, shuffle=False, sampler=sampler, num_workers=args.num_workers
         )
         net = torch.nn.Sequential(
@@ -68,6 +80,21 @@ def main() -> None:
         model = DDP(net)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
         ctx.track(model=model, optimizer=opt, loader=loader)
+        if args.loop == "manual":
+            per, batches = len(loader), None
+            for step in ctx.steps(args.epochs * per):
+                if batches is None or step % per == 0:  # (an epoch's start, or the entry after a restore)
+                    sampler.set_epoch(step // per)
+                    batches = iter(loader)
+                source, targets = next(batches)
+                opt.zero_grad()
+                loss = F.mse_loss(model(source), targets)
+                ctx.observe(loss=loss)
+                loss.backward()
+                opt.step()
+                if ctx.rank == 0 and step % per == per - 1:
+                    print(f"epoch {step // per} step {step} loss {loss.item():.5f}", flush=True)
+            return
         for epoch in ctx.epochs(args.epochs):
             sampler.set_epoch(epoch)
             for source, targets in ctx.steps(loader):

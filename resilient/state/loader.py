@@ -17,6 +17,7 @@ nothing more: its order depends on its seed and the epoch the training loop sets
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +34,7 @@ class _Position:
         self.consumed = 0  # batches the current iterator yielded
         self.rng: list[torch.Tensor] | None = None  # each RNG source's state before that iterator
         self.pending: dict[str, Any] | None = None  # a restored position, applied at the next iter()
+        self.start: dict[str, Any] | None = None  # a StatefulDataLoader's state where its pass began
 
 
 def _generators(loader: Any) -> list[torch.Generator]:
@@ -138,6 +140,118 @@ class _Resumable:
         pos.pending = {"consumed": pos.consumed, "rng": pos.rng}
 
 
+class _StatefulResumable:
+    """The methods of a tracked ``StatefulDataLoader``'s class (torchdata; :func:`make_resumable`).
+
+    Its own ``state_dict`` restores its position, but creating the iterator that resumes it
+    draws the base and shared seeds again from the global RNG (or the loader's ``generator``),
+    which the original pass drew from only at its start: every later random number of the run
+    (dropout) would shift by those draws. Here an iterator that resumes a loaded state is made
+    with those RNGs put back as they were; one that begins a pass draws as it always does. A
+    state loaded at the very end of a pass (every batch yielded, the iterator not yet told so)
+    is resumed as finished, so the next ``iter()`` begins the next pass the way the original
+    run's did (a new iterator, or persistent workers reset) instead of an empty one. The batches
+    yielded in the current pass are counted (and kept in the state, under ``_resilient``) for
+    the step loop's epoch ends."""
+
+    _resilient_pos: _Position
+    _resilient_base: type
+    next_iter_state: Any
+
+    def _get_iterator(self) -> Any:
+        base = self._resilient_base
+        pos = self._resilient_pos
+        if self.next_iter_state is None or pos.pending is None:  # a pass begins: the original's draws
+            return base._get_iterator(self)  # type: ignore[attr-defined]
+        gen = getattr(self, "generator", None)
+        saved = torch.get_rng_state()
+        try:
+            it = base._get_iterator(self)  # type: ignore[attr-defined]
+        finally:
+            torch.set_rng_state(saved)
+            # the loader's own generator as it was when the state was taken (its sampler's
+            # restore winds it back to where the pass began, before that pass's seed draws)
+            if isinstance(gen, torch.Generator) and pos.pending.get("generator") is not None:
+                gen.set_state(pos.pending["generator"])
+        if _pass_over(self, pos.pending):
+            it._finished = True
+        return it
+
+    def __iter__(self) -> Iterator[Any]:
+        pos = self._resilient_pos
+        pending = pos.pending
+        it = self._resilient_base.__iter__(self)  # type: ignore[attr-defined]
+        pos.pending = None
+        if pending is not None and not _pass_over(self, pending):
+            pos.consumed = int(pending["consumed"])
+        else:
+            pos.iterators += 1
+            pos.consumed = 0
+            # worker processes: where this pass began, to replay it from (see load_state_dict)
+            pos.start = copy.deepcopy(it.state_dict()) if _replays(it) else None
+        return _Counting(it, pos)
+
+    def state_dict(self) -> dict[str, Any]:
+        pos = self._resilient_pos
+        state = dict(self._resilient_base.state_dict(self))  # type: ignore[attr-defined]
+        gen = getattr(self, "generator", None)
+        state["_resilient"] = {
+            "iterators": pos.iterators, "consumed": pos.consumed, "pass_start": pos.start,
+            "generator": gen.get_state() if isinstance(gen, torch.Generator) else None,
+        }  # fmt: skip
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Worker processes' RNGs are no part of torchdata's state (a random augmentation in
+        ``__getitem__`` would restart from the workers' seeds): a pass is resumed from the
+        state it began in, its consumed batches read again by the workers, as torchdata itself
+        replays the batches since its last snapshot (the main process's RNG is kept aside)."""
+        state = dict(state)
+        ours = state.pop("_resilient", None) or {}
+        pos = self._resilient_pos
+        pos.iterators = int(ours.get("iterators", 0))
+        pos.consumed = int(ours.get("consumed", 0))
+        start = ours.get("pass_start")
+        pos.start = start
+        pending: dict[str, Any] = {"consumed": pos.consumed, "generator": ours.get("generator")}
+        if start is not None and pos.consumed > 0 and not _pass_over(self, pending):
+            state = {**start, _STEPS_SINCE_SNAPSHOT: pos.consumed}
+        self._resilient_base.load_state_dict(self, state)  # type: ignore[attr-defined]
+        pos.pending = pending if state else None
+
+
+# torchdata's multi-process iterator state: the batches read since its last snapshot (replayed)
+_STEPS_SINCE_SNAPSHOT = "_steps_since_snapshot"
+
+
+def _replays(it: Any) -> bool:
+    """A worker-process iterator whose state replays the batches since a snapshot (torchdata's)."""
+    if getattr(it, "_num_workers", 0) <= 0:
+        return False
+    try:
+        return _STEPS_SINCE_SNAPSHOT in it.state_dict()
+    except Exception:  # (another loader's iterator: its own state is used as it is)
+        return False
+
+
+def _pass_over(loader: Any, pending: dict[str, Any]) -> bool:
+    """Whether a loaded position is at its pass's end (``finish_pass`` said so, or every batch
+    of a loader with a length was yielded)."""
+    if pending.get("new_pass", False):
+        return True
+    try:
+        return int(pending["consumed"]) >= len(loader)
+    except TypeError:  # (an iterable dataset without a length: its own state says)
+        return False
+
+
+def is_stateful_loader(loader: Any) -> bool:
+    """torchdata's ``StatefulDataLoader`` (or one like it): it resumes through its own state."""
+    return all(
+        hasattr(loader, a) for a in ("next_iter_state", "_get_iterator", "state_dict", "load_state_dict")
+    )
+
+
 def batches_consumed(loader: Any) -> int | None:
     """How many batches the current pass of a tracked loader yielded, skipped ones of a restored
     pass included (None for anything else: a plain iterable counts what it yields itself)."""
@@ -150,7 +264,11 @@ def finish_pass(loader: Any) -> None:
     ``iter()`` begins a new pass, drawing from the restored RNG as the first run's did, instead of
     re-entering the finished one with nothing left to yield."""
     pos = getattr(loader, "_resilient_pos", None)
-    if pos is not None:
+    if pos is None:
+        return
+    if is_stateful_loader(loader) and pos.pending is not None:
+        pos.pending = {**pos.pending, "new_pass": True}  # (its own state would resume the old pass)
+    else:
         pos.pending = None
 
 
@@ -167,13 +285,18 @@ def _draw_first_indices(it: Any) -> list[Any] | None:
 
 
 def make_resumable(loader: DataLoader) -> DataLoader:
-    """Give ``loader`` (in place) ``state_dict``/``load_state_dict`` and a resumable ``iter()``."""
+    """Give ``loader`` (in place) ``state_dict``/``load_state_dict`` and a resumable ``iter()``;
+    a ``StatefulDataLoader``, an ``iter()`` that resumes its own state without a draw."""
     if hasattr(type(loader), "_resilient_base"):
         return loader
     cls = type(loader)
     sub = _classes.get(cls)
     if sub is None:
-        methods = {k: _Resumable.__dict__[k] for k in ("__iter__", "state_dict", "load_state_dict")}
+        if is_stateful_loader(loader):
+            names: tuple[str, ...] = ("_get_iterator", "__iter__", "state_dict", "load_state_dict")
+            methods = {k: _StatefulResumable.__dict__[k] for k in names}
+        else:
+            methods = {k: _Resumable.__dict__[k] for k in ("__iter__", "state_dict", "load_state_dict")}
         sub = type(
             f"Resumable{cls.__name__}",
             (cls,),

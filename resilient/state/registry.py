@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from resilient.errors import SnapshotError, StateRestoreError
 from resilient.state import dtensor
-from resilient.state.loader import make_resumable
+from resilient.state.loader import is_stateful_loader, make_resumable
 from resilient.state.snapshot import Frozen
 from resilient.state.tree import map_leaves
 
@@ -79,8 +79,10 @@ class Registry:
     def add(self, name: str, obj: Any) -> None:
         if name == RNG:
             raise ValueError(f"{RNG!r} is reserved for the RNG state")
-        if isinstance(obj, DataLoader) and not isinstance(obj, Stateful):
-            make_resumable(obj)  # a plain DataLoader: its position becomes state (state/loader.py)
+        if isinstance(obj, DataLoader) and (not isinstance(obj, Stateful) or is_stateful_loader(obj)):
+            # a plain DataLoader: its position becomes state; torchdata's StatefulDataLoader: it
+            # resumes without drawing from the restored RNG again (state/loader.py)
+            make_resumable(obj)
         if not isinstance(obj, torch.Generator | Stateful):
             raise TypeError(
                 f"cannot track {name}={type(obj).__name__}: it needs state_dict()/load_state_dict() "

@@ -73,6 +73,60 @@ def test_dataloader_epoch_loop_resumes_mid_epoch_bit_exact(tmp_path: Path, worke
     assert _same(ref, hit) >= 8
 
 
+def test_a_stateful_dataloader_in_the_manual_loop_resumes_mid_epoch_bit_exact(tmp_path: Path) -> None:
+    # torchdata's StatefulDataLoader + DistributedSampler + dropout, ctx.steps(n) with a new
+    # iter(loader) at each epoch's start (the DDP tutorial's loop), no generator on the loader:
+    # the restored iterator must not draw its seeds from the restored RNG a second time
+    pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    cfg = tmp_path / "every5.yaml"
+    cfg.write_text("snapshot:\n  interval: 5\n")
+    argv = [EPOCHS, "--epochs", "2", "--loader", "stateful", "--loop", "manual"]
+    ref = _run(tmp_path, "ref", argv)
+    hit = _run(tmp_path, "hit", [*argv, "--config", str(cfg)], plan="exception@23:1", restored=20)
+    assert _same(ref, hit) >= 8
+
+
+def test_a_stateful_dataloader_with_workers_outlives_a_sigkill_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the same loop, 2 loader worker processes each, under `resilient launch`: rank 1 is
+    # SIGKILLed in the 2nd epoch and replaced; the replacement resumes its loader (workers, seeds)
+    # from the shared-memory snapshot
+    import os
+    import signal
+
+    from tests.integration.test_launcher import Launch
+
+    pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    argv = [EPOCHS, "--epochs", "2", "--loader", "stateful", "--loop", "manual", "--num-workers", "2"]
+    ref = _run(tmp_path, "ref", argv)
+    cfg = tmp_path / "every5.yaml"
+    cfg.write_text("snapshot:\n  interval: 5\nevents:\n  steps: true\n")
+    state = tmp_path / "hit" / "state"
+    monkeypatch.setenv("CHAOS_FINAL_STATE", str(state))
+    monkeypatch.setenv("RESILIENT_HOOKS", "chaos.hooks:from_env")  # (what run_ranks names for a chaos run)
+    run = Launch(tmp_path / "hit", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
+                 "--monitor-interval", "0.2",
+                 "--heartbeat-timeout", "5", *argv, "--config", str(cfg))  # fmt: skip
+    try:
+        hit = run.wait_event("step_completed", lambda e: e["rank"] == 1 and e["step"] >= 21, timeout=90)
+        os.kill(int(next(e for e in run.events() if e["event"] == "run_started" and e["rank"] == 1)["pid"]),
+                signal.SIGKILL)  # fmt: skip
+        rc = run.finish()
+    finally:
+        if run.p.poll() is None:
+            run.finish(timeout=1)
+    assert rc == 0, run.output()
+    events = run.events()
+    assert [e for e in events if e["event"] == "rank_replaced"], [
+        e["event"] for e in events if e["rank"] == -1
+    ]
+    restored = [e for e in events if e["event"] == "state_restored" and e["ts"] > hit["ts"]]
+    assert {e["rank"] for e in restored} == {0, 1} and len({e["step"] for e in restored}) == 1, restored
+    got = [torch.load(state / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert _same(ref, got) >= 8
+
+
 def test_fault_inside_an_accumulation_window_recovers_bit_exact(tmp_path: Path) -> None:
     # each micro-batch a step, the optimizer every 4th (no_sync between), fp16 autocast with a
     # GradScaler, activation checkpointing over dropout: snapshots every 5 steps, so the fault at

@@ -80,3 +80,49 @@ def test_an_iterable_dataset_is_read_again_up_to_the_restored_position() -> None
     reg2.add("loader", again)
     reg2.load("loader", state)
     assert [b.tolist() for b in again] == [[3, 4, 5], [6, 7, 8], [9]]
+
+
+def _stateful(workers: int, generator: bool, persistent: bool = False):  # type: ignore[no-untyped-def]
+    sdl = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    g = torch.Generator().manual_seed(7) if generator else None
+    return sdl.StatefulDataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=workers, generator=g,
+                                  persistent_workers=persistent)  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("generator", [False, True])
+@pytest.mark.parametrize("at", [3, 10])  # mid-pass, and after the pass's last batch (10 a pass)
+def test_a_stateful_loader_resumed_continues_as_if_never_stopped(
+    workers: int, generator: bool, at: int
+) -> None:
+    # torchdata's StatefulDataLoader resumes its position itself; tracked, its iterator is
+    # re-created without drawing its seeds from the restored RNG again, its worker processes
+    # read the consumed batches again (their RNGs are no part of its state), and a pass restored
+    # at its end goes on with the next one
+    torch.manual_seed(0)
+    reg = Registry()
+    ref = _stateful(workers, generator)
+    reg.add("loader", ref)
+    it = iter(ref)
+    seen = [next(it) for _ in range(at)]
+    state = copy.deepcopy(reg.capture())
+    rest = [*it, torch.rand(3)]  # the pass's rest (nothing at its end), then a draw
+    epoch2 = [*ref]
+
+    torch.manual_seed(123)
+    again = _stateful(workers, generator)
+    reg2 = Registry()
+    reg2.add("loader", again)
+    reg2.load("loader", state["loader"])
+    torch.set_rng_state(state["__rng__"]["torch"])
+    if at == len(ref):  # (an epoch loop's next iter() is the next pass, as in the first run)
+        resumed = [torch.rand(3)]
+        nxt = [*again]
+    else:
+        resumed = [*again, torch.rand(3)]
+        nxt = [*again]
+    assert len(seen) + len(resumed) - 1 == len(ref)
+    for a, b in zip(rest, resumed, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(epoch2, nxt, strict=True):
+        assert torch.equal(a, b)
