@@ -44,7 +44,7 @@ class Tokens(Dataset):
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=48, help="micro-batches in all (split evenly over the epochs)")
+    p.add_argument("--steps", type=int, default=48, help="micro-batches in all (split over the epochs)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank and micro-batch")
     p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from resilient.errors import ResilienceError
+from resilient.errors import ResilienceError, StateRestoreError
 from resilient.runtime.context import Context
 from resilient.state.registry import capture_rng, restore_rng
 
@@ -171,7 +171,7 @@ class Progress:
         live = _stateful_callbacks(t)
         names = [type(cb).__name__ for cb in live]
         if names != [c["name"] for c in sd["callbacks"]]:
-            raise ResilienceError(
+            raise StateRestoreError(
                 f"the Trainer's stateful callbacks were {[c['name'] for c in sd['callbacks']]} when the "
                 f"snapshot was taken, and are {names} now"
             )
@@ -217,7 +217,7 @@ class TrainerLoop:
     def __init__(self, ctx: Context, trainer: Any) -> None:
         check(trainer)
         if ctx in _trained:
-            raise ResilienceError(
+            raise UnsupportedTrainer(
                 "a second trainer.train() in one entry of the wrapped function: a restore could not tell "
                 "which of them it belongs to (train once per function, or wrap each in its own function)"
             )
