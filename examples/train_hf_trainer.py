@@ -54,6 +54,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
     p.add_argument("--hf-save-every", type=int, default=0, help="the Trainer's own checkpoints (0: none)")
     p.add_argument("--output-dir", type=Path, default=Path("hf_out"))
+    p.add_argument("--resume-from-checkpoint", default=None, help="a Trainer checkpoint to start from")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--workers", type=int, default=0, help="dataloader_num_workers")
     p.add_argument(
@@ -116,7 +117,7 @@ def main() -> None:
             train_dataset=Tokens(per_epoch, args.seq, cfg.vocab_size),
             eval_dataset=evaluated if args.eval_every else None,
         )
-        trainer.train()
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 
     train()
 

@@ -292,6 +292,10 @@ class TrainerLoop:
                 if epoch == start:
                     return run_epoch(*bound.args, **bound.kwargs)
             p.epoch, p.updates, p.batches = epoch, 0, 0
+            if a["resume_from_checkpoint"] is not None and epoch == a["epochs_trained"]:
+                # the Trainer resumes its own checkpoint: this pass begins after the batches it skips
+                p.batches = int(a["steps_trained_in_current_epoch"])
+                p.updates = p.batches // self.trainer.args.gradient_accumulation_steps
             return run_epoch(*bound.args, **bound.kwargs)
 
         return run
