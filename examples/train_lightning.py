@@ -53,6 +53,7 @@ def main() -> None:
     packages = ["lightning.pytorch", "pytorch_lightning"]
     p.add_argument("--lightning", default=packages[0], choices=packages)
     p.add_argument("--hang-timeout", type=float, default=None)
+    p.add_argument("--collective-timeout", type=float, default=None)
     p.add_argument("--ckpt-dir", default=None, help="the runtime's durable checkpoints")
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--config", default=None, help="a resilient config file (configs/default.yaml)")
@@ -97,6 +98,8 @@ def main() -> None:
     overrides: dict[str, object] = {}
     if args.hang_timeout is not None:
         overrides["hang_timeout"] = args.hang_timeout
+    if args.collective_timeout is not None:
+        overrides["collective_timeout"] = args.collective_timeout
     if args.ckpt_dir:
         overrides["checkpoint"] = {"dir": args.ckpt_dir, "interval": args.ckpt_every}
 

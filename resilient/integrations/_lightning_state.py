@@ -141,6 +141,8 @@ def _resume_built_loader(trainer: Any) -> None:
     combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
     if combined is None or fetcher is None:
         return  # (the fit loop builds it and loads the position itself)
+    if not (fit_loop.restarting and fit_loop._combined_loader_states_to_load):
+        return  # (a finished epoch: the pass made in setup is the next epoch's, as in the first run)
     fit_loop._load_combined_loader_states()
     for loader in combined.flattened:
         set_epoch(loader, fit_loop.epoch_progress.current.processed)
@@ -179,11 +181,12 @@ class StepMarks:
     def __init__(self, begin: Callable[[], int], end: Callable[[], None]) -> None:
         self._begin, self._end = begin, end
         self.open = False  # a step was begun and not ended
+        self.began = False  # a step was begun in this entry
         self.stepped = 0  # optimizer steps since it began
 
     def begin(self) -> int:
         step = self._begin()
-        self.open, self.stepped = True, 0
+        self.open, self.began, self.stepped = True, True, 0
         return step
 
     def optimizer_stepped(self) -> None:
@@ -204,12 +207,16 @@ class StepMarks:
             self._end()
             self.open = False
 
-    def install(self, trainer: Any) -> None:
-        """Mark the epoch loop's fetches (its ``_on_before_fetch``, wrapped on the loop object)."""
+    def install(self, trainer: Any, before_first: Callable[[], None]) -> None:
+        """Mark the epoch loop's fetches (its ``_on_before_fetch``, wrapped on the loop object);
+        ``before_first``: called at a fetch when no step was begun yet (the first one begins
+        before the loop starts)."""
         loop = trainer.fit_loop.epoch_loop
         original = type(loop)._on_before_fetch
 
         def on_before_fetch() -> None:
+            if not self.began:
+                before_first()
             self.before_fetch()
             original(loop)
 

@@ -121,8 +121,8 @@ class FitRun:
 
     # -- called by the strategy ------------------------------------------------------------------
     def attach(self, trainer: Any) -> None:
-        """After the strategy's ``setup``: track the state, mark the loop's steps, begin the first
-        step (which restores, where there is something to restore)."""
+        """After the strategy's ``setup`` (the DDP and the optimizers exist): track the state (a
+        re-entry loads the snapshot into it here) and mark the loop's steps."""
         if "dataloader_iter" in inspect.signature(trainer.lightning_module.training_step).parameters:
             raise LightningSetupError(
                 "training_step(self, dataloader_iter) fetches its own batches: a step cannot be "
@@ -136,14 +136,25 @@ class FitRun:
         objects.update(_named("scheduler", scheds))
         self.state = TrainerState(trainer, self.pl)
         objects["trainer"] = self.state  # (last: sorted by name too, as a relaunch loads them)
-        assert self.ctx is not None
+        assert self.ctx is not None and self.marks is not None
         self.ctx.track(**objects)
+        self.marks.install(trainer, before_first=self._not_begun)
+
+    def stage_begins(self) -> None:
+        """The fit stage begins (``Trainer._run_stage``'s barrier): Lightning has restored the
+        checkpoint ``fit`` was given, if any, and its loop has not started. The first step begins
+        here; in a new process it restores what a predecessor left (the snapshot is newer than
+        that file), otherwise the state it keeps for step 0 is the resumed one."""
         assert self.marks is not None
-        self.marks.install(trainer)
-        self.marks.begin()
-        if self.state.loaded:
-            # Lightning would restore the file fit was given over the newer snapshot
-            trainer._checkpoint_connector._loaded_checkpoint = {}
+        if not self.marks.open:
+            self.marks.begin()
+
+    def _not_begun(self) -> None:
+        raise LightningSetupError(
+            f"the fit loop fetched a batch before Trainer._run_stage's barrier('run-stage'), where the "
+            f"first step begins: this Lightning ({self.pl.__name__} {self.pl.__version__}) is not one the "
+            "integration supports (tested: 2.6)"
+        )
 
     def on_train_start(self) -> None:
         if self.state is not None and self.state.loaded:
@@ -303,6 +314,11 @@ def strategy_class(pl: ModuleType) -> type:
             if run is not None and run.trainer.state.stage == states.RunningStage.TRAINING:
                 dataloader = run.process_train_dataloader(dataloader)
             return dataloader
+
+        def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+            super().barrier(name, *args, **kwargs)
+            if name == "run-stage" and self._fit_run is not None and self._fit_run.state is not None:
+                self._fit_run.stage_begins()
 
         def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
             out = super().optimizer_step(*args, **kwargs)

@@ -84,7 +84,11 @@ class Jitter(Dataset):
 
 
 def _module(
-    pl: Any, backward_fault: list[int] | None = None, hold: list[Any] | None = None, estimate: bool = True
+    pl: Any,
+    backward_fault: list[int] | None = None,
+    hold: list[Any] | None = None,
+    estimate: bool = True,
+    manual: bool = False,
 ) -> Any:
     class Net(pl.LightningModule):
         def __init__(self) -> None:
@@ -131,7 +135,24 @@ def _module(
         def val_dataloader(self) -> DataLoader:
             return DataLoader(Jitter(16, 2), batch_size=8)
 
-    return Net()
+    class Manual(Net):
+        """Manual optimization: the module steps its optimizer and scheduler itself."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            opt, sched = self.optimizers(), self.lr_schedulers()
+            loss = F.mse_loss(self.net(batch[0]), batch[1])
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            sched.step()
+            self.log("train_loss", loss, on_epoch=True)
+            return loss
+
+    return Manual() if manual else Net()
 
 
 def _fit(
@@ -145,6 +166,8 @@ def _fit(
     estimate: bool = True,
     mixed: str | None = None,
     every: int = 1,
+    ckpt_path: Path | None = None,
+    manual: bool = False,
     **trainer: Any,
 ) -> tuple[dict[str, Any], list[dict[str, Any]], Any]:
     """One ``fit`` in ``tmp`` (its own working directory: Lightning's paths are relative to it);
@@ -174,7 +197,10 @@ def _fit(
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
         callbacks=[checkpoints], **options,
     )  # fmt: skip
-    t.fit(_module(pl, [backward_fault] if backward_fault is not None else None, hold, estimate))
+    t.fit(
+        _module(pl, [backward_fault] if backward_fault is not None else None, hold, estimate, manual),
+        ckpt_path=ckpt_path,
+    )
     assert faults.final is not None, "the run did not finish"
     return faults.final, read_run_events(tmp / "runs"), t
 
@@ -239,6 +265,31 @@ def test_a_fault_inside_an_accumulation_window_and_max_steps_mid_epoch(
     state, events, trainer = _fit(tmp_path, monkeypatch, fault_at=5, **opts)
     assert _restored(events) == [5] and trainer.global_step == 6
     assert_bit_exact(reference(**opts)[0], state)
+
+
+def test_manual_optimization_resumes_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: Reference
+) -> None:
+    # the module calls opt.step() itself (through Lightning's optimizer wrapper): still one step each
+    state, events, trainer = _fit(tmp_path, monkeypatch, fault_at=5, manual=True)
+    assert _restored(events) == [5] and trainer.global_step == 2 * BATCHES
+    assert_bit_exact(reference(manual=True)[0], state)
+
+
+def test_a_fault_after_resuming_from_a_lightning_checkpoint_goes_back_to_the_resumed_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fit(ckpt_path=...) resumes Lightning's own checkpoint (the loops, the optimizer); the first
+    # step's state is kept after that, so a fault before the next snapshot restores the resumed
+    # run, not a fresh optimizer and loops around the checkpoint's weights
+    _, _, first = _fit(tmp_path / "first", monkeypatch, max_epochs=1)
+    first.save_checkpoint(tmp_path / "epoch0.ckpt")
+    ref, _, _ = _fit(tmp_path / "ref", monkeypatch, ckpt_path=tmp_path / "epoch0.ckpt")
+    state, events, trainer = _fit(
+        tmp_path / "run", monkeypatch, ckpt_path=tmp_path / "epoch0.ckpt", fault_at=0
+    )
+    assert _restored(events) == [0] and trainer.global_step == 2 * BATCHES
+    assert_bit_exact(ref, state)
 
 
 @pytest.mark.parametrize("mixed", ["16-mixed", "bf16-mixed"])
