@@ -187,6 +187,9 @@ def job(
             if pending:
                 hit = [x for x in _lines(progress) if x["rank"] == 1 and x["step"] >= pending[0]]
                 standby = _standby_waiting(d)
+                if hit and hit[-1]["step"] >= steps - 2:  # (a standby ready too late: the run is over)
+                    pending.pop(0)
+                    continue
                 if hit and (standby != "none" or not wait_standby):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(hit[-1]["pid"], kill_signal)

@@ -39,6 +39,7 @@ from chaos.arranged import Unavailable, arranged_job
 from chaos.compare import assert_bit_exact
 from chaos.faults import CRASH, REGISTRY
 from chaos.job import Job, events, fresh, jsonl
+from chaos.runner import standby_at
 from chaos.schedule import Certification, Planned
 from resilient.metrics import account
 
@@ -187,6 +188,8 @@ def _run_trial(
         return t
     inj = injections[0]
     t.standby = inj.get("standby")
+    if t.standby is None and kind.kills and any(e["rank"] == -1 for e in evs):  # (under the launcher)
+        t.standby = standby_at(evs, inj["ts"])
     m = measure(evs, inj["ts"], j.nproc, ref_step_s, kind.evidence.detection)
     t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
     t.detect_step = m.get("detect_step")

@@ -43,6 +43,21 @@ class Tail:
                 self.standbys.pop(e["new_pid"], None)
 
 
+def standby_at(evs: list[dict[str, Any]], ts: float) -> str:
+    """The standby that waited at ``ts`` by the agents' events (``parked`` first, else
+    ``imported``; ``none``): for a fault the rank fired on itself, which the harness did not see."""
+    waiting: dict[int, str] = {}
+    for e in sorted(evs, key=lambda e: e["ts"]):
+        if e["ts"] > ts:
+            break
+        if e["event"] == "standby_ready":
+            waiting[e["standby_pid"]] = e.get("warmth", "imported")
+        elif e["event"] == "rank_replaced" and e.get("standby"):
+            waiting.pop(e["new_pid"], None)
+    kinds = sorted(waiting.values(), key=lambda w: w != "parked")
+    return kinds[0] if kinds else "none"
+
+
 @dataclass
 class Runner:
     """One job and the harness's faults on it; ``job`` is replaced when a fault restarts it."""

@@ -91,6 +91,7 @@ class FaultKind:
     breaks_checkpoint: ClassVar[bool] = False  # the checkpoint at the fault's step must not load
     on_link: ClassVar[bool] = False  # hits the rank behind the job's veth link (one rank per job)
     skip_label: ClassVar[str] = ""  # how a run of many faults names this one when it is skipped
+    kills: ClassVar[bool] = False  # the rank's process does not survive it: a standby may take its place
 
     @property
     def in_process(self) -> bool:

@@ -51,6 +51,7 @@ class Stall(InProcess):
 
 class GilHang(InProcess):
     name = "gil_hang"
+    kills = True  # (the launcher kills a worker that stopped beating)
     summary = (
         "a regular expression backtracking for hours: C code holding the GIL, unreachable by signals "
         "and other Python threads (a hard fault)"

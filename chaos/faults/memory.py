@@ -79,6 +79,7 @@ class KernelOom(InProcess):
     touches memory until the kernel SIGKILLs it (refused outside a limit: it would take the whole
     machine's memory)."""
 
+    kills = True
     name = "kernel_oom"
     summary = (
         "the rank, in a memory cgroup of `arg` MiB, fills memory until the kernel's OOM killer SIGKILLs it"

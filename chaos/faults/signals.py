@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 class Signal(ByHarness):
     signum: ClassVar[signal.Signals]
+    kills = True  # (SIGSTOP too: the launcher kills a silent worker)
 
     def by_harness(self, run: Runner, f: Planned, done: int, pid: int) -> float | None:
         os.kill(pid, self.signum)

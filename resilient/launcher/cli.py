@@ -106,6 +106,12 @@ def parser() -> Any:
         "level reads a rank); import: it imports torch and the runtime only",
     )
     p.add_argument(
+        "--native-stacks",
+        action="store_true",
+        help="a silent worker's stack dump (py-spy, before it is killed) holds its C frames too; it "
+        "then takes ~0.3 s more with torch loaded, which delays its replacement",
+    )
+    p.add_argument(
         "--flush-timeout",
         type=positive,
         default=300.0,
@@ -255,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         standby_mode=args.standby_mode,
         shm_name=shm_name,
     )
+    agent.native_stacks = args.native_stacks
     _forward_preemption(agent)
     exporter = None
     if args.metrics_port is not None:

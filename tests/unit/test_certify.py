@@ -202,3 +202,18 @@ def test_every_shipped_chaos_config_validates(path: Path) -> None:
 
     cert = load(path)
     assert cert.classes or cert.schedule or cert.stream is not None
+
+
+def test_the_standby_a_rank_faulting_on_itself_found_is_read_from_the_agents_events() -> None:
+    # a gil_hang fires inside the rank: the harness did not see which standby waited then
+    from chaos.runner import standby_at
+
+    evs = [
+        {"ts": 1.0, "event": "standby_ready", "rank": -1, "standby_pid": 7, "warmth": "imported"},
+        {"ts": 2.0, "event": "rank_replaced", "rank": -1, "new_pid": 7, "standby": True},
+        {"ts": 3.0, "event": "standby_ready", "rank": -1, "standby_pid": 9, "warmth": "parked"},
+    ]
+    assert standby_at(evs, 0.5) == "none"
+    assert standby_at(evs, 1.5) == "imported"
+    assert standby_at(evs, 2.5) == "none"  # promoted: it waits no more
+    assert standby_at(evs, 3.5) == "parked"
