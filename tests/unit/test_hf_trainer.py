@@ -58,6 +58,19 @@ class FaultAt(Hook):
             raise ValueError(f"injected at step {step}")
 
 
+class StepCounter(transformers.TrainerCallback, transformers.trainer_callback.ExportableState):
+    """A user's stateful callback (the kind the Trainer saves in its checkpoints): it counts steps."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.seen += 1
+
+    def state(self) -> dict[str, Any]:
+        return {"args": {}, "attributes": {"seen": self.seen}}
+
+
 def _model() -> Any:
     cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16)
     torch.manual_seed(0)
@@ -99,7 +112,7 @@ def _trainer_run(
         ctx = Context(loop)
         trainer = transformers.Trainer(
             model=_model(), args=_args(tmp, **args), train_dataset=Tokens(6 * ACCUM * 2),
-            eval_dataset=Tokens(4) if args.get("eval_strategy") else None,
+            eval_dataset=Tokens(4) if args.get("eval_strategy") else None, callbacks=[StepCounter()],
         )  # fmt: skip
         hf.attach(trainer, ctx).train()
         return _final(loop)
@@ -126,6 +139,8 @@ def test_a_fault_in_trainer_train_resumes_the_epoch_where_it_was_bit_exact(
     assert restore["step"] == restored, where
     assert sorted(restore["objects"]) == ["model", "optimizer", "scheduler", "trainer"]
     assert got["trainer"]["state"]["global_step"] == STEPS
+    counter = [c["state"] for c in got["trainer"]["callbacks"] if c["name"] == "StepCounter"]
+    assert counter == [{"args": {}, "attributes": {"seen": STEPS}}]  # each step counted once
     assert assert_bit_exact(trainer_ref, got) > 20
     # the log history is the fault-free run's: losses, learning rates, gradient norms (no timings)
     logged = [e for e in got["trainer"]["state"]["log_history"] if "loss" in e]
