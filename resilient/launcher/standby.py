@@ -160,25 +160,6 @@ def _redirect(path: str | None, fd: int) -> None:
         os.close(f)
 
 
-def _warm_up() -> None:
-    """What torch imports lazily the first time a script builds a model and steps an optimizer
-    (torch._dynamo and sympy among them: most of a fresh worker's first second). The RNG comes
-    back as a fresh interpreter has it: the script's top level must run as it would under torchrun."""
-    import torch
-
-    rng = torch.get_rng_state()
-    try:
-        m = torch.nn.Sequential(torch.nn.Embedding(8, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-        for opt in (torch.optim.AdamW(m.parameters()), torch.optim.SGD(m.parameters(), lr=0.1)):
-            m(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    except Exception:  # warming is an optimisation; the promoted script runs either way
-        pass
-    finally:
-        torch.set_rng_state(rng)
-
-
 # ---- in the standby process -------------------------------------------------------------------------
 class _Watched(os._Environ):
     """``os.environ`` of a parking standby's script: reads of a hidden (rank) variable are noted,
@@ -295,7 +276,9 @@ def main() -> None:
             importlib.import_module(name)
         except Exception:  # a module this torch lacks: nothing to warm
             continue
-    _warm_up()
+    from resilient.runtime.warmup import first_use_imports
+
+    first_use_imports()
     ready = Path(sys.argv[1]) / f"standby-{os.getpid()}.ready"
     if len(sys.argv) > 3 and sys.argv[2] == "--park":
         _park(ready, json.loads(sys.argv[3]))

@@ -53,6 +53,7 @@ from resilient.runtime.recovery import Recovery
 from resilient.runtime.session import Session
 from resilient.runtime.steps import StepLoop
 from resilient.runtime.straggler import Place, StragglerWatch, WorkMeter
+from resilient.runtime.warmup import first_use_imports
 from resilient.runtime.watchdog import HardHangTimer
 from resilient.runtime.wiring import Setup, Wiring, WiringFactory, wire
 from resilient.state import SnapshotRing
@@ -141,11 +142,13 @@ def _straggler_watch(c: Collaborators) -> StragglerWatch | None:
 
 
 def freeze_gc() -> None:
-    """Everything alive now (torch's ~180k import-time objects) leaves the collector's view: the
+    """Everything alive now (torch's ~180k import-time objects, and the ~120k of what its first
+    model and optimizer step import lazily, imported here first) leaves the collector's view: the
     full collection after a fault, which frees the failed generation's model, optimizer state and
     group before the new ones are built, then scans only what the training function created.
     Refcounting still frees frozen objects; only cycles among them are kept. A parked standby
     does it before it waits (the first collection of a process pays for every object alive)."""
+    first_use_imports()
     gc.collect()
     gc.freeze()
 
