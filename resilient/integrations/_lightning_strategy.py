@@ -76,7 +76,7 @@ class FitRun:
                 self._reenter()
                 bound.arguments["ckpt_path"] = None  # (the snapshot is newer than the file fit was given)
             self.entries += 1
-            self.ctx = ctx
+            self.ctx, self.state = ctx, None
             self.marks = StepMarks(ctx.begin_step, ctx.end_step)
             return function(*bound.args, **bound.kwargs)
 
@@ -87,7 +87,8 @@ class FitRun:
         finally:
             s._fit_run = None
             loop = self.trainer.fit_loop.epoch_loop
-            loop.__dict__.pop("_on_before_fetch", None)
+            for patched in ("_on_before_fetch", "on_run_start"):  # (the trainer's loop as Lightning made it)
+                loop.__dict__.pop(patched, None)
 
     def _reenter(self) -> None:
         """What ``fit`` set before its body ran, again, on a trainer cleared of the failed entry:
