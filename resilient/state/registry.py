@@ -89,7 +89,14 @@ class Registry:
                 "(or be a torch.Generator)"
             )
         if isinstance(obj, torch.optim.Optimizer) and obj not in self._hooked:
-            obj.register_step_post_hook(self._optimizer_stepped)
+            try:
+                obj.register_step_post_hook(self._optimizer_stepped)
+            except AttributeError as e:  # a wrapper that never ran Optimizer.__init__ (Accelerate's)
+                raise TypeError(
+                    f"cannot track {name}={type(obj).__name__}: it wraps an optimizer without being "
+                    f"one ({e}); track the optimizer it wraps ({name}=<it>.optimizer), or for "
+                    "objects from accelerator.prepare use resilient.integrations.hf.trackable(...)"
+                ) from e
             self._hooked.add(obj)
         self._objects[name] = obj
 

@@ -198,6 +198,23 @@ def test_registry_rejects_objects_without_state_dict():
     reg.add("lin", nn.Linear(1, 1))
     assert reg.names() == ["gen", "lin"] and "lin" in reg and "loader" not in reg
 
+    class Wrapped(torch.optim.Optimizer):  # a wrapper that never ran Optimizer.__init__ (Accelerate's)
+        def __init__(self, inner: torch.optim.Optimizer) -> None:
+            self.optimizer = inner
+
+        def state_dict(self) -> dict:  # type: ignore[override]
+            return self.optimizer.state_dict()
+
+        def load_state_dict(self, sd: dict) -> None:  # type: ignore[override]
+            self.optimizer.load_state_dict(sd)
+
+    inner = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    with pytest.raises(
+        TypeError, match=r"cannot track opt=Wrapped: it wraps an optimizer .*opt=<it>\.optimizer"
+    ):
+        reg.add("opt", Wrapped(inner))
+    assert "opt" not in reg
+
 
 def test_registry_load_failure_names_the_object():
     reg = Registry()
