@@ -28,6 +28,7 @@ from resilient.config import Config, load_config
 from resilient.errors import ResilienceError
 from resilient.integrations._lightning_state import StepMarks, TrainerState, fit_loop_continues, set_epoch
 from resilient.launch_env import LaunchEnv
+from resilient.launcher.standby import parking
 from resilient.state.loader import make_resumable
 
 # DDPStrategy's own arguments besides the DistributedDataParallel keywords it passes through
@@ -210,14 +211,17 @@ def strategy_class(pl: ModuleType) -> type:
         def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
             s = self._strategy
             env = s.cluster_environment
-            if env is not None and not env.creates_processes_externally and s.num_processes * s.num_nodes > 1:
+            # (a standby of `resilient launch` runs the script before it has a rank, its worker
+            # variables hidden: it goes on to resilient.wrap, which parks it or says why it cannot)
+            spawning = env is not None and not env.creates_processes_externally and not parking()
+            if spawning and s.num_processes * s.num_nodes > 1:
                 raise LightningSetupError(
                     f"Trainer(devices={s.num_processes}, num_nodes={s.num_nodes}) with "
                     f"{type(self._strategy).__name__}: start the processes with `resilient launch "
                     f"--nproc-per-node {s.num_processes} script.py` (or torchrun); the strategy does "
                     "not spawn them"
                 )
-            if env is not None:
+            if env is not None and not parking():
                 env.validate_settings(num_devices=s.num_processes, num_nodes=s.num_nodes)
             if trainer is None or getattr(function, "__name__", "") != "_fit_impl":
                 return function(*args, **kwargs)

@@ -373,6 +373,28 @@ def test_devices_without_a_launcher_and_a_scripts_own_group_are_refused(
         torch.distributed.destroy_process_group()
 
 
+def test_validate_before_fit_and_test_after_it_run_as_lightning_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # validate/test make Lightning's own process group; fit replaces one made before it with the
+    # runtime's, and the group is Lightning's again for the test after it
+    import lightning.pytorch as pl
+
+    monkeypatch.chdir(tmp_path)
+    strategy = ResilientDDPStrategy(lightning="lightning.pytorch", events={"dir": str(tmp_path / "runs")})
+    t = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, max_steps=3,
+                   enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
+    model = _module(pl)
+    assert t.validate(model)[0]["val_loss"] > 0
+    t.fit(model)
+    assert t.global_step == 3 and [e["step"] for e in read_run_events(tmp_path / "runs")
+                                   if e["event"] == "run_finished"] == [2]  # fmt: skip
+    model.test_step = model.validation_step
+    t.test(model, dataloaders=model.val_dataloader())
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def test_a_training_step_that_fetches_its_own_batches_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -398,6 +420,34 @@ def test_a_training_step_that_fetches_its_own_batches_is_refused(
                    enable_progress_bar=False)  # fmt: skip
     with pytest.raises(LightningSetupError, match="dataloader_iter"):
         t.fit(Iterating())
+
+
+def test_lightning_is_imported_by_the_integration_only() -> None:
+    # `import resilient` (the runtime, the launcher, the harness's imports) must work without
+    # Lightning and not pay its import: no module outside the integration imports it, and the
+    # integration's own modules import it only when a strategy is built
+    import ast
+
+    root = Path(resilient.__file__).parent
+    lightning = ("lightning", "pytorch_lightning", "lightning_fabric")
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        at_top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        mine = path.parent.name == "integrations" and path.stem in (
+            "lightning",
+            "_lightning_state",
+            "_lightning_strategy",
+            "_lightning_metrics",
+        )
+        for node in at_top if mine else list(ast.walk(tree)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            bad = [n for n in names if n.split(".")[0] in lightning]
+            assert not bad, f"{path.relative_to(root.parent)}:{node.lineno} imports {bad}"
 
 
 # ---- the step marks --------------------------------------------------------------------------------
