@@ -44,6 +44,8 @@ class Var(str, enum.Enum):
     METRICS_BY_AGENT = "RESILIENT_METRICS_BY_AGENT"  # the agent serves the metrics: the workers do not
     # step hooks to load besides entry points: "module:factory,..." (resilient/runtime/hooks.py)
     HOOKS = "RESILIENT_HOOKS"
+    # "1": torch's store sockets keep their reverse DNS lookup (resilient/native/names.py)
+    STORE_NAME_LOOKUPS = "RESILIENT_STORE_NAME_LOOKUPS"
 
     def __str__(self) -> str:
         return self.value
@@ -78,6 +80,7 @@ class LaunchEnv:
     join_generation: int | None = None  # a replacement for a dead rank: joins its survivors' recovery
     predecessor_pid: int | None = None  # ... and the pid of the worker it replaces, perhaps still exiting
     hooks: tuple[str, ...] = ()  # step-hook factories ("module:factory") this process loads
+    store_name_lookups: bool = False  # torch's store sockets ask the resolver for their peers' names
 
     @property
     def under_launcher(self) -> bool:
@@ -143,4 +146,5 @@ class LaunchEnv:
             join_generation=join_generation,
             predecessor_pid=predecessor_pid,
             hooks=tuple(h.strip() for h in (get(Var.HOOKS) or "").split(",") if h.strip()),
+            store_name_lookups=get(Var.STORE_NAME_LOOKUPS) == "1",
         )

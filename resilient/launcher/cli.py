@@ -39,6 +39,7 @@ from resilient.launch_env import Var
 from resilient.launcher.agent import ResilientAgent
 from resilient.launcher.elastic import Elastic
 from resilient.launcher.policy import LaunchConfig, LaunchPolicy
+from resilient.native import names
 
 
 def parser() -> Any:
@@ -187,6 +188,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args, p = parse(argv)
+    if os.environ.get(Var.STORE_NAME_LOOKUPS) != "1":
+        # the workers' store is served from this process: no accept may wait for a name server
+        names.apply_or_warn()
     if args.standalone or (
         args.rdzv_backend == "static"
         and not args.rdzv_endpoint

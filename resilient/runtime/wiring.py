@@ -15,6 +15,7 @@ from resilient.config import Config
 from resilient.contract import Heartbeat
 from resilient.events import EventLog
 from resilient.launch_env import LaunchEnv
+from resilient.native import names
 from resilient.runtime import coordinator as coord_mod
 from resilient.runtime.health import Check
 from resilient.runtime.hooks import StepHook
@@ -77,6 +78,8 @@ def wire(setup: Setup) -> Wiring:
     id agreed over it, the run's event log, groups built with the backend, the launcher's heartbeat."""
     cfg, launch, backend, device = setup.cfg, setup.launch, setup.backend, setup.device
     ep, t = launch.endpoint, cfg.timeouts
+    if not launch.store_name_lookups:
+        names.apply_or_warn()  # (before any store connection of this process)
     store = coord_mod.connect(ep, t.barrier)
     run_id = launch.run_id or coord_mod.agree_run_id(store, {})
     port = store.port
