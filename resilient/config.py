@@ -335,6 +335,8 @@ class Timeouts:
     barrier: float
     monitor_interval: float
     victim_grace: float
+    # a step check waiting on a peer longer than this says what it waits for (peer_wait)
+    peer_report: float = 1.0
 
     @classmethod
     def derive(cls, hang: float, collective: float | None) -> Timeouts:
@@ -351,6 +353,7 @@ class Timeouts:
             barrier=barrier,
             monitor_interval=min(0.05, hang / 40.0),
             victim_grace=min(1.0, 0.25 * hang),
+            peer_report=min(1.0, 0.25 * hang),
         )
 
 

@@ -63,6 +63,10 @@ _TIMEOUTS = {
     "hard": ("the GIL-hang backstop (SIGALRM)", "`hang_timeout + max(2 s, hang_timeout / 2)`"),
     "barrier": ("restart barriers", "`max(collective, startup + max(2 s, hang_timeout / 2)) + 10 s`"),
     "monitor_interval": ("the monitor's poll interval", "`min(50 ms, hang_timeout / 40)`"),
+    "peer_report": (
+        "a step check waiting on a peer's count longer than this reports what it waits for (`peer_wait`)",
+        "`min(1 s, hang_timeout / 4)`",
+    ),
     "victim_grace": (
         "a rank blocked in a collective waits this much past the hang limit, so the hanging peer is named",
         "`min(1 s, hang_timeout / 4)`",

@@ -59,6 +59,9 @@ class Event(str, enum.Enum):
     NODE_LINK_LOST = "node_link_lost"  # the node's store (local rank 0's) is gone: the job's store alone
     SPIKE_ACCEPTED = "spike_accepted"  # a spike came back at the same step on replay: the data's own, applied
     BATCH_SKIPPED = "batch_skipped"  # a step rejected twice (guard.on_*: skip_batch): its update not applied
+    # a step check waited on a peer's collective count longer than timeouts.peer_report: for whom,
+    # which key, and what holds it up (cause: store | peer); again with ended: true when it ended
+    PEER_WAIT = "peer_wait"
     SDC_DETECTED = "sdc_detected"  # replicas differed: who was corrupt (runtime/sdc.py), or who may be
     STRAGGLER_DETECTED = "straggler_detected"  # rank: the one slower than its peers
 

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch.distributed as dist
@@ -89,6 +90,36 @@ def issued_on_default_group() -> int:
         return -1
 
 
+@dataclass
+class PeerWait:
+    """What this rank's main thread waits for in a step check, while it does (the monitor thread
+    reads it: a wait longer than ``peer_report`` is said, with what holds it up)."""
+
+    key: str
+    peer: int
+    since: float  # time.monotonic() when the wait began
+    request_since: float | None = None  # a store request in flight since then (None: between two)
+    reads: int = 0
+    slowest_s: float = 0.0  # the slowest store request so far
+    reported: bool = False
+
+    def cause(self, now: float, bound: float) -> str:
+        """``store``: a request has been in flight for half the bound or more (the store, not the
+        peer, holds it up); else ``peer`` (its count is not posted yet: it is behind, or hangs)."""
+        in_flight = now - self.request_since if self.request_since is not None else 0.0
+        return "store" if max(in_flight, self.slowest_s) >= 0.5 * bound else "peer"
+
+    def describe(self, now: float, bound: float) -> str:
+        in_flight = now - self.request_since if self.request_since is not None else None
+        what = (
+            f"its store request in flight for {in_flight:.2f} s"
+            if in_flight is not None and self.cause(now, bound) == "store"
+            else f"rank {self.peer} has not posted it ({self.reads} reads, "
+            f"slowest {self.slowest_s * 1e3:.1f} ms)"
+        )
+        return f"waits {now - self.since:.2f} s for rank {self.peer}'s collective count ({self.key}): {what}"
+
+
 class CollectiveCount:
     """Collective counts of one rank per check window, posted under ``<prefix>/<k>/<rank>`` for
     the ``k``-th check of the generation (every rank checks at the same steps)."""
@@ -113,6 +144,8 @@ class CollectiveCount:
         self._posted: list[tuple[int, dist.Store]] = []  # own keys not yet deleted, and where
         self._pending: tuple[int, int, int, int] | None = None  # (k, count, first step, last step)
         self._digests: Mapping[Group, str] = {}  # the pending window's, by replica group
+        self.wait: PeerWait | None = None  # what the main thread waits for now, if anything
+        self.on_wait_end: Callable[[PeerWait, float], None] | None = None  # a reported wait ended
 
     def _key(self, k: int, rank: int) -> str:
         return f"{self.prefix}/{k}/{rank}"
@@ -255,10 +288,23 @@ class CollectiveCount:
         # a spin takes the CPU from the very peer it waits for.)
         spin_until = time.perf_counter() + 0.0003
         delay = 2e-4
-        while (got := self._read(key, peer)) is None:
-            if time.perf_counter() > spin_until:
-                time.sleep(delay)
-                delay = min(2 * delay, 0.01)
+        w = self.wait = PeerWait(key, peer, time.monotonic())
+        try:
+            while (got := self._timed_read(w)) is None:
+                if time.perf_counter() > spin_until:
+                    time.sleep(delay)
+                    delay = min(2 * delay, 0.01)
+        finally:
+            self.wait = None
+        if w.reported and self.on_wait_end is not None:
+            self.on_wait_end(w, time.monotonic() - w.since)
+        return got
+
+    def _timed_read(self, w: PeerWait) -> _Posted | None:
+        w.request_since = t0 = time.monotonic()
+        got = self._read(w.key, w.peer)
+        w.request_since, w.reads = None, w.reads + 1
+        w.slowest_s = max(w.slowest_s, time.monotonic() - t0)
         return got
 
     def diagnose(self, store: dist.Store) -> str | None:

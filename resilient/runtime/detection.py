@@ -24,7 +24,10 @@ import time
 from collections.abc import Callable
 
 import torch.distributed as dist
+from loguru import logger
 
+from resilient.events import Event
+from resilient.runtime.collective_check import PeerWait
 from resilient.runtime.coordinator import Coordinator
 from resilient.runtime.faults import FaultKind, FaultRecord, Severity
 from resilient.runtime.session import Session
@@ -142,11 +145,29 @@ class Detection:
     def main_thread_where(self) -> tuple[str, bool]:
         return main_thread_where()
 
+    def peer_wait(self) -> PeerWait | None:
+        count = self.loop.gen.count
+        return count.wait if count is not None else None
+
+    def on_peer_wait(self, generation: int, wait: PeerWait) -> None:
+        """(the monitor thread) A step check has waited ``peer_report`` for a peer's count."""
+        now, bound = time.monotonic(), self.t.peer_report
+        logger.warning("rank {}: {}", self.session.rank, wait.describe(now, bound))
+        self.session.events.emit(
+            Event.PEER_WAIT, generation=generation, step=self.loop.step, peer=wait.peer, key=wait.key,
+            waited_s=round(now - wait.since, 4), cause=wait.cause(now, bound), reads=wait.reads,
+            slowest_request_s=round(wait.slowest_s, 4),
+            request_in_flight_s=None if wait.request_since is None else round(now - wait.request_since, 4),
+        )  # fmt: skip
+
     def on_hang(self, generation: int, idle_s: float) -> None:
         where, _ = self.main_thread_where()
         gen = self.loop.gen
         limit = self.t.hang if gen.stepped else self.t.startup
         msg = f"no step progress for {idle_s:.2f}s (limit {limit:g}s); main thread at {where}"
+        wait = self.peer_wait()
+        if wait is not None:  # (a step check's wait: the peer's, or the store's)
+            msg += f"; it {wait.describe(time.monotonic(), self.t.peer_report)}"
         kind, sig = FaultKind.HANG, "hang: no step progress"
         count = gen.count
         desync = count.diagnose(self.monitor_store) if count is not None else None

@@ -27,7 +27,7 @@ from loguru import logger
 from resilient.errors import CollectiveDesync, ResilienceError, SilentCorruption, StateRestoreError
 from resilient.events import Event
 from resilient.runtime.buckets import AllSame, DdpBuckets
-from resilient.runtime.collective_check import CollectiveCount, NodeLinkHolder
+from resilient.runtime.collective_check import CollectiveCount, NodeLinkHolder, PeerWait
 from resilient.runtime.generation import EpochPosition, Generation, PendingRestore
 from resilient.runtime.guard import StepGuard
 from resilient.runtime.sdc import ReplicaCheck
@@ -217,10 +217,20 @@ class StepLoop:
                 s.store, f"{s.ns}/g{number}/fp", s.rank, s.world_size, self.count_via,
                 counts=s.cfg.collective_check,
             )  # fmt: skip
+            count.on_wait_end = self._peer_wait_ended
         self.gen = Generation(number, group, count, restore, s.clock())
         if self.work is not None:  # (the objects the function tracks afresh are hooked afresh)
             self.work.clear()
         return self.gen
+
+    def _peer_wait_ended(self, wait: PeerWait, waited_s: float) -> None:
+        """A step check's wait that the monitor reported (``peer_wait``) is over."""
+        s = self.session
+        s.events.emit(
+            Event.PEER_WAIT, generation=s.generation, step=self.step, peer=wait.peer, key=wait.key,
+            waited_s=round(waited_s, 4), ended=True, reads=wait.reads,
+            slowest_request_s=round(wait.slowest_s, 4),
+        )  # fmt: skip
 
     def prepare_restore(
         self, generation: int, step: int, fault_step: int | None, fault_ts: float | None, all_same: AllSame

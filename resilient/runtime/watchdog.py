@@ -43,6 +43,10 @@ class Watched(Protocol):
 
     def main_thread_where(self) -> tuple[str, bool]: ...
 
+    # (optional) a step check waiting on a peer: what it waits for, and the report of a long wait
+    # def peer_wait(self) -> PeerWait | None: ...
+    # def on_peer_wait(self, generation: int, wait: PeerWait) -> None: ...
+
 
 class Monitor(threading.Thread):
     """Background thread; ``stop()`` is idempotent and joins."""
@@ -90,9 +94,15 @@ class Monitor(threading.Thread):
             self._handled.add(gen)
             self._t.on_hang(gen, idle)
             return short
+        report = self._timeouts.peer_report
+        wait = getattr(self._t, "peer_wait", lambda: None)()
+        if wait is not None and not wait.reported and self._clock() - wait.since >= report:
+            wait.reported = True
+            self._t.on_peer_wait(gen, wait)  # type: ignore[attr-defined]
         # asleep until the hang deadline; a quarter of hang_timeout at most, since the deadline
-        # moves earlier when the first step of a generation completes (startup → hang limit)
-        return max(short, min(limit - idle, self._timeouts.hang / 4))
+        # moves earlier when the first step of a generation completes (startup → hang limit), and
+        # ``peer_report`` at most, so that a step check's long wait for a peer is said in time
+        return max(short, min(limit - idle, self._timeouts.hang / 4, report))
 
     def run(self) -> None:
         delay = self._timeouts.monitor_interval

@@ -258,7 +258,8 @@ def test_step_interrupted_is_not_swallowed_by_except_exception():
 
 def test_monitor_sleeps_until_the_hang_deadline_not_on_a_fixed_poll(rt, clock, mon):
     rt.started = True
-    assert mon.poll() == pytest.approx(TIMEOUTS.hang / 4)  # far from the deadline: a long sleep
+    # far from the deadline: a long sleep (peer_report at most: a step check's long wait is said)
+    assert mon.poll() == pytest.approx(min(TIMEOUTS.hang / 4, TIMEOUTS.peer_report))
     clock.now += TIMEOUTS.hang - 0.3
     assert mon.poll() == pytest.approx(max(TIMEOUTS.monitor_interval, 0.3))  # wakes at the deadline
     clock.now += 0.31
@@ -298,3 +299,59 @@ def test_fault_listener_reports_a_posted_fault_and_releases_on_close():
         listener.join(5)
     assert not listener.is_alive()
     assert len(heard) == 1
+
+
+def test_a_step_checks_long_wait_for_a_peer_is_said_once_with_what_holds_it_up(rt, clock, mon):
+    from resilient.runtime.collective_check import PeerWait
+
+    rt.started = True
+    wait = PeerWait("ns/g0/fp/3/1", 1, since=clock.now)
+    rt.peer_wait = lambda: wait  # (the optional part of Watched)
+    said: list[PeerWait] = []
+    rt.on_peer_wait = lambda gen, w: said.append(w)
+    mon.poll()
+    assert not said  # within the bound: nothing to say yet
+    clock.now += TIMEOUTS.peer_report
+    wait.request_since = clock.now - 0.9 * TIMEOUTS.peer_report  # a request in flight that long
+    mon.poll()
+    mon.poll()
+    assert said == [wait] and wait.reported  # said once
+    assert wait.cause(clock.now, TIMEOUTS.peer_report) == "store"
+    assert "its store request in flight" in wait.describe(clock.now, TIMEOUTS.peer_report)
+    wait.request_since, wait.reads = None, 12
+    assert wait.cause(clock.now, TIMEOUTS.peer_report) == "peer"
+    assert "rank 1 has not posted it (12 reads" in wait.describe(clock.now, TIMEOUTS.peer_report)
+
+
+def test_a_count_read_that_blocks_in_the_store_shows_as_in_flight() -> None:
+    # a store whose server stalls (a request that does not return): the wait record says a
+    # request is in flight, so the monitor can tell a stalled store from a peer that is behind
+    import torch.distributed as dist
+
+    from resilient.runtime.collective_check import CollectiveCount
+
+    release = threading.Event()
+
+    class Stalling(dist.HashStore):  # type: ignore[misc]
+        def compare_set(self, key, expected, desired):  # type: ignore[no-untyped-def]
+            release.wait(10)
+            return super().compare_set(key, expected, desired)
+
+    store = Stalling()
+    count = CollectiveCount(store, "p", 0, 2)
+    ended: list[float] = []
+    count.on_wait_end = lambda w, s: ended.append(s)
+    t = threading.Thread(target=count._await, args=("p/0/1", 1))
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (count.wait is None or count.wait.request_since is None) and time.monotonic() < deadline:
+            time.sleep(0.005)  # (another thread's progress, polled with a bound)
+        w = count.wait
+        assert w is not None and w.request_since is not None and w.reads == 0
+        w.reported = True  # as the monitor would have
+        store.set("p/0/1", "1")
+    finally:
+        release.set()
+        t.join(10)
+    assert count.wait is None and len(ended) == 1 and ended[0] > 0
