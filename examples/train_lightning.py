@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     p.add_argument("--val-every", type=float, default=1.0, help="val_check_interval")
     p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--loader", choices=("plain", "stateful"), default="plain",
+                   help="stateful: torchdata's StatefulDataLoader for the training data")  # fmt: skip
     p.add_argument("--out", default="lightning_logs", help="Lightning's logs and its ModelCheckpoint files")
     packages = ["lightning.pytorch", "pytorch_lightning"]
     p.add_argument("--lightning", default=packages[0], choices=packages)
@@ -67,6 +69,11 @@ def main() -> None:
             self.train, self.val = Regression(args.size, seed=1), Regression(args.size // 4, seed=2)
 
         def train_dataloader(self) -> DataLoader:
+            if args.loader == "stateful":
+                from torchdata.stateful_dataloader import StatefulDataLoader
+
+                return StatefulDataLoader(self.train, batch_size=args.batch, shuffle=True,
+                                          num_workers=args.num_workers)  # fmt: skip
             return DataLoader(self.train, batch_size=args.batch, shuffle=True, num_workers=args.num_workers)
 
         def val_dataloader(self) -> DataLoader:

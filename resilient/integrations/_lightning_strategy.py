@@ -29,7 +29,7 @@ from resilient.errors import ResilienceError
 from resilient.integrations._lightning_state import StepMarks, TrainerState, fit_loop_continues, set_epoch
 from resilient.launch_env import LaunchEnv
 from resilient.launcher.standby import parking
-from resilient.state.loader import make_resumable
+from resilient.state.loader import is_stateful_loader, make_resumable
 
 # DDPStrategy's own arguments besides the DistributedDataParallel keywords it passes through
 _CONFIG_KEYS = frozenset(Config.model_fields)
@@ -166,7 +166,9 @@ class FitRun:
         """A plain ``DataLoader`` gets a position (``resilient.state.loader``) that Lightning keeps
         with its loops and restores mid-epoch; its sampler is set to the epoch it resumes in
         before the resumed pass draws its order (Lightning sets it only after)."""
-        if isinstance(loader, DataLoader) and not callable(getattr(loader, "state_dict", None)):
+        if isinstance(loader, DataLoader) and (
+            not callable(getattr(loader, "state_dict", None)) or is_stateful_loader(loader)
+        ):  # (torchdata's StatefulDataLoader: its resumed iterator must not draw its seeds again)
             make_resumable(loader)
         set_epoch(loader, self.trainer.fit_loop.epoch_progress.current.processed)
         return loader
