@@ -23,10 +23,14 @@ def _install(session: nox.Session, *extras: str) -> None:
     session.install("-e", f".[{','.join(extras)}]")
 
 
+# the trainers' integrations and torchdata: their CI smoke tests run (each skips without its extra)
+STACKS = ("lightning", "hf", "torchdata")
+
+
 @nox.session(python=PY)
 def tests(session: nox.Session) -> None:
     """Unit tests, then the multi-process gloo tests with real faults."""
-    _install(session, "dev", "chaos")
+    _install(session, "dev", "chaos", *STACKS)
     env = {"OMP_NUM_THREADS": "1"}
     session.run("pytest", "tests/unit", "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
     session.run(
@@ -70,7 +74,7 @@ def tests_310(session: nox.Session) -> None:
 def slow(session: nox.Session) -> None:
     """The integration tests too long for CI: a torch.compile'd model re-entered after a fault, the
     whole-group variants of SIGSTOP and of a repeating hard fault, a replacement with no standby."""
-    _install(session, "dev", "chaos")
+    _install(session, "dev", "chaos", *STACKS)
     args = ["tests/integration", "-q", "-p", "no:cacheprovider", "-m", "slow", *session.posargs]
     session.run("pytest", *args, env={"OMP_NUM_THREADS": "1"})
 

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-import torchmetrics
 from torch.utils.data import DataLoader, Dataset
 
 import resilient
@@ -29,6 +28,7 @@ from resilient.events import read_run_events
 pytest.importorskip(
     "lightning", reason="the Lightning integration needs lightning: pip install -e '.[lightning]'"
 )
+import torchmetrics  # (a dependency of lightning)
 
 from resilient.integrations import _lightning_state
 from resilient.integrations._lightning_state import StepMarks
