@@ -42,6 +42,7 @@ from chaos.job import Job, events, fresh, jsonl
 from chaos.runner import standby_at
 from chaos.schedule import Certification, Planned
 from resilient.metrics import account
+from resilient.metrics.phases import PHASES, incident_phases
 
 DETECTION = CRASH.detection  # a kind's own: REGISTRY[kind].evidence.detection
 
@@ -71,6 +72,11 @@ class Trial:
     skipped: str = ""  # a capability this machine lacks (never replaced by a pretend fault)
     time_by_cause: dict[str, float] = field(default_factory=dict)  # resilient.metrics' accounting
     failed_slos: list[str] = field(default_factory=list)
+    # an in-process recovery's phases (resilient/metrics/phases.py): seconds, and the rank that
+    # ended each last; the agreement's parts on its last rank
+    phases: dict[str, float | None] = field(default_factory=dict)
+    phase_ranks: dict[str, int | None] = field(default_factory=dict)
+    agree_parts: dict[str, float] = field(default_factory=dict)
     timeline: dict[str, Any] = field(default_factory=dict)
 
 
@@ -105,6 +111,10 @@ def measure(
     named = [e for e in evs if e["event"] == "sdc_detected" and e.get("ranks") and e["ts"] >= injected_ts]
     if named:
         out["named_ranks"] = sorted(named[0]["ranks"])
+    if detect is not None and detect["event"] == "fault_detected":  # (an in-process recovery's phases)
+        got = incident_phases([e for e in evs if e["ts"] >= detect["ts"] - 1.0], injected_ts)
+        if got is not None:
+            out["phases"] = got
     if len(first_after) == nproc:
         out["recover_s"] = max(e["ts"] for e in first_after.values()) - injected_ts
         out["steps_lost"] = max(0, last_done + 1 - min(e["step"] for e in first_after.values()))
@@ -196,6 +206,8 @@ def _run_trial(
     t.detected_rank, t.rate_back_s = m.get("detected_rank"), m.get("rate_back_s")
     t.named_ranks = m.get("named_ranks")
     t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
+    if (ph := m.get("phases")) is not None:
+        t.phases, t.phase_ranks, t.agree_parts = ph.seconds, ph.ranks, ph.agree_parts
     t.time_by_cause = {k: round(v, 4) for k, v in account(evs).seconds.items()}  # (as `resilient report`)
     if restored is not None and t.recover_s is not None:
         t.recover_after_restore_s = inj["ts"] + t.recover_s - restored
@@ -331,6 +343,9 @@ def summarize(cert: Certification, trials: list[Trial]) -> list[dict[str, Any]]:
             rows.append({"class": name, "trials": 0, "skipped": skipped[0], "failed": [], "errors": []})
             continue
         detect, recover = [t.detect_s for t in ts], [t.recover_s for t in ts]
+        phased = [t for t in ts if t.phases]
+        phases = {q: {p: _pct([t.phases.get(p) for t in phased], v) for p in PHASES} for q, v in _QS}
+        failed = sorted({f for t in ts for f in t.failed_slos}) + _class_verdicts(c.slo, recover, phases)
         rows.append({
             "class": name, "trials": len(ts), "finished": sum(t.ok for t in ts),
             "detect_p50": _pct(detect, 0.5), "detect_p99": _pct(detect, 0.99),
@@ -340,8 +355,10 @@ def summarize(cert: Certification, trials: list[Trial]) -> list[dict[str, Any]]:
             "goodput_min": min((t.goodput for t in ts if t.goodput is not None), default=None),
             "bit_exact": all(t.bit_exact for t in ts),
             "slo": c.slo.model_dump(exclude_none=True),
-            "failed": sorted({f for t in ts for f in t.failed_slos}),
+            "failed": failed,
             "errors": [t.error for t in ts if t.error],
+            # (the median of each phase over the trials that recovered in-process)
+            "phases_trials": len(phased), "phases_p50": phases["p50"], "phases_p99": phases["p99"],
             # a hard fault's replacement with a standby waiting or not: both figures, not a blend
             "recover_p50_by_standby": {
                 w: _pct([t.recover_s for t in ts if t.standby == w], 0.5)
@@ -349,6 +366,50 @@ def summarize(cert: Certification, trials: list[Trial]) -> list[dict[str, Any]]:
             },
         })  # fmt: skip
     return rows
+
+
+_QS = (("p50", 0.5), ("p99", 0.99))
+
+
+def _class_verdicts(
+    slo: Any, recover: list[float | None], phases: dict[str, dict[str, float | None]]
+) -> list[str]:
+    """The SLOs on a class's medians: the recovery's, and each budgeted phase's (``phase:<name>``;
+    a phase with no figure fails its budget, as a trial with no figure fails its SLO)."""
+    failed = []
+    p50 = _pct(recover, 0.5)
+    if slo.recover_p50_s is not None and (p50 is None or p50 > slo.recover_p50_s):
+        failed.append("recover_p50_s")
+    for name, budget in slo.phase_p50_s.items():
+        got = phases["p50"].get(name)
+        if got is None or got > budget:
+            failed.append(f"phase:{name}")
+    return failed
+
+
+def phase_table(rows: list[dict[str, Any]]) -> Any:
+    """The recovery's phases per class, p50/p99 in ms, each against its budget (``≤``)."""
+    from rich.table import Table
+
+    tb = Table(title="recovery phases, ms p50/p99 (the last rank to end each: they add up to the recovery)")
+    tb.add_column("class")
+    for p in PHASES:
+        tb.add_column(p, justify="right")
+    for r in rows:
+        if r.get("phases_trials"):
+            tb.add_row(f"{r['class']} ({r['phases_trials']})", *(_phase_cell(r, p) for p in PHASES))
+    return tb
+
+
+def _phase_cell(row: dict[str, Any], phase: str) -> str:
+    a, b = row["phases_p50"].get(phase), row["phases_p99"].get(phase)
+    if a is None:
+        return "—"
+    text = f"{1e3 * a:.1f}/{1e3 * b:.1f}" if b is not None else f"{1e3 * a:.1f}"
+    budget = row["slo"].get("phase_p50_s", {}).get(phase)
+    if budget is not None:
+        text += f"\n{'[green]' if a <= budget else '[red]'}≤{1e3 * budget:g}[/]"
+    return text
 
 
 def table(rows: list[dict[str, Any]]) -> Any:
@@ -371,7 +432,7 @@ def table(rows: list[dict[str, Any]]) -> Any:
         tb.add_row(
             r["class"], f"{r['finished']}/{r['trials']}",
             f"{f(r['detect_p50'])}/{f(r['detect_p99'], slo.get('detect_s'))}",
-            f"{f(r['recover_p50'])}/{f(r['recover_p99'], slo.get('recover_s'))}" + (
+            f"{f(r['recover_p50'], slo.get('recover_p50_s'))}/{f(r['recover_p99'], slo.get('recover_s'))}" + (
                 "" if r.get("recover_after_restore_p99") is None else
                 f"\n{f(r['recover_after_restore_p99'], slo.get('recover_after_restore_s'))} after the link")
             + "".join(f"\n{f(p50)} standby {w}" for w, p50 in r.get("recover_p50_by_standby", {}).items()),
@@ -380,7 +441,11 @@ def table(rows: list[dict[str, Any]]) -> Any:
             "✓" if r["bit_exact"] else "✗",
             "[green]PASS[/]" if not r["failed"] else f"[red]FAIL[/] {','.join(r['failed'])}",
         )  # fmt: skip
-    return tb
+    if not any(r.get("phases_trials") for r in rows):
+        return tb
+    from rich.console import Group
+
+    return Group(tb, phase_table(rows))  # (the phases under the verdicts: what to look at when one fails)
 
 
 def timeline_png(trials: list[Trial], path: Path) -> None:

@@ -24,13 +24,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from chaos.faults import REGISTRY
 from resilient.config import yaml_problem
+from resilient.metrics.phases import PHASES
 
 # the fault kinds' names (chaos/faults): pydantic checks a config's `fault:` against them and names
 # them all when one is unknown
 if TYPE_CHECKING:
     KindName = str
+    PhaseName = str
 else:
     KindName = Literal[REGISTRY.names()]
+    PhaseName = Literal[PHASES]  # (a budget for a phase that is not one is refused, by name)
 
 
 class BadInput(Exception):
@@ -67,6 +70,14 @@ class SLO(_Model):
     )
     rate_back_s: float | None = Field(
         None, gt=0, description="detection → steps within 10 % of the fault-free step time again, at most"
+    )
+    recover_p50_s: float | None = Field(
+        None, gt=0, description="the median of the trials' recover_s, at most (recover_s holds each trial)"
+    )
+    phase_p50_s: dict[PhaseName, float] = Field(
+        default_factory=dict,
+        description="in-process recoveries: each named phase's median over the trials, at most "
+        "(resilient/metrics/phases.py: detect, leave, health, agree, free, rebuild, restore, reenter, rerun)",
     )
 
 

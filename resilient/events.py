@@ -27,6 +27,8 @@ class Event(str, enum.Enum):
     FAULT_DETECTED = "fault_detected"
     GROUP_ABORTED = "group_aborted"
     HEALTH_CHECKED = "health_checked"
+    # the ranks agreed on the step to restore and it was materialized: what the agreement's parts took
+    RESTORE_AGREED = "restore_agreed"
     GROUP_REBUILT = "group_rebuilt"
     STATE_RESTORED = "state_restored"
     STEP_RESUMED = "step_resumed"

@@ -27,11 +27,13 @@ from resilient.contract import read_beats
 from resilient.events import LogTail
 from resilient.metrics.accounting import CAUSES, OTHER
 from resilient.metrics.model import Model, build_model
+from resilient.metrics.phases import PHASES, of_incident
 
 __all__ = ["Exporter", "LogTail", "Model", "RunMetrics", "build_model"]
 
 DETECT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RECOVER_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BLOCK_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 DURABLE_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
 
@@ -189,6 +191,18 @@ class RunMetrics:
             buckets, total = _buckets(vals, RECOVER_BUCKETS)
             rec.add_metric([self.run_id, mode], buckets, total)
         yield rec
+        # the in-process recoveries' phases (docs/recovery.md#phases): each ended one, once
+        phased = [p for i in incidents if i.end is not None and (p := of_incident(i)) is not None]
+        ph = HistogramMetricFamily(
+            "resilient_recovery_phase_seconds",
+            "an in-process recovery's phases (each until its last rank ended it), adding up to the recovery",
+            labels=[*labels, "phase"],
+        )
+        for name in PHASES:
+            vals = [v for p in phased if (v := p.seconds.get(name)) is not None]
+            buckets, total = _buckets(vals, PHASE_BUCKETS)
+            ph.add_metric([self.run_id, name], buckets, total)
+        yield ph
         stragglers = CounterMetricFamily(
             "resilient_stragglers",
             "straggler_detected reports: a rank whose own work per step was slower than its peers'",

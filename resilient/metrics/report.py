@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient.metrics.accounting import CAUSES, OTHER, Accounting, Incident, account
+from resilient.metrics.phases import PHASES, Phases, fmt, of_incident
 
 COLORS = {
     "productive": "#2ca02c",
@@ -61,6 +62,9 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
             lines.append(f"  recovered  {inc.mode.replace('_', '-')} in {inc.recover_s:.3f} s{rerun}")
         else:
             lines.append(f"  not recovered ({inc.mode})")
+        phases = of_incident(inc)
+        if phases is not None:
+            lines.append(f"  phases     {fmt(phases)}; {_last_ranks(phases)}")
         lines.append(f"  cause      {inc.signature}")
         later = [i.start for i in acc.incidents if i.start > inc.start]
         lines += _verdicts(inc, events, min(later, default=float("inf")))
@@ -87,6 +91,21 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
                 f"per step for {e.get('for_s')} s, at {_clock(e['ts'])} (action: {e.get('action')})"
             )
     return out
+
+
+def _last_ranks(p: Phases) -> str:
+    """``ended last by rank 1 (rank 0: detect, agree)``: the rank the others waited for in most
+    phases, and the phases another rank ended last."""
+    by: dict[int, list[str]] = {}
+    for name in PHASES:
+        r = p.ranks.get(name)
+        if r is not None:
+            by.setdefault(r, []).append(name)
+    if not by:
+        return "ended last by no known rank"
+    most = max(by, key=lambda r: (len(by[r]), -r))
+    rest = "; ".join(f"rank {r}: {', '.join(by[r])}" for r in sorted(by) if r != most)
+    return f"ended last by rank {most}" + (f" ({rest})" if rest else "")
 
 
 def _verdicts(inc: Incident, events: list[dict[str, Any]], until: float) -> list[str]:

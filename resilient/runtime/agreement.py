@@ -19,14 +19,19 @@ from resilient.runtime.faults import FaultRecord
 def restore_plan(payloads: list[str]) -> str:
     """The recovery barrier's reduction: the newest snapshot step every rank holds (``step``),
     the ranks that hold none (``empty``), and every rank's steps only when there is no common one
-    (the error names them)."""
+    (the error names them). A payload is a list of steps, or ``{"steps": [...], "layout": digest}``:
+    then ``layout_same`` says whether every rank's DDP bucket layouts are the same."""
     held: list[list[int]] = []
+    layouts: list[object] = []
     malformed = []
     for r, p in enumerate(payloads):
         try:
-            steps = json.loads(p)
+            got = json.loads(p)
         except (ValueError, RecursionError):
-            steps = None
+            got = None
+        steps = got.get("steps") if isinstance(got, dict) else got
+        if isinstance(got, dict):
+            layouts.append(got.get("layout"))
         if not isinstance(steps, list) or any(type(s) is not int or s < 0 for s in steps):
             malformed.append(r)  # (a peer's garbage: named, and no step is trusted from it)
             steps = []
@@ -38,6 +43,8 @@ def restore_plan(payloads: list[str]) -> str:
     plan: dict[str, Any] = {"step": max(common) if common else None, "empty": empty}
     if not common and not empty:
         plan["held"] = held
+    if layouts:  # (every rank or none: the same code posts them)
+        plan["layout_same"] = len(layouts) == len(payloads) and len({json.dumps(v) for v in layouts}) == 1
     return json.dumps(plan)
 
 

@@ -36,6 +36,12 @@ class DdpBuckets:
         if same and len(self.layouts):
             self._applied.enter_context(self.layouts.applied())
 
+    def ended(self, objects: Iterable[Any]) -> str:
+        """The layouts' digest once the generation that ended (``objects``: its objects) is noted:
+        what this rank offers at the recovery barrier (see :func:`agreed`)."""
+        self.layouts.observe(objects)
+        return self.layouts.digest()
+
     def at_recovery(
         self, ended: Iterable[Any], generation: int, step: int, all_same: AllSame, timeout: float
     ) -> None:
@@ -56,3 +62,15 @@ class DdpBuckets:
     def release(self) -> None:
         """Every tracked DDP is built by now: later ones build their buckets as DDP would."""
         self._applied.close()
+
+
+def agreed(posted: str, same: bool | None, fallback: AllSame) -> AllSame:
+    """An :data:`AllSame` that answers from the recovery barrier (``same``: its ``layout_same``
+    for the digest this rank ``posted``); anything else is asked through ``fallback``."""
+
+    def all_same(name: str, value: str, timeout: float) -> bool:
+        if same is not None and value == posted:
+            return same
+        return fallback(name, value, timeout)
+
+    return all_same

@@ -238,7 +238,9 @@ class Coordinator:
         arrived = s.add(f"{base}/count", len(payloads))
         release = f"{base}/release"
         if arrived == self.world_size:
-            s.compare_set(release, "", self._reduce(at))
+            # the verdict written, or the abort a peer wrote first: the last arrival, on the
+            # recovery's critical path, needs no wait and no second read
+            return s.compare_set(release, "", self._reduce(at)).decode()
         try:
             s.wait([release], timedelta(seconds=at.timeout))
         except Exception as e:
@@ -288,7 +290,7 @@ class Coordinator:
                 except CoordinationError as e:
                     ns.compare_set(f"{base}/release", "", str(e))
                     raise
-                ns.compare_set(f"{base}/release", "", verdict)
+                return ns.compare_set(f"{base}/release", "", verdict).decode()  # (as in _job_arrive)
             try:
                 ns.wait([f"{base}/release"], timedelta(seconds=at.timeout))
             except dist.DistNetworkError:
@@ -364,12 +366,16 @@ class Coordinator:
         node.close()
         self.node = None
 
-    def recovery_barrier(self, generation: int, snapshot_steps: list[int]) -> dict[str, Any]:
+    def recovery_barrier(
+        self, generation: int, snapshot_steps: list[int], layout: str | None = None
+    ) -> dict[str, Any]:
         """Wait until every rank left generation ``generation``; return :func:`restore_plan` of
-        every rank's snapshot steps (the newest step all hold, or who holds none)."""
-        return dict(
-            json.loads(self._barrier(generation, "recover", json.dumps(snapshot_steps), restore_plan))
-        )
+        every rank's snapshot steps (the newest step all hold, or who holds none). ``layout``: this
+        rank's DDP bucket layouts' digest, agreed in the same barrier (``layout_same``) rather
+        than in a second one."""
+        posted = snapshot_steps if layout is None else {"steps": snapshot_steps, "layout": layout}
+        payload = json.dumps(posted)
+        return dict(json.loads(self._barrier(generation, "recover", payload, restore_plan)))
 
     def abort_generation(self, generation: int, reason: str) -> None:
         """Tell every rank waiting in this generation's barriers that it cannot form."""

@@ -67,6 +67,7 @@ class Detection:
         self.monitor = Monitor(self, self.t)
         self.listener = FaultListener(self._wait_for_fault, self._on_listened_fault)
         self._remote: dict[int, FaultRecord] = {}
+        self._heard_at: dict[int, float] = {}  # when the listener heard each generation's fault
         self._remote_handled: set[int] = set()
         self._remote_lock = threading.Lock()
         self._last_nudge = 0.0
@@ -104,12 +105,17 @@ class Detection:
         """The fault of ``generation`` the listener heard, if any (no store traffic)."""
         return self._remote.get(generation)
 
+    def heard_at(self, generation: int) -> float | None:
+        """When (``time.time()``) the listener heard the fault of ``generation``, if it did."""
+        return self._heard_at.get(generation)
+
     # -- the listener's ---------------------------------------------------------------------------------
     def _wait_for_fault(self, generation: int) -> FaultRecord | None:
         return self.coord.wait_fault(generation, self.listener_store)
 
     def _on_listened_fault(self, generation: int, fault: object) -> None:
         assert isinstance(fault, FaultRecord)
+        self._heard_at.setdefault(generation, time.time())  # (the recovery's detection phase ends here)
         self._remote[generation] = fault
         if fault.rank != self.session.rank and self._interruptible(generation):
             self.on_remote_fault(generation, fault)

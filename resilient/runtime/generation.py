@@ -28,6 +28,7 @@ class PendingRestore:
     fault_step: int | None  # the step the fault interrupted (steps re-run: fault_step - step)
     fault_ts: float | None  # when it was detected (the resume events' since_fault_s)
     loaded: set[str] = field(default_factory=set)  # the names tracked (and loaded) so far
+    load_s: float = 0.0  # the time those loads took (the restore phase's part in the re-entry)
 
 
 class EpochPosition:

@@ -2,7 +2,7 @@
 
 A check is any callable ``(HealthInput) -> CheckResult``. Built-ins: ``gpu`` (NVML, only when a
 GPU is present — auto-detected, never forced), ``host_memory`` (available RAM), ``checkpoint_dir``
-(writable, with free space) and ``store`` (a set/get round trip). A failing check makes the rank
+(writable, with free space) and ``store`` (a write read back). A failing check makes the rank
 exit with :attr:`ExitCode.HARD_FAULT` after a log line naming the check and the value.
 """
 
@@ -95,9 +95,8 @@ def store(inp: HealthInput) -> CheckResult:
         return CheckResult("store", True, None, "no store; skipped")
     key = f"health/g{inp.generation}/r{inp.rank}"
     t0 = time.perf_counter()
-    try:
-        inp.store.set(key, "1")
-        ok = inp.store.get(key) == b"1"
+    try:  # a write read back in one request (a set and a get are two: get waits for the key first)
+        ok = inp.store.compare_set(key, "", "1") == b"1"
     except Exception as e:
         return CheckResult("store", False, type(e).__name__, f"store round trip failed: {e}")
     return CheckResult("store", ok, f"{(time.perf_counter() - t0) * 1e3:.1f} ms round trip")

@@ -84,6 +84,10 @@ class Mirrors:
         self.in_save = False  # waiting for a durable save: progress, not a hang
         self._ckpt_due = False  # a durable checkpoint is due after this step (set once a step)
         self._adoptable: int | None = None  # restored from this rank's own shm snapshot of this step
+        # (step, rank, world) of each shared-memory slot, newest first, as this process last saw or
+        # wrote them (it alone writes its slots): a recovery offers them without parsing the slots'
+        # descriptions again, and a mirror step asks nothing of them (None: read them)
+        self._slots: list[tuple[int, int | None, int | None]] | None = None
 
     # -- the first entry ---------------------------------------------------------------------------------
     def first_step(self, gen: Generation, total: int | None, fresh: bool) -> tuple[int, bool]:
@@ -179,12 +183,18 @@ class Mirrors:
                 self.ring.adopt(step, functools.partial(shm_state, shm, step, mapped=True))
 
     # -- what a recovery restores from --------------------------------------------------------------------
-    def own_mirror_steps(self) -> list[int]:
-        """Steps of this rank's own snapshots in this node's shared memory (at this world size)."""
+    def shm_slots(self) -> list[tuple[int, int | None, int | None]]:
+        """(step, global rank, world size) of each snapshot in this rank's shared memory."""
         if self.shm is None:
             return []
+        if self._slots is None:
+            self._slots = [(m["step"], m["rank"], m["world"]) for m in self.shm.slots()]
+        return self._slots
+
+    def own_mirror_steps(self) -> list[int]:
+        """Steps of this rank's own snapshots in this node's shared memory (at this world size)."""
         s = self.session
-        return [m["step"] for m in self.shm.slots() if (m["rank"], m["world"]) == (s.rank, s.world_size)]
+        return [step for step, rank, world in self.shm_slots() if (rank, world) == (s.rank, s.world_size)]
 
     def held_steps(self) -> list[int]:
         """The steps this rank can restore: its ring's and its shared-memory mirror's, which a
@@ -196,7 +206,8 @@ class Mirrors:
         gradients made of it (found by the next pair's comparison): a mirror of a step after the
         roll-back is never restored, nor skipped as already written when the replay gets there."""
         s = self.session
-        if self.shm is not None:
+        if self.shm is not None and any(held > step for held, _, _ in self.shm_slots()):
+            self._slots = None
             for gone in self.shm.drop_after(step):
                 logger.debug("rank {}: shared-memory snapshot of step {} dropped (rolled back)", s.rank, gone)
         if self.replica is not None:
@@ -261,8 +272,13 @@ class Mirrors:
         if self.shm is None:
             return
         s = self.session
-        if not self.shm.holds(step, s.rank, s.world_size):  # not when just restored from it
+        mine = (step, s.rank, s.world_size)
+        slots = self.shm_slots()
+        if mine not in slots:  # not when just restored from it
+            self._slots = None  # (unknown if the copy fails half-way)
             self.shm.capture(step, state, checksum=False, owner=(s.rank, s.world_size), sums=sums)
+            # the capture took the older slot (or a free one): the newest other stays
+            self._slots = sorted([mine, *slots[:1]], key=lambda m: -m[0])
         if self.replica is not None:
             try:
                 self.replica.publish(step, s.world_size, state)

@@ -348,6 +348,7 @@ class NativeRun:
         if gen > 0:
             gc.collect()  # free the previous generation's group and DDP here, in order, not at exit
             gc_s = time.time() - t0
+        t_build = time.time()
         try:
             self.loop.begin_generation(gen, self.pending)
         except Exception as e:
@@ -371,6 +372,7 @@ class NativeRun:
                 step=self.loop.restored_step,
                 duration_s=time.time() - t0,
                 gc_s=gc_s,
+                build_s=time.time() - t_build,
             )
         self.phase = Phase.RUNNING
         self.detection.watch(gen)

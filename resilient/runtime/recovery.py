@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import torch
 from loguru import logger
@@ -27,6 +29,7 @@ from resilient.errors import (
 )
 from resilient.events import Event
 from resilient.runtime.agreement import plan_step
+from resilient.runtime.buckets import agreed
 from resilient.runtime.coordinator import Coordinator
 from resilient.runtime.detection import Detection
 from resilient.runtime.exits import raised_as_itself
@@ -65,21 +68,23 @@ class Recovery:
         rec: FaultRecord | None = None
         if exc is not None:
             rec = FaultRecord.from_exception(exc, rank=s.rank, generation=gen, step=step)
-            tb = "".join(traceback.format_exception(exc))
             # The traceback pins the failed generation's frames, and through them its model, DDP
             # reducer and process group, in a reference cycle. Left to a random GC pass (or to
             # interpreter exit, where gloo's destructors abort the process), they must go now.
+            # (Its text needs only code and line numbers, not the frames' locals.)
             traceback.clear_frames(exc.__traceback__)
             # (a fault this rank already heard of is not asked of the job's store again)
             primary = self.coord.post_fault(rec, known=self.detection.remote_fault(gen))
             if primary.rank == s.rank and primary.kind == rec.kind:  # this rank's own fault
-                s.fault_report(rec, tb=tb)
+                s.fault_report(rec, tb="".join(traceback.format_exception(exc)))
         else:  # we had returned; a peer faulted before everyone finished
             found = self.detection.heard(gen) or self.coord.primary_fault(gen)
             if found is None:
                 raise HardFault(f"generation {gen} released without a fault record")
             primary = found
-        s.fault_detected(gen, step, primary, rec.message if rec else "finished; a peer faulted")
+        heard = self.detection.heard_at(gen)
+        noticed = fault_ts if heard is None else min(fault_ts, heard)
+        s.fault_detected(gen, step, primary, rec.message if rec else "finished; a peer faulted", noticed)
         t0 = time.time()
         n = 0
         group = loop.gen.group
@@ -111,20 +116,26 @@ class Recovery:
             self._depart(gen)
             raise
         self.check_health(gen, step)
+        lap = Laps()  # the agreement's parts, for the restore_agreed event (docs/recovery.md#phases)
         if primary.kind == FaultKind.SDC.value and primary.severity == Severity.SOFT.value:
             self._attribute(gen)
+            lap("attribute_s")
         if delay > 0:
             time.sleep(delay)
+            lap("backoff_s")
         persist = self.keeper.persist
         if persist is not None:
             # a write still in flight would make this rank alone wait at its next save, a wait its
             # peers see as a hang: finish it here, where the recovery barrier holds them
             self.hard_timer.arm(s.cfg.checkpoint.commit_timeout_s + self.t.barrier + 10.0)
             persist.settle(gen, step)
+            lap("saves_s")
         loop.settle_before_restore()
+        lap("verify_s")
         own: BaseException | None = None
         try:
-            restore = self._agree_restore_step(gen, primary)
+            plan = self.coord.recovery_barrier(gen, self.keeper.held_steps(), layout := loop.layout_digest())
+            restore = plan_step(plan, primary)
         except SetupFailed as e:
             self._depart(gen)
             if exc is None or s.rank not in e.ranks or isinstance(exc, StepInterrupted):
@@ -140,18 +151,26 @@ class Recovery:
             raise HardFault(f"rank {s.rank}: {e}; the launcher restarts the group") from e
         if own is not None:  # raised outside the handler: the user's exception keeps its own chain
             raise raised_as_itself(own, s.rank)
+        lap("barrier_s")
         if persist is not None:
             # every rank settled its saves before that agreement, and none saves again before
             # the barrier in prepare_restore: rank 0 clears what did not commit in between
             persist.forget_unfinished(gen, step)
-        pending = loop.prepare_restore(gen, restore, step, fault_ts, self.coord.same)
-        if persist is not None:  # a rank the fault interrupted before its save must not differ
-            persist.rebase(restore)
+            persist.rebase(restore)  # (a rank the fault interrupted before its save must not differ)
+            lap("saves_s")
+        # (DDP's layouts were agreed in the same barrier; another agreement only if they changed)
+        same = agreed(layout, plan.get("layout_same"), self.coord.same)
+        pending = loop.prepare_restore(gen, restore, step, fault_ts, same)
+        lap("prepare_s")  # (last: the phases put it in the restore, docs/recovery.md#phases)
+        parts: dict[str, Any] = {"fault_step": step, "duration_s": lap.total(), **lap.laps,
+                                 **loop.prepare_parts}  # fmt: skip
+        s.events.emit(Event.RESTORE_AGREED, generation=gen, step=restore, **parts)
         s.generation = gen + 1
         return pending
 
-    def _agree_restore_step(self, gen: int, primary: FaultRecord | None = None) -> int:
-        return plan_step(self.coord.recovery_barrier(gen, self.keeper.held_steps()), primary)
+    def _agree_restore_step(self, gen: int) -> int:
+        """(A preemption's) the newest step every rank holds."""
+        return plan_step(self.coord.recovery_barrier(gen, self.keeper.held_steps()))
 
     def _attribute(self, gen: int) -> None:
         """Replicas differed: every rank's digests of its last windows, exchanged, name the
@@ -233,3 +252,20 @@ class Recovery:
         resets its peers' connections while they still read."""
         with contextlib.suppress(Exception):
             self.coord.depart(gen, self.session.launch.endpoint.hosts_store)
+
+
+class Laps:
+    """Named durations since the last lap (or since it was made): what a phase's parts took."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.start = self.last = clock()
+        self.laps: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        now = self.clock()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return self.clock() - self.start

@@ -95,6 +95,15 @@ class StoreReplica:
 
     def __init__(self, store: dist.Store, prefix: str, rank: int, max_bytes: int) -> None:
         self.store, self.prefix, self.rank, self.max_bytes = store, prefix, rank, max_bytes
+        # this rank's index as this process last wrote it (only it writes it): no store request
+        # to read it back at each post, nor in a recovery's roll-back
+        self._index: list[int] | None = None
+
+    def _own_index(self) -> list[int]:
+        if self._index is None:  # (a predecessor's, for a relaunched or replacement worker)
+            index = f"{self.prefix}/r{self.rank}/index"
+            self._index = json.loads(self.store.get(index)) if self.store.check([index]) else []
+        return self._index
 
     def key(self, rank: int, step: int) -> str:
         return f"{self.prefix}/r{rank}/s{step}"
@@ -116,10 +125,11 @@ class StoreReplica:
         head = {"step": step, "world": world, "fingerprints": prints, **header}
         blob = json.dumps(head).encode() + b"\n" + buf.numpy().tobytes()
         self.store.set(self.key(self.rank, step), blob)  # type: ignore[arg-type]  # bytes work
-        index = f"{self.prefix}/r{self.rank}/index"
-        old = json.loads(self.store.get(index)) if self.store.check([index]) else []
+        old = self._own_index()
         keep = sorted({*old, step})[-2:]  # the two newest, like the shared-memory slots
-        self.store.set(index, json.dumps(keep))
+        self._index = None  # (unknown until the write succeeds)
+        self.store.set(f"{self.prefix}/r{self.rank}/index", json.dumps(keep))
+        self._index = keep
         for s in set(old) - set(keep):
             self.store.delete_key(self.key(self.rank, s))
 
@@ -127,11 +137,12 @@ class StoreReplica:
         """Forget this rank's posts of steps after ``step`` (see ``ShmSnapshot.drop_after``)."""
         if self.max_bytes <= 0:
             return
-        index = f"{self.prefix}/r{self.rank}/index"
-        old = json.loads(self.store.get(index)) if self.store.check([index]) else []
+        old = self._own_index()
         keep = [s for s in old if s <= step]
         if keep != old:
-            self.store.set(index, json.dumps(keep))
+            self._index = None
+            self.store.set(f"{self.prefix}/r{self.rank}/index", json.dumps(keep))
+            self._index = keep
             for s in set(old) - set(keep):
                 self.store.delete_key(self.key(self.rank, s))
 

@@ -132,7 +132,11 @@ class Session:
         self.store = None  # type: ignore[assignment]  # release the connection
 
     # -- what every engine records of a fault -----------------------------------------------------------
-    def fault_detected(self, gen: int, step: int | None, primary: FaultRecord, local: str) -> None:
+    def fault_detected(
+        self, gen: int, step: int | None, primary: FaultRecord, local: str, noticed_ts: float | None = None
+    ) -> None:
+        """``noticed_ts``: when this rank learned of the fault (its own exception caught, or its
+        listener hearing a peer's), the end of the recovery's detection phase on this rank."""
         self.events.emit(
             Event.FAULT_DETECTED,
             generation=gen,
@@ -144,6 +148,7 @@ class Session:
             origin_ts=primary.ts,
             origin_latency_s=primary.latency_s,
             local=local,
+            noticed_ts=noticed_ts,
         )
 
     def fault_report(self, rec: FaultRecord, *, tb: str | None = None, stacks: str | None = None) -> None:

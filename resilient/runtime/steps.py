@@ -155,6 +155,7 @@ class StepLoop:
         self.count_via = count_via
         self.work = work
         self.buckets = DdpBuckets(session.run_dir)
+        self.prepare_parts: dict[str, float] = {}  # the last prepare_restore's parts
         self.gen = Generation(0, None, None, None, session.clock())  # (none built yet)
         self.step: int | None = None  # the step being run; across generations, the one a fault hit
         self.cost = Cost(session)
@@ -232,17 +233,27 @@ class StepLoop:
             slowest_request_s=round(wait.slowest_s, 4),
         )  # fmt: skip
 
+    def layout_digest(self) -> str:
+        """DDP's bucket layouts as the generation that ended left them (offered at the recovery
+        barrier, whose verdict :meth:`prepare_restore` applies)."""
+        return self.buckets.ended(self.gen.registry.objects())
+
     def prepare_restore(
         self, generation: int, step: int, fault_step: int | None, fault_ts: float | None, all_same: AllSame
     ) -> PendingRestore:
         """The agreed ``step``'s snapshot, to be loaded into each object as the function tracks
         it in the next generation (``generation``: the one that ended)."""
+        t0 = time.monotonic()
         self.buckets.at_recovery(
             self.gen.registry.objects(), generation, step, all_same, self.session.t.barrier
         )
+        t1 = time.monotonic()
         state, owned = self.keeper.materialize(step)
+        t2 = time.monotonic()
         self.ring.drop_after(step)
         self.keeper.drop_after(step)
+        # (the restore phase's parts, in the restore_agreed event: docs/recovery.md#phases)
+        self.prepare_parts = {"layouts_s": t1 - t0, "materialize_s": t2 - t1, "drop_s": time.monotonic() - t2}
         return PendingRestore(step, state, owned, fault_step, fault_ts)
 
     def close(self) -> None:
@@ -268,7 +279,9 @@ class StepLoop:
                         f"{name!r} is tracked now but was not in the snapshot of step {r.step} "
                         f"(snapshot holds {sorted(k for k in r.state if k != RNG)})"
                     )
+                t0 = time.monotonic()
                 gen.registry.load(name, r.state[name], owned=r.owned)
+                r.load_s += time.monotonic() - t0
                 r.loaded.add(name)
 
     def observe(self, loss: Any) -> None:
@@ -378,7 +391,9 @@ class StepLoop:
         missing = [n for n in r.state if n != RNG and n not in r.loaded]
         if missing:
             raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
+        t0 = time.monotonic()
         restore_rng(r.state[RNG])
+        r.load_s += time.monotonic() - t0
         self.guard.rewind(r.step)
         self.session.events.emit(
             Event.STATE_RESTORED,
@@ -390,6 +405,7 @@ class StepLoop:
             steps_rerun=max(0, (r.fault_step if r.fault_step is not None else r.step) - r.step),
             since_fault_s=time.time() - (r.fault_ts or time.time()),
             snapshot_interval=self.session.schedule.interval,
+            load_s=r.load_s,
         )
         self.gen.restore = None
         self.step = r.step

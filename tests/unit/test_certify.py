@@ -217,3 +217,30 @@ def test_the_standby_a_rank_faulting_on_itself_found_is_read_from_the_agents_eve
     assert standby_at(evs, 1.5) == "imported"
     assert standby_at(evs, 2.5) == "none"  # promoted: it waits no more
     assert standby_at(evs, 3.5) == "parked"
+
+
+def test_a_phase_over_its_budget_fails_the_class_even_when_the_total_passes() -> None:
+    cert = _cert(recover_s=1.0, recover_p50_s=0.12, phase_p50_s={"free": 0.005, "rebuild": 0.02})
+
+    def trial(i: int, recover: float, free: float | None) -> certify.Trial:
+        t = certify.Trial("k", i, 5, ok=True, recover_s=recover, bit_exact=True)
+        t.phases = {"free": free, "rebuild": 0.004}
+        return t
+
+    (row,) = certify.summarize(cert, [trial(0, 0.09, 0.002), trial(1, 0.10, 0.003), trial(2, 0.5, 0.09)])
+    assert row["failed"] == [] and row["phases_p50"]["free"] == 0.003  # (a median: one slow trial)
+    (row,) = certify.summarize(cert, [trial(0, 0.09, 0.009), trial(1, 0.10, 0.008), trial(2, 0.11, 0.001)])
+    assert row["failed"] == ["phase:free"]  # every trial's total within its SLO, the phase not
+    (row,) = certify.summarize(cert, [trial(0, 0.13, 0.001), trial(1, 0.2, None), trial(2, 0.11, None)])
+    assert row["failed"] == ["recover_p50_s"]  # (free's median of the trials that have it: 1 ms)
+    (row,) = certify.summarize(cert, [trial(0, 0.09, None)])
+    assert row["failed"] == ["phase:free"]  # no figure is no pass
+    assert "free" in str(certify.phase_table([row]).columns[5].header)
+
+
+def test_a_budget_for_a_phase_that_is_not_one_is_refused_by_name(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    slo = "slo: {phase_p50_s: {fre: 0.005}}"
+    cfg.write_text(f"job: {{steps: 40}}\nclasses:\n  k: {{fault: exception, step: 5, {slo}}}\n")
+    with pytest.raises(schedule.BadInput, match=r"classes\.k\.slo\.phase_p50_s\.fre"):
+        schedule.load(cfg)

@@ -256,3 +256,29 @@ def test_the_store_host_stops_waiting_for_a_dead_peer() -> None:
     t0 = time.monotonic()
     host.depart(0, hosting=True, timeout=0.3)
     assert 0.3 <= time.monotonic() - t0 < 3.0
+
+
+def test_ddp_layouts_are_agreed_in_the_recovery_barrier_not_in_a_second_one() -> None:
+    import json
+
+    from resilient.runtime.agreement import restore_plan
+    from resilient.runtime.buckets import agreed
+
+    def post(steps: list[int], layout: str) -> str:
+        return json.dumps({"steps": steps, "layout": layout})
+
+    same = json.loads(restore_plan([post([8, 4], "a"), post([8, 4], "a")]))
+    assert same == {"step": 8, "empty": [], "layout_same": True}
+    differ = json.loads(restore_plan([post([8, 4], "a"), post([4], "b")]))
+    assert differ["step"] == 4 and differ["layout_same"] is False
+    assert "layout_same" not in json.loads(restore_plan(["[8, 4]", "[8]"]))  # (lists: as before)
+    asked: list[str] = []
+
+    def fallback(name: str, value: str, timeout: float) -> bool:
+        asked.append(value)
+        return True
+
+    all_same = agreed("a", False, fallback)
+    assert all_same("layouts", "a", 1.0) is False and asked == []  # the barrier's verdict, no request
+    assert all_same("layouts", "changed", 1.0) is True and asked == ["changed"]  # another: asked
+    assert agreed("a", None, fallback)("layouts", "a", 1.0) is True and asked == ["changed", "a"]

@@ -66,7 +66,7 @@ def test_store_round_trip_passes():
 
 def test_store_failure_is_reported():
     class DeadStore(dist.HashStore):
-        def set(self, key: str, value: object) -> None:
+        def compare_set(self, key: str, expected: object, desired: object) -> bytes:
             raise RuntimeError("Connection reset by peer")
 
     r = health.store(inp(store=DeadStore()))

@@ -254,6 +254,37 @@ def test_the_endpoint_serves_what_the_log_says(tmp_path: Path):
     assert budget == {"in_process": 2.0}
 
 
+def test_the_endpoint_serves_each_phase_of_the_recoveries(tmp_path: Path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    def served(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+        m = RunMetrics(write_log(tmp_path / str(len(events)), events), run_id="abc123", refresh_s=0.0)
+        m.poll(force=True)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(m)
+        out: dict[str, dict[str, float]] = {}
+        for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+            for s in fam.samples:
+                if s.name.startswith("resilient_recovery_phase_seconds"):
+                    key = s.name.removeprefix("resilient_recovery_phase_seconds") + s.labels.get("le", "")
+                    out.setdefault(s.labels["phase"], {})[key] = s.value
+        return out
+
+    got = served(phased_run())
+    ms = {"detect": 10, "leave": 30, "health": 110, "agree": 40, "free": 60, "rebuild": 40, "restore": 40,
+          "reenter": 70, "rerun": 100}  # fmt: skip
+    assert list(got) == list(ms)  # every phase, in order
+    for phase, v in ms.items():
+        assert got[phase]["_count"] == 1.0
+        assert got[phase]["_sum"] == pytest.approx(v / 1e3)
+    assert (got["health"]["_bucket0.1"], got["health"]["_bucket0.25"]) == (0.0, 1.0)  # 0.110 s
+    assert (got["detect"]["_bucket0.005"], got["detect"]["_bucket0.025"]) == (0.0, 1.0)  # 0.010 s
+    assert got["rerun"]["_bucket+Inf"] == 1.0
+    # a log without the phases' records: every phase served, none observed
+    got = served(in_process_run())
+    assert len(got) == 9 and {v["_count"] for v in got.values()} == {0.0}
+
+
 def test_a_taken_port_is_one_warning_and_no_endpoint(tmp_path: Path, caplog_loguru: list[str]):
     log = write_log(tmp_path, in_process_run())
     with socket.socket() as s:
@@ -327,7 +358,63 @@ def test_status_and_metrics_say_which_standbys_wait(tmp_path: Path, capsys: pyte
 def test_events_faults_prints_the_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     log = write_log(tmp_path, in_process_run())
     assert cli(["events", str(log.parent), "--faults"]) == 0
-    assert "fault 1: exception on rank 1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fault 1: exception on rank 1" in out
+    assert "phases" not in out  # (a log without restore_agreed: no phases to tell)
+
+
+# the recovery of in_process_run, every phase recorded (docs/recovery.md#phases): per rank, when it
+# noticed (its fault_detected's ts), left, checked, agreed, prepared, freed, rebuilt, entered, restored
+PHASED = {
+    0: (4.01, 4.02, 4.03, 4.05, 4.18, 4.20, 4.25, 4.30, 4.36, 4.39),
+    1: (4.00, 4.00, 4.04, 4.15, 4.19, 4.21, 4.27, 4.31, 4.38, 4.40),  # rank 1: a slow health check
+}
+PHASES_LINE = (
+    "  phases     detect 10.0, leave 30.0, health 110.0, agree 40.0, free 60.0, rebuild 40.0, "
+    "restore 40.0, reenter 70.0, rerun 100.0 ms (= 500.0 ms); ended last by rank 1 (rank 0: detect)"
+)
+
+
+def phased_run() -> list[dict[str, Any]]:
+    out = []
+    for e in in_process_run():
+        r = e["rank"]
+        if e["event"] in ("fault_detected", "state_restored") and r in PHASED:
+            noticed, detected, *_, entered, restored = PHASED[r]
+            if e["event"] == "fault_detected":
+                e = {**e, "ts": T0 + detected, "noticed_ts": T0 + noticed}
+            else:
+                e = {**e, "ts": T0 + restored, "load_s": round(restored - entered, 9)}
+        out.append(e)
+    for r, (_n, _d, left, checked, agreed, prepared, freed, rebuilt, _e, _r) in PHASED.items():
+        out += [
+            ev(left, "group_aborted", r, step=20),
+            ev(checked, "health_checked", r, step=20, ok=True),
+            ev(prepared, "restore_agreed", r, step=10, fault_step=20, barrier_s=0.01,
+               prepare_s=round(prepared - agreed, 9)),
+            ev(rebuilt, "group_rebuilt", r, generation=1, step=10, build_s=round(rebuilt - freed, 9)),
+        ]  # fmt: skip
+    return sorted(out, key=lambda e: e["ts"])
+
+
+def test_a_recovery_in_process_shows_its_phases(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    (block,) = fault_blocks(phased_run())
+    lines = block.splitlines()
+    assert lines[2].startswith("  recovered  in-process in 0.500 s")
+    assert lines[3] == PHASES_LINE  # the phases add up to the fault -> every rank's first step
+    log = write_log(tmp_path, phased_run())
+    assert cli(["events", str(log.parent), "--faults"]) == 0
+    assert PHASES_LINE in capsys.readouterr().out.splitlines()
+    # one rank last in every phase: named once
+    evs = [
+        {**e, "noticed_ts": T0 + 4.0, "ts": T0 + 4.0} if e["event"] == "fault_detected" else e
+        for e in phased_run()
+    ]
+    (block,) = fault_blocks(evs)
+    assert block.splitlines()[3].endswith("(= 500.0 ms); ended last by rank 1")
+    # a fault recovered by relaunching the group: no phases, even with a rank's restore_agreed
+    evs = [*phased_run(), ev(4.05, "relaunched", -1)]
+    assert "phases" not in fault_blocks(evs)[0]
 
 
 ROOT = Path(__file__).resolve().parents[2]
