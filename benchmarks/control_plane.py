@@ -36,13 +36,21 @@ bounds; the server CPU is the figure that carries to a cluster, where the client
 A least-squares model (server CPU = a + b·N per phase, + c·N² for the old barrier's every-rank
 ``multi_get``) projects what was not measured.
 
+The server formats every socket it accepts with ``getnameinfo()`` (a reverse DNS lookup: issue 29)
+unless ``--names numeric`` (the default, as the runtime runs it) applies
+``resilient.native.names`` in its process first; the simulated ranks are Python sockets, which
+look nothing up. Each N's connects are reported (``connect``: their wall time, the slowest, the
+validations retried after ``--connect-timeout``); ``--protocols ''`` measures only them.
+
     python benchmarks/control_plane.py [--ranks 256,1024,4096,16384] [--procs 8] [--interval 100]
+        [--names numeric|torch]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -72,15 +80,23 @@ class Client:
         self.r: asyncio.StreamReader
         self.w: asyncio.StreamWriter
 
-    async def connect(self, port: int) -> None:
-        for attempt in range(50):
+    async def connect(self, port: int, timeout: float | None = None, retries: int = 5) -> int:
+        """Connect, validate and ping; a validation unanswered within ``timeout`` is tried again on
+        a fresh connection (at most ``retries`` times, as torch's client retries): the retries taken."""
+        for retry in range(retries + 1):
+            for attempt in range(50):
+                try:
+                    self.r, self.w = await asyncio.open_connection("127.0.0.1", port)
+                    break
+                except OSError:
+                    await asyncio.sleep(0.05 * (attempt + 1))
+            self.w.write(struct.pack("<BI", 0, MAGIC) + struct.pack("<BI", PING, 7))
             try:
-                self.r, self.w = await asyncio.open_connection("127.0.0.1", port)
-                break
-            except OSError:
-                await asyncio.sleep(0.05 * (attempt + 1))
-        self.w.write(struct.pack("<BI", 0, MAGIC) + struct.pack("<BI", PING, 7))
-        await self.r.readexactly(4)
+                await asyncio.wait_for(self.r.readexactly(4), timeout)
+                return retry
+            except asyncio.TimeoutError:
+                self.w.close()
+        raise OSError(f"no answer to a validation in {retries + 1} tries of {timeout} s")
 
     async def _u64(self) -> int:
         return int(struct.unpack("<Q", await self.r.readexactly(8))[0])
@@ -247,7 +263,7 @@ PROTOCOLS = {
 
 
 # ---- the processes ------------------------------------------------------------------------------------
-def _client_proc(conn: Any, port: int, ranks: list[int], world: int) -> None:
+def _client_proc(conn: Any, port: int, ranks: list[int], world: int, timeout: float | None) -> None:
     resource.setrlimit(
         resource.RLIMIT_NOFILE, (min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]),) * 2
     )
@@ -255,13 +271,18 @@ def _client_proc(conn: Any, port: int, ranks: list[int], world: int) -> None:
     async def main() -> None:
         clients = {r: Client() for r in ranks}
         sem = asyncio.Semaphore(128)
+        took: list[float] = []
 
-        async def connect(c: Client) -> None:
+        async def connect(c: Client) -> int:
             async with sem:
-                await c.connect(port)
+                t = time.monotonic()
+                retried = await c.connect(port, timeout)
+                took.append(time.monotonic() - t)
+                return retried
 
-        await asyncio.gather(*(connect(c) for c in clients.values()))
-        conn.send("connected")
+        retried = await asyncio.gather(*(connect(c) for c in clients.values()))
+        conn.send({"slowest": max(took, default=0.0), "over_1s": sum(t > 1 for t in took),
+                   "retried": sum(retried)})  # fmt: skip
         loop = asyncio.get_running_loop()
         while True:
             msg = await loop.run_in_executor(None, conn.recv)
@@ -303,6 +324,10 @@ def _server_cpu(pid: int) -> float:
 SERVER = """
 import resource, sys, time
 from datetime import timedelta
+if sys.argv[1] == "numeric":
+    from resilient.native import names
+    why = names.apply()
+    assert why is None, why
 import torch.distributed as dist
 hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -322,9 +347,18 @@ async def _post(port: int, g: int) -> float:
     return t
 
 
-def measure(world: int, procs: int, checks: int, recoveries: int, protocols: list[str]) -> dict[str, Any]:
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+def measure(
+    world: int,
+    procs: int,
+    checks: int,
+    recoveries: int,
+    protocols: list[str],
+    names: str = "numeric",
+    connect_timeout: float | None = None,
+) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", SERVER, names]
+    server = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert server.stdout is not None
     port = int(server.stdout.readline())
     nodes = list(range((world + NODE - 1) // NODE))
@@ -334,17 +368,25 @@ def measure(world: int, procs: int, checks: int, recoveries: int, protocols: lis
     ]
     ctx = mp.get_context("fork")
     pipes, workers = [], []
+    t_connect = time.monotonic()
     for ranks in share:
         a, b = ctx.Pipe()
-        p = ctx.Process(target=_client_proc, args=(b, port, ranks, world), daemon=True)
+        p = ctx.Process(target=_client_proc, args=(b, port, ranks, world, connect_timeout), daemon=True)
         p.start()
         pipes.append(a)
         workers.append(p)
-    for a in pipes:
-        assert a.recv() == "connected"
-    out: dict[str, Any] = {"ranks": world}
+    out: dict[str, Any] = {"ranks": world, "names": names}
     gen = 0
     try:
+        got = [a.recv() for a in pipes]
+        out["connect"] = {"connect_s": time.monotonic() - t_connect,
+                          "slowest_s": max(g["slowest"] for g in got),
+                          "over_1s": sum(g["over_1s"] for g in got),
+                          "retried": sum(g["retried"] for g in got)}  # fmt: skip
+        print(
+            f"  N={world:6d} connect " + " ".join(f"{k}={v:.4g}" for k, v in out["connect"].items()),
+            flush=True,
+        )
         for proto in protocols:
             rows: dict[str, list[float]] = {"check_cpu": [], "check_wall": [], "check_req": [],
                                             "rec_cpu": [], "rec_wall": [], "rec_req": []}  # fmt: skip
@@ -379,7 +421,8 @@ def measure(world: int, procs: int, checks: int, recoveries: int, protocols: lis
             )
     finally:
         for a in pipes:
-            a.send(None)
+            with contextlib.suppress(OSError):
+                a.send(None)
         for p in workers:
             p.join(timeout=10)
             if p.is_alive():
@@ -416,7 +459,16 @@ def main() -> None:
         default=4096,
         help="the old protocol's O(N²) barrier takes minutes of server time beyond this: modelled there",
     )
-    p.add_argument("--protocols", default=",".join(PROTOCOLS))
+    p.add_argument("--protocols", default=",".join(PROTOCOLS), help="'' for the connects alone")
+    p.add_argument(
+        "--names",
+        choices=("numeric", "torch"),
+        default="numeric",
+        help="the server's getnameinfo: numeric (resilient.native.names, as the runtime runs it) or torch's",
+    )
+    p.add_argument(
+        "--connect-timeout", type=float, default=60.0, help="a validation unanswered this long is retried (s)"
+    )
     p.add_argument(
         "--from-log", type=Path, default=None, help="the table from an earlier run's printed lines"
     )
@@ -425,8 +477,8 @@ def main() -> None:
     results = _parse_log(a.from_log) if a.from_log is not None else []
     for n in [] if a.from_log is not None else [int(x) for x in a.ranks.split(",")]:
         try:
-            protos = [p for p in a.protocols.split(",") if p != "before" or n <= a.before_up_to]
-            results.append(measure(n, a.procs, a.checks, a.recoveries, protos))
+            protos = [p for p in a.protocols.split(",") if p and (p != "before" or n <= a.before_up_to)]
+            results.append(measure(n, a.procs, a.checks, a.recoveries, protos, a.names, a.connect_timeout))
         except (OSError, AssertionError, EOFError) as e:
             print(f"  N={n}: not measured on this machine ({type(e).__name__}: {e})", flush=True)
             break
@@ -468,7 +520,8 @@ def main() -> None:
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"measured": results, "table": table, "interval": a.interval}, indent=1))
-    _plot(table, a.out.with_suffix(".png"))
+    if table:  # (none with --protocols '')
+        _plot(table, a.out.with_suffix(".png"))
 
 
 def _parse_log(path: Path) -> list[dict[str, Any]]:
