@@ -32,6 +32,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from resilient.runtime.pg import protect_store_port
+
 
 class NodeLinkLost(RuntimeError):
     """The node's store is gone (its host, local rank 0, died)."""
@@ -84,6 +86,8 @@ def link(
         server = dist.TCPStore(
             "127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout), wait_for_workers=False
         )
+        # (a peer's connection accepted while this rank builds a group is the store's, not gloo's)
+        protect_store_port(server.port)
         token = uuid.uuid4().hex
         server.set("token", token)
         mine = f"{socket.gethostname()} {server.port} {token}"
@@ -95,6 +99,7 @@ def link(
         host, port, token = job.get(key).decode().split()
         if host != socket.gethostname():
             return f"local rank 0's node store is on {host}, not here"
+        protect_store_port(int(port))  # (a connection opened later, e.g. by a monitor thread)
         main = _connect(int(port), timeout)
         if main.get("token").decode() != token:
             return "the node store's address is another server's"

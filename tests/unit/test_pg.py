@@ -76,3 +76,40 @@ def test_gloo_abort_never_touches_listeners_or_store_connections():
     finally:
         for s in (listener, store_like, served, other_listener, peer, accepted):
             s.close()
+
+
+def test_a_node_store_connection_accepted_while_a_group_is_built_survives_its_abort():
+    # the node leader hosts its node's store: a peer's connection that the server accepts while
+    # the leader builds its group (a monitor thread's, opened late) is not one of gloo's
+    import os
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from resilient.runtime import node
+    from resilient.runtime.pg import Group, _socket_inodes
+
+    job = dist.HashStore()
+    got = node.link(job, "node/k", rank=0, local_rank=0, size=2, timeout=5.0, forever=5.0)
+    assert isinstance(got, node.NodeLink)
+    before = _socket_inodes()
+    late = dist.TCPStore("127.0.0.1", got.server.port, None, False, timeout=timedelta(seconds=5))
+    late.set("x", "1")  # (the server has accepted it: its end is now one of this process's fds)
+    peer_listener = socket.socket()
+    peer_listener.bind(("127.0.0.1", 0))
+    peer_listener.listen()
+    gloo_like = socket.create_connection(peer_listener.getsockname())
+    far, _ = peer_listener.accept()
+    try:
+        new = {fd: ino for fd, ino in _socket_inodes().items() if before.get(fd) != ino}
+        far_ino = f"socket:[{os.fstat(far.fileno()).st_ino}]"
+        new = {fd: ino for fd, ino in new.items() if ino != far_ino and fd != peer_listener.fileno()}
+        g = Group(backend="gloo", generation=0, store_port=12345, _sockets=new)  # (the job store's elsewhere)
+        assert g.abort() == 1  # the gloo-like connection only
+        assert far.recv(1) == b""
+        assert late.get("x") == b"1" and got.store.get("x") == b"1"  # the node store's links still work
+    finally:
+        for s in (peer_listener, gloo_like, far):
+            s.close()
+        got.close()
