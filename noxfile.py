@@ -73,7 +73,10 @@ def tests_310(session: nox.Session) -> None:
 @nox.session(python=PY)
 def slow(session: nox.Session) -> None:
     """The integration tests too long for CI: a torch.compile'd model re-entered after a fault, the
-    whole-group variants of SIGSTOP and of a repeating hard fault, a replacement with no standby."""
+    whole-group variants of SIGSTOP and of a repeating hard fault, a replacement with no standby,
+    SIGSTOP replaced, 2-D meshes at 4 ranks, a transformers script's parked standby, a node
+    excluded by its health checks, `chaos run`'s schedule, two nodes' whole-group restart.
+    About 20 minutes."""
     _install(session, "dev", "chaos", *STACKS)
     args = ["tests/integration", "-q", "-p", "no:cacheprovider", "-m", "slow", *session.posargs]
     session.run("pytest", *args, env={"OMP_NUM_THREADS": "1"})

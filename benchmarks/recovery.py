@@ -9,7 +9,10 @@ Measured on the bundled example (tiny transformer LM, DDP over gloo, steps padde
 - fault-free overhead: loop time with the wrapper vs the same loop without it (`--plain`), model
   sized so a step takes about 50 ms here, alternating runs; plus the per-step snapshot copy cost.
 
-    python benchmarks/recovery.py [--trials 5] [--nproc 2 4] [--skip-nvrx]
+Each exception recovery's phases (resilient/metrics/phases.py) are medians per rank count, in a
+second table; the phase that grows most from the fewest ranks to the most is named.
+
+    python benchmarks/recovery.py [--trials 5] [--nproc 2 4 8] [--skip-nvrx] [--skip-overhead]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from chaos.harness import run_ranks  # noqa: E402
+from resilient.metrics.phases import PHASES, incident_phases  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
 
@@ -39,6 +43,7 @@ def _median(xs: list[float]) -> float:
 
 def exception_trials(nproc: int, trials: int, step_ms: float) -> dict[str, object]:
     per_rank: list[float] = []
+    phases: dict[str, list[float]] = {p: [] for p in PHASES}  # (each trial's, docs/recovery.md#phases)
     failed = 0
     for t in range(trials):
         with tempfile.TemporaryDirectory() as d:
@@ -54,7 +59,12 @@ def exception_trials(nproc: int, trials: int, step_ms: float) -> dict[str, objec
                 continue
             origin = res.of("fault_detected")[0]["origin_ts"]
             per_rank += [e["ts"] - origin for e in res.of("step_resumed")]
+            got = incident_phases(res.events, origin)
+            for p, v in (got.seconds if got is not None else {}).items():
+                if v is not None:
+                    phases[p].append(v)
     return {
+        "phases_median_s": {p: _median(v) for p, v in phases.items()},
         "median_s": _median(per_rank),
         "max_s": max(per_rank, default=float("nan")),
         "samples": len(per_rank),
@@ -170,10 +180,33 @@ def nvrx(nproc: int, trials: int, step_ms: float) -> dict[str, object]:
     return json.loads(lines[-1])
 
 
+def phase_table(results: dict[str, object], ranks: list[int]) -> object:
+    """The exception recovery's phases (medians, ms) per rank count, and the one that grows most."""
+    from rich.table import Table
+
+    got = {n: results[f"ranks{n}"]["exception"]["phases_median_s"] for n in ranks}  # type: ignore[index]
+    lo, hi = min(ranks), max(ranks)
+    grows = {
+        p: got[hi][p] - got[lo][p] for p in PHASES if got[hi][p] == got[hi][p] and got[lo][p] == got[lo][p]
+    }
+    top = max(grows, key=lambda p: grows[p]) if grows else None
+    title = "exception recovery by phase, ms (medians)"
+    if top is not None:
+        a, b = 1e3 * got[lo][top], 1e3 * got[hi][top]
+        title += f": {top} grows most, {a:.1f} → {b:.1f} ms from {lo} to {hi} ranks"
+    tb = Table(title=title)
+    tb.add_column("ranks")
+    for p in PHASES:
+        tb.add_column(p, justify="right")
+    for n in ranks:
+        tb.add_row(str(n), *(f"{1e3 * got[n][p]:.1f}" if got[n][p] == got[n][p] else "—" for p in PHASES))
+    return tb
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--step-ms", type=float, default=50.0)
     ap.add_argument("--hang-timeout", type=float, default=2.0)
     ap.add_argument(
@@ -181,6 +214,7 @@ def main() -> None:
     )
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--skip-nvrx", action="store_true")
+    ap.add_argument("--skip-overhead", action="store_true", help="only the recoveries (no fault-free runs)")
     ap.add_argument("--overhead-runs", type=int, default=6)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "recovery.json")
     args = ap.parse_args()
@@ -230,6 +264,16 @@ def main() -> None:
             "",
             "no process dies",
         )
+    Console().print(table)
+    Console().print(phase_table(results, args.nproc))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str))
+    if args.skip_overhead:
+        print(f"wrote {args.out}")
+        return
+    table = Table(title="fault-free cost")
+    for col in ("ranks", "figure", "resilient", "", "", "target"):
+        table.add_column(col)
     ovh = overhead(2, args.overhead_runs, args.dim, args.seq)
     snap = snapshot_cost(args.dim, args.seq)
     results["overhead"] = {**ovh, **snap}

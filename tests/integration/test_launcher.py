@@ -250,7 +250,8 @@ def test_two_agents_on_one_machine_form_one_job(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
-@pytest.mark.parametrize("replace", ["group", "rank"])
+# (group: the slow session; a whole group relaunched is test_hard_fault_relaunches_and_ends_bit_exact's)
+@pytest.mark.parametrize("replace", [pytest.param("group", marks=pytest.mark.slow), "rank"])
 def test_worker_killed_on_one_of_two_nodes_recovers_bit_exact(
     tmp_path: Path, replace: str, reference: dict[int, list[dict[str, Any]]]
 ) -> None:

@@ -187,6 +187,7 @@ def full_disk(tmp_path: Path) -> Any:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow  # (CI: health checks unit-tested; a lost node's exclusion is the spare tests')
 def test_node_failing_health_checks_is_excluded(
     tmp_path: Path, full_disk: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:

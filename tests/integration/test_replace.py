@@ -42,8 +42,13 @@ def _bit_exact(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize(
     ("fault", "standby"),
-    # (a new process instead of a standby: the slow session, to keep CI within its budget)
-    [("SIGKILL", 1), ("SIGSTOP", 1), pytest.param("SIGKILL", 0, marks=pytest.mark.slow)],
+    # (a new process instead of a standby, and SIGSTOP, whose heartbeat path gil_hang's test takes
+    # in CI: the slow session, to keep CI within its budget)
+    [
+        ("SIGKILL", 1),
+        pytest.param("SIGSTOP", 1, marks=pytest.mark.slow),
+        pytest.param("SIGKILL", 0, marks=pytest.mark.slow),
+    ],
 )
 def test_a_dead_rank_is_replaced_and_its_survivor_stays_bit_exact(
     tmp_path: Path, fault: str, standby: int, reference: dict[int, list[dict[str, Any]]]
@@ -177,6 +182,7 @@ def test_a_top_level_that_reads_the_rank_gets_an_importing_standby_that_says_why
     _bit_exact(reference[2], _final_states(cwd))
 
 
+@pytest.mark.slow  # (CI: tests/integration/test_hf_trainer.py's SIGKILL of a transformers script, parked)
 def test_a_parked_standby_replaces_a_rank_of_a_transformers_script_bit_exact(tmp_path: Path) -> None:
     # examples/train_hf.py: a GPT-2 from a config, DDP, DataLoader epochs, dropout; its top level
     # imports transformers (seconds), which the parked standby has done before the kill

@@ -152,8 +152,9 @@ def test_a_compiled_model_reentered_after_a_fault_recovers_bit_exact(tmp_path: P
     assert _same(ref, hit) >= 10
 
 
-# (FSDP + TP in the slow session: HSDP covers the 2-D mesh's recovery in CI, within its budget)
-@pytest.mark.parametrize("mesh", ["--hsdp", pytest.param("--tp", marks=pytest.mark.slow)])
+# (4 ranks on 2 cores: the slow session; CI recovers FSDP2 at 2 ranks, test_fsdp2_transformer_...)
+@pytest.mark.parametrize("mesh", [pytest.param("--hsdp", marks=pytest.mark.slow),
+                                  pytest.param("--tp", marks=pytest.mark.slow)])  # fmt: skip
 def test_a_2d_mesh_recovers_bit_exact_at_4_ranks(tmp_path: Path, mesh: str) -> None:
     # HSDP (replicas of 2-way shards) and FSDP + TP (FSDP across pairs that split the MLPs): the
     # peers of the failing rank block in a collective on a mesh dimension's own group, so the abort
