@@ -223,11 +223,15 @@ class CollectiveCount:
                     window_end=step,
                     ranks=(self.rank, p),
                 )
-        if n > 0:  # a collective in this window means every rank finished reading the ones before
-            for old, held in [p for p in self._posted if p[0] < k]:
+        if n > 0:
+            # A collective that completed in window k means every rank closed window k-1, and a
+            # rank settles each window before it closes the next: every read of windows before
+            # k-1 is done. Window k-1 itself may still be read (its settle is lazy: a slower
+            # predecessor compares it at the end of its next step), so it stays.
+            for old, held in [p for p in self._posted if p[0] < k - 1]:
                 with contextlib.suppress(dist.DistNetworkError):  # (a lost node's store, keys and all)
                     held.delete_key(self._key(old, self.rank))
-            self._posted = [p for p in self._posted if p[0] >= k]
+            self._posted = [p for p in self._posted if p[0] >= k - 1]
         return True
 
     def _await_group(self, k: int, group: Group, posts: Mapping[int, _Posted]) -> None:

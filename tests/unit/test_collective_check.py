@@ -128,3 +128,26 @@ def test_a_deferred_difference_names_the_window_whose_state_must_go(seq: _Seq) -
     with pytest.raises(CollectiveDesync) as ei:
         a.settle(block=False)
     assert ei.value.window_end == 6 and "steps 5-6" in str(ei.value)
+
+
+def test_a_fast_rank_keeps_the_window_a_slow_predecessor_has_yet_to_compare(seq: _Seq) -> None:
+    """Window 0 kept in the ring (compared lazily), window 1 a step later leaving the process
+    (compared at once). Rank 2 compares window 1 with rank 0 before rank 1 has finished the step:
+    its post of window 0, which rank 1 has not read yet, must still be there (it was deleted, and
+    rank 1 waited for it until its watchdog called a hang: a false alarm in 1 run of 25)."""
+    store = dist.HashStore()
+    r0, r1, r2 = (CollectiveCount(store, "fp", r, 3) for r in range(3))
+    for c in (r0, r1, r2):
+        c.begin(0)
+    seq.value += 1
+    for c in (r0, r1, r2):
+        c.close_window(0)  # the ring's snapshot: posted, compared at the next step
+    for c in (r0, r1, r2):
+        c.begin(1)
+    seq.value += 1  # step 1's all-reduce, completed on every rank
+    r0.close_window(1)  # (compares window 0 with rank 1 first, then posts window 1)
+    r2.close_window(1)
+    assert r2.settle(block=True)  # rank 2 compared window 1 with rank 0's: it moves on
+    assert r1.settle(block=False), "rank 2's count of window 0 is gone before rank 1 read it"
+    r1.close_window(1)
+    assert r1.settle(block=False) and r0.settle(block=False)
