@@ -129,6 +129,8 @@ def test_lost_node_is_replaced_by_a_waiting_spare_bit_exact(
     assert_bit_exact(reference[2], [torch.load(tmp_path / "state" / f"rank{r}.pt") for r in range(2)])
 
 
+# (slow session, to keep CI within its budget: a lost node with a spare runs in CI)
+@pytest.mark.slow
 def test_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path) -> None:
     # 3 nodes x 1 rank (a late third node is admitted: --admit-waiting); the middle one is lost and
     # nothing waits: the job goes on with 2 ranks. New rank 1 takes old rank 1's RNG and data

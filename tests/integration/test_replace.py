@@ -149,6 +149,8 @@ def test_a_replacement_killed_in_its_restore_falls_back_to_the_group(
     _bit_exact(reference[2], _final_states(tmp_path))
 
 
+# (slow session, to keep CI within its budget: tests/unit/test_standby.py names the read in CI)
+@pytest.mark.slow
 def test_a_top_level_that_reads_the_rank_gets_an_importing_standby_that_says_why(
     tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
