@@ -117,6 +117,17 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/suite.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
+@nox.session(name="bench-recovery", python=PY)
+def bench_recovery(session: nox.Session) -> None:
+    """An exception's in-process recovery at 2, 4 and 8 ranks, NVRx's in-process Wrapper after
+    ours at each, in one run, with our recovery's phases per rank count and the phase that grows
+    most named (benchmarks/recovery.py; its fault-free overhead part with --overhead-runs).
+    About 10 min."""
+    _install(session, "dev", "bench")
+    args = session.posargs or ["--trials", "5", "--skip-overhead"]
+    session.run("python", "benchmarks/recovery.py", *args, env={"OMP_NUM_THREADS": "1"})
+
+
 @nox.session(name="bench-replace", python=PY)
 def bench_replace(session: nox.Session) -> None:
     """A dead rank replaced alone vs the whole group relaunched vs torchrun, NVRx ft_launcher and
