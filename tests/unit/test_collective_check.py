@@ -133,8 +133,8 @@ def test_a_deferred_difference_names_the_window_whose_state_must_go(seq: _Seq) -
 def test_a_fast_rank_keeps_the_window_a_slow_predecessor_has_yet_to_compare(seq: _Seq) -> None:
     """Window 0 kept in the ring (compared lazily), window 1 a step later leaving the process
     (compared at once). Rank 2 compares window 1 with rank 0 before rank 1 has finished the step:
-    its post of window 0, which rank 1 has not read yet, must still be there (it was deleted, and
-    rank 1 waited for it until its watchdog called a hang: a false alarm in 1 run of 25)."""
+    its post of window 0, which rank 1 has not read yet, must still be there (else rank 1 waits
+    for it until its watchdog calls a hang: a false alarm)."""
     store = dist.HashStore()
     r0, r1, r2 = (CollectiveCount(store, "fp", r, 3) for r in range(3))
     for c in (r0, r1, r2):
