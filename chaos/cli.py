@@ -1,6 +1,6 @@
 """``chaos`` command line: the recovery certificate, the injectors, fault plans.
 
-chaos certify configs/chaos/cpu.yaml --out chaos_out [--classes sigkill,hang] [--trials N]
+chaos certify configs/chaos/cpu.yaml --out chaos_out [--classes sigkill,hang] [--trials N] [-- train.py --my-args]
 chaos run configs/chaos/schedule.yaml --out chaos_run [-- train.py --my-args]
 chaos stream configs/chaos/soak.yaml --out chaos_soak [--faults N]
 """
@@ -19,35 +19,53 @@ from chaos.schedule import BadInput
 from resilient.argtypes import count
 
 
-def main(argv: list[str] | None = None) -> int:
+# the subcommands that take a training command after ``--`` (instead of the config's ``job.command``)
+_TAKE_COMMAND = ("certify", "run")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments; ``command``: what follows the first ``--`` (the training script and its
+    arguments), split off before parsing so that options may stand anywhere before it."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in words:
+        at = words.index("--")
+        words, command = words[:at], words[at + 1 :]
     p = argparse.ArgumentParser(prog="chaos", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("kinds", help="list the fault kinds: where each fires, what it needs, what it does")
     chk = sub.add_parser("check", help="parse a fault plan (kind@step[:rank][=arg][xN],...)")
     chk.add_argument("plan")
-    cert = sub.add_parser("certify", help="run every fault class against its SLOs; exit 1 if any fails")
+    after = "after the options, -- and a training script with its arguments replace the config's job.command"
+    cert = sub.add_parser(
+        "certify", help="run every fault class against its SLOs; exit 1 if any fails", epilog=after
+    )
     cert.add_argument("config", type=Path)
     cert.add_argument("--out", type=Path, default=Path("chaos_out"))
     cert.add_argument("--classes", default="", help="comma-separated subset of the config's classes")
     cert.add_argument(
         "--trials", type=count(1, 10**4), default=None, help="override every class's trial count"
     )
-    cert.add_argument(
-        "command", nargs="*", help="after --: the training script and its arguments (default: the config's)"
+    run = sub.add_parser(
+        "run", help="the config's `schedule:` of faults in one job, vs a fault-free run", epilog=after
     )
-    run = sub.add_parser("run", help="the config's `schedule:` of faults in one job, vs a fault-free run")
     run.add_argument("config", type=Path)
     run.add_argument("--out", type=Path, default=Path("chaos_run"))
-    run.add_argument(
-        "command", nargs="*", help="after --: the training script and its arguments (default: the config's)"
-    )
     stream = sub.add_parser("stream", help="one long run with the config's stream of faults (goodput, soak)")
     stream.add_argument("config", type=Path)
     stream.add_argument("--out", type=Path, default=Path("chaos_stream"))
     stream.add_argument(
         "--faults", type=count(0, 10**5), default=None, help="override the stream's fault count"
     )
-    args = p.parse_args(argv)
+    args = p.parse_args(words)
+    if command and args.cmd not in _TAKE_COMMAND:
+        p.error(f"chaos {args.cmd} takes no training command after --: {' '.join(command)!r}")
+    args.command = command
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     if hasattr(args, "out"):
         # every job runs with its own directory as cwd: a relative --out would be resolved twice
         args.out = args.out.resolve()
