@@ -2,8 +2,8 @@
 checks on and blocks with them off, alternated (ABBA) in the same processes, same model, same group.
 
 The checks: the guard (each tracked optimizer's gradient norm before its step, the spike window,
-the watch on ``clip_grad_norm_``; resilient/runtime/guard.py) and the replica digests at
-``sdc.interval: auto`` (resilient/runtime/sdc.py: a digest wherever state is kept and at least
+the watch on ``clip_grad_norm_``; resilient/detectors/guard.py) and the replica digests at
+``sdc.interval: auto`` (resilient/detectors/replicas.py: a digest wherever state is kept and at least
 every 100 steps, posted with the collective count). Both arms run inside ``ctx.steps``, so
 everything else the runtime does (snapshots, the collective count) is in both and cancels.
 

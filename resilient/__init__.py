@@ -26,7 +26,7 @@ from resilient.errors import (
 )
 from resilient.events import Event, read_events, read_run_events
 from resilient.runtime.context import Context
-from resilient.runtime.health import CheckResult, HealthInput
+from resilient.health import CheckResult, HealthInput
 from resilient.runtime.hooks import Hook, RunInfo, StepHook
 from resilient.runtime.wrapper import current, wrap
 

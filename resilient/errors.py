@@ -69,7 +69,7 @@ class SnapshotError(SoftFault):
 
 
 class StepRejected(SoftFault):
-    """A step the guard (resilient/runtime/guard.py) did not let reach the weights: every rank
+    """A step the guard (resilient/detectors/guard.py) did not let reach the weights: every rank
     rolls back to the newest snapshot and replays it. ``step``: the step; ``where``: its batch
     (``epoch 2, batch 17``) where a data position is known."""
 

@@ -64,7 +64,7 @@ class Event(str, enum.Enum):
     # a step check waited on a peer's collective count longer than timeouts.peer_report: for whom,
     # which key, and what holds it up (cause: store | peer); again with ended: true when it ended
     PEER_WAIT = "peer_wait"
-    SDC_DETECTED = "sdc_detected"  # replicas differed: who was corrupt (runtime/sdc.py), or who may be
+    SDC_DETECTED = "sdc_detected"  # replicas differed: who was corrupt (detectors/replicas.py), or who may be
     STRAGGLER_DETECTED = "straggler_detected"  # rank: the one slower than its peers
 
 

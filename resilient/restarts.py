@@ -1,6 +1,6 @@
 """The two rules every restart decision here shares: the sliding restart window and the repeat rule.
 
-The in-process runtime (:class:`resilient.runtime.policy.RestartPolicy`) and the launcher
+The in-process runtime (:class:`resilient.runtime.recovery.policy.RestartPolicy`) and the launcher
 (:class:`resilient.launcher.policy.LaunchPolicy`) both allow ``max_restarts`` restarts within a
 window and stop a fault that keeps coming back at the same place; one implementation of each
 keeps their verdicts alike. Time is passed in, never read here: each caller's clock decides (the

@@ -5,7 +5,7 @@ which removes itself), so the corrupt weight is what the rank keeps and trains o
 as after a memory or compute error on its accelerator. It is the lowest exponent bit of the first
 element of the model's first floating-point parameter: the weight doubles or halves, which
 matters, without turning the run into NaNs. Only a comparison of the replicas finds it (``sdc``:
-resilient/runtime/sdc.py). Without a tracked optimizer the weight flips at once, at the start of
+resilient/detectors/replicas.py). Without a tracked optimizer the weight flips at once, at the start of
 the step; without a tracked module there is nothing to flip (the injection raises, by name).
 """
 

@@ -1,5 +1,5 @@
 """A rank that skips collectives its peers issue: silent corruption unless something compares
-(runtime/collective_check.py).
+(detectors/collectives.py).
 
 With a ``DistributedDataParallel`` model among the tracked ``objects`` the rank does not all-reduce
 that step's gradients (DDP's ``require_backward_grad_sync``, off for this one step); otherwise its

@@ -84,7 +84,7 @@ class Straggler(InProcess):
     def inject(self, fault: Fault, objects: Iterable[object]) -> Undo | None:
         if _throttled():
             return None  # the kernel slows it
-        from resilient.runtime.straggler import local_module
+        from resilient.detectors.stragglers import local_module
 
         factor = fault.arg or self.default_arg or 2.0
         module = next((m for m in map(local_module, objects) if m is not None), None)

@@ -13,7 +13,7 @@ directory, fsynced, then renamed into place.
 A slot is copied like a seqlock is read: its description before the bytes and after them must be
 the same, since a writer (the replacement, mirroring its first snapshot) removes the description
 of the slot it overwrites first. A restore takes a flushed copy only for a rank no node holds in
-memory (:mod:`resilient.runtime.resume`), and only at a step no older than the newest committed
+memory (:mod:`resilient.runtime.keeping.resume`), and only at a step no older than the newest committed
 checkpoint; rank 0 removes the copies a newer commit made obsolete.
 """
 

@@ -90,8 +90,8 @@ class Replacer:
 
     def _post_death(self, env: dict[str, str], global_rank: int, beat: Beat, message: str) -> bool:
         """The dead rank's fault in the workers' store: its survivors' listeners wake at once."""
-        from resilient.runtime.coordinator import Coordinator, client
-        from resilient.runtime.faults import FaultKind, FaultRecord, Severity, signature
+        from resilient.runtime.coordination.coordinator import Coordinator, client
+        from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity, signature
 
         try:
             if self._store_client is None:

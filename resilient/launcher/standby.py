@@ -56,7 +56,7 @@ WARM = (
     "torch.distributed.tensor",
     "torch.nn.parallel",
     "resilient",
-    "resilient.runtime.native",
+    "resilient.runtime.engine.builtin",
 )
 
 
@@ -276,7 +276,7 @@ def main() -> None:
             importlib.import_module(name)
         except Exception:  # a module this torch lacks: nothing to warm
             continue
-    from resilient.runtime.warmup import first_use_imports
+    from resilient.runtime.engine.warmup import first_use_imports
 
     first_use_imports()
     ready = Path(sys.argv[1]) / f"standby-{os.getpid()}.ready"

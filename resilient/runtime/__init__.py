@@ -1,1 +1,10 @@
-"""The in-process runtime (internal; the public API is re-exported from ``resilient``)."""
+"""The in-process runtime (internal; the public API is re-exported from ``resilient``).
+
+Its rooms, top down (docs/architecture.md draws them): the front door (``wrapper``, ``context``,
+``hooks``, ``standby``); ``engine/`` (an engine runs the function once per generation);
+``steps/`` (the step loop both engines share); ``detection/`` (how a rank learns its step must
+end); ``recovery/`` (what happens between two generations); ``keeping/`` (where state goes besides
+the ring, and where a new process takes it from); ``coordination/`` (the store protocol, node
+stores, process groups). The detectors of silent faults are a room of their own below the
+configuration (``resilient.detectors``).
+"""

@@ -12,12 +12,12 @@ from resilient.config import Config, load_config
 from resilient.launcher.standby import park_until_promoted, parking
 from resilient.runtime import hooks as hooks_mod
 from resilient.runtime.context import Context
-from resilient.runtime.exits import excepthook_exit_codes
-from resilient.runtime.health import Check
+from resilient.runtime.engine.exits import excepthook_exit_codes
+from resilient.health import Check
 from resilient.runtime.hooks import StepHook
-from resilient.runtime.native import NativeEngine, freeze_gc
-from resilient.runtime.steps import StepLoop
-from resilient.runtime.wiring import Setup
+from resilient.runtime.engine.builtin import NativeEngine, freeze_gc
+from resilient.runtime.steps.loop import StepLoop
+from resilient.runtime.engine.wiring import Setup
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,7 +34,7 @@ class Engine(Protocol):
 def engine_for(setup: Setup) -> Engine:
     """The engine ``engine:`` names (``resilient``: the native one; ``nvrx``: NVRx's Wrapper)."""
     if setup.cfg.engine == "nvrx":
-        from resilient.runtime.nvrx import NvrxEngine
+        from resilient.runtime.engine.nvrx import NvrxEngine
 
         return NvrxEngine(setup)
     return NativeEngine(setup)

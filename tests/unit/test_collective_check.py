@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from resilient.runtime import collective_check as fingerprint
-from resilient.runtime.collective_check import CollectiveCount, CollectiveDesync
-from resilient.runtime.faults import FaultKind, classify
+from resilient.detectors import collectives as fingerprint
+from resilient.detectors.collectives import CollectiveCount, CollectiveDesync
+from resilient.runtime.detection.faults import FaultKind, classify
 
 
 class _Seq:

@@ -13,9 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from resilient.errors import CoordinationError, PeerAborted, SetupFailed, StateRestoreError
-from resilient.runtime.agreement import plan_step
-from resilient.runtime.coordinator import Coordinator, Endpoint, agree_run_id, endpoint_from_env
-from resilient.runtime.faults import FaultRecord
+from resilient.runtime.coordination.agreement import plan_step
+from resilient.runtime.coordination.coordinator import Coordinator, Endpoint, agree_run_id, endpoint_from_env
+from resilient.runtime.detection.faults import FaultRecord
 
 NS = "resilient/run1/a0"
 
@@ -261,8 +261,8 @@ def test_the_store_host_stops_waiting_for_a_dead_peer() -> None:
 def test_ddp_layouts_are_agreed_in_the_recovery_barrier_not_in_a_second_one() -> None:
     import json
 
-    from resilient.runtime.agreement import restore_plan
-    from resilient.runtime.buckets import agreed
+    from resilient.runtime.coordination.agreement import restore_plan
+    from resilient.runtime.keeping.buckets import agreed
 
     def post(steps: list[int], layout: str) -> str:
         return json.dumps({"steps": steps, "layout": layout})

@@ -21,14 +21,14 @@ from resilient.config import Config, load_config
 from resilient.errors import FaultRepeats, HealthCheckFailed, ResilienceError, StateRestoreError
 from resilient.events import EventLog, read_events
 from resilient.launch_env import LaunchEnv
-from resilient.runtime import collective_check as fingerprint
-from resilient.runtime.agreement import common_restore_step
+from resilient.detectors import collectives as fingerprint
+from resilient.runtime.coordination.agreement import common_restore_step
 from resilient.runtime.context import Context
-from resilient.runtime.health import CheckResult, HealthInput
+from resilient.health import CheckResult, HealthInput
 from resilient.runtime.hooks import Hook, RunInfo
-from resilient.runtime.native import NativeEngine
-from resilient.runtime.steps import StepLoop
-from resilient.runtime.wiring import Setup, Wiring
+from resilient.runtime.engine.builtin import NativeEngine
+from resilient.runtime.steps.loop import StepLoop
+from resilient.runtime.engine.wiring import Setup, Wiring
 
 STEPS = 12
 
@@ -240,7 +240,7 @@ def test_the_restore_step_is_the_newest_every_rank_holds() -> None:
 
 def test_a_rank_holding_no_snapshot_failed_before_its_first_step() -> None:
     from resilient.errors import ExitCode, SetupFailed
-    from resilient.runtime.faults import FaultRecord
+    from resilient.runtime.detection.faults import FaultRecord
 
     culprit = FaultRecord(1, 0, None, "exception", "soft", "exception: ImportError: x", "ImportError: x")
     with pytest.raises(SetupFailed, match=r"^rank 1 failed before the first step: ImportError: x$") as e:
@@ -320,7 +320,7 @@ def test_a_restarted_process_knows_the_step_it_restored(tmp_path: Path) -> None:
 
 def test_an_evicted_shared_memory_snapshot_is_a_typed_restore_error(tmp_path: Path) -> None:
     from resilient.checkpoint.shm import ShmSnapshot
-    from resilient.runtime.keeping import shm_state
+    from resilient.runtime.keeping.mirrors import shm_state
 
     shm = ShmSnapshot("unit-evicted", 0, base=tmp_path)
     try:

@@ -65,7 +65,7 @@ def test_a_bad_layout_file_is_ignored(tmp_path: Path) -> None:
 def _all_hold(values: list[str]) -> list[bool]:
     import threading
 
-    from resilient.runtime.agreement import all_hold
+    from resilient.runtime.coordination.agreement import all_hold
 
     store = dist.HashStore()
     out: list[bool] = [False] * len(values)

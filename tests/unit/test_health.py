@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from resilient.config import HealthConfig
-from resilient.runtime import health
-from resilient.runtime.health import CheckResult, HealthInput, run_checks
+from resilient import health
+from resilient.health import CheckResult, HealthInput, run_checks
 
 
 def inp(store: dist.Store | None = None, **cfg: object) -> HealthInput:

@@ -24,7 +24,7 @@ from resilient.errors import ResilienceError  # noqa: E402
 from resilient.integrations import hf  # noqa: E402
 from resilient.runtime.context import Context  # noqa: E402
 from resilient.runtime.hooks import Hook  # noqa: E402
-from resilient.runtime.steps import StepLoop  # noqa: E402
+from resilient.runtime.steps.loop import StepLoop  # noqa: E402
 from resilient.state.registry import RNG  # noqa: E402
 from tests.unit.test_core import Fakes, _cfg, _runtime  # noqa: E402
 

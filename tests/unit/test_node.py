@@ -18,10 +18,10 @@ import pytest
 import torch.distributed as dist
 
 from resilient.errors import PeerAborted
-from resilient.runtime import collective_check as fingerprint
-from resilient.runtime import node as node_mod
-from resilient.runtime.collective_check import CollectiveCount, CollectiveDesync
-from resilient.runtime.coordinator import Coordinator
+from resilient.detectors import collectives as fingerprint
+from resilient.runtime.coordination import node as node_mod
+from resilient.detectors.collectives import CollectiveCount, CollectiveDesync
+from resilient.runtime.coordination.coordinator import Coordinator
 from tests.unit.test_coordinator import NS, Concurrently, Counting, record
 
 LOCAL = 2  # ranks per node
@@ -172,7 +172,7 @@ LEADER = textwrap.dedent(
     import signal, sys
     from datetime import timedelta
     import torch.distributed as dist
-    from resilient.runtime import node
+    from resilient.runtime.coordination import node
     job = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timeout=timedelta(seconds=30))
     got = node.link(job, sys.argv[2], 0, 0, 2, 30.0, 60.0)
     assert isinstance(got, node.NodeLink), got

@@ -12,7 +12,7 @@ inprocess = pytest.importorskip("nvidia_resiliency_ext.inprocess")
 
 @pytest.mark.parametrize("hang", [0.5, 2.0, 60.0, 900.0])
 def test_timeouts_map_to_a_wrapper_nvrx_accepts(hang: float) -> None:
-    from resilient.runtime.nvrx import wrapper_kwargs
+    from resilient.runtime.engine.nvrx import wrapper_kwargs
 
     kw = wrapper_kwargs(load_config(None, hang_timeout=hang, engine="nvrx"))
     assert kw["soft_timeout"].total_seconds() == hang
@@ -30,8 +30,8 @@ def test_bad_engine_names_the_field() -> None:
 
 def test_durable_checkpoints_under_nvrx_are_refused_with_the_reason(tmp_path, monkeypatch) -> None:
     from resilient.launch_env import LaunchEnv
-    from resilient.runtime.nvrx import NvrxEngine
-    from resilient.runtime.wiring import Setup
+    from resilient.runtime.engine.nvrx import NvrxEngine
+    from resilient.runtime.engine.wiring import Setup
 
     cfg = load_config(None, engine="nvrx", checkpoint={"dir": tmp_path})
     with pytest.raises(ConfigError, match="engine: nvrx does not write durable checkpoints"):

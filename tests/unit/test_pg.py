@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from resilient.runtime.pg import nccl_env, resolve_backend
+from resilient.runtime.coordination.pg import nccl_env, resolve_backend
 
 
 def test_nccl_env_sets_what_in_process_recovery_needs():
@@ -38,7 +38,7 @@ def test_resolve_backend():
 def test_abort_uses_the_nccl_abort_for_nccl_groups(monkeypatch):
     import torch.distributed as dist
 
-    from resilient.runtime.pg import Group
+    from resilient.runtime.coordination.pg import Group
 
     calls: list[str] = []
     monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda *a, **k: calls.append("abort"))
@@ -51,7 +51,7 @@ def test_abort_uses_the_nccl_abort_for_nccl_groups(monkeypatch):
 def test_gloo_abort_never_touches_listeners_or_store_connections():
     import socket
 
-    from resilient.runtime.pg import Group
+    from resilient.runtime.coordination.pg import Group
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -87,8 +87,8 @@ def test_a_node_store_connection_accepted_while_a_group_is_built_survives_its_ab
 
     import torch.distributed as dist
 
-    from resilient.runtime import node
-    from resilient.runtime.pg import Group, _socket_inodes
+    from resilient.runtime.coordination import node
+    from resilient.runtime.coordination.pg import Group, _socket_inodes
 
     job = dist.HashStore()
     got = node.link(job, "node/k", rank=0, local_rank=0, size=2, timeout=5.0, forever=5.0)

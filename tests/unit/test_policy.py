@@ -12,8 +12,8 @@ import pytest
 
 from resilient.config import RestartConfig
 from resilient.errors import FaultRepeats, RestartBudgetExhausted
-from resilient.runtime.faults import FaultRecord
-from resilient.runtime.policy import RestartPolicy
+from resilient.runtime.detection.faults import FaultRecord
+from resilient.runtime.recovery.policy import RestartPolicy
 
 T0 = 1_000_000.0
 

@@ -16,7 +16,7 @@ from chaos.compare import assert_bit_exact
 from resilient.checkpoint import flushed
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import CheckpointError
-from resilient.runtime import resume
+from resilient.runtime.keeping import resume
 from resilient.state.digest import leaf_sums
 
 

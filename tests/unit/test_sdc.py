@@ -21,10 +21,10 @@ from chaos.inject import Fault
 from resilient.config import SdcConfig
 from resilient.contract import take_replace
 from resilient.errors import CorruptReplica, SilentCorruption
-from resilient.runtime import collective_check as fingerprint
-from resilient.runtime.collective_check import CollectiveCount
-from resilient.runtime.faults import FaultKind, Severity, classify
-from resilient.runtime.sdc import ReplicaCheck
+from resilient.detectors import collectives as fingerprint
+from resilient.detectors.collectives import CollectiveCount
+from resilient.runtime.detection.faults import FaultKind, Severity, classify
+from resilient.detectors.replicas import ReplicaCheck
 from resilient.state import SnapshotRing
 from resilient.state import digest as dg
 from resilient.state.snapshot import CorruptSnapshot

@@ -13,7 +13,7 @@ from torch import nn
 from resilient.config import StragglerConfig, load_config
 from resilient.contract import mark_replace, replace_path, take_replace
 from resilient.events import Event
-from resilient.runtime.straggler import (
+from resilient.detectors.stragglers import (
     LiveSettings,
     Place,
     StragglerRule,

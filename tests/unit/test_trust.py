@@ -416,8 +416,8 @@ def test_fuzz_config_values(tmp_path: Path, data: st.DataObject) -> None:
 def test_a_malformed_fault_record_is_a_fault_of_its_own_not_a_dead_listener() -> None:
     import torch.distributed as dist
 
-    from resilient.runtime.coordinator import Coordinator
-    from resilient.runtime.faults import FaultKind, FaultRecord, MalformedRecord
+    from resilient.runtime.coordination.coordinator import Coordinator
+    from resilient.runtime.detection.faults import FaultKind, FaultRecord, MalformedRecord
 
     with pytest.raises(MalformedRecord, match=r"rank='zero'"):
         FaultRecord.from_json(
@@ -435,8 +435,8 @@ def test_a_malformed_barrier_payload_fails_every_rank_alike_naming_it() -> None:
     import torch.distributed as dist
 
     from resilient.errors import CoordinationError
-    from resilient.runtime.agreement import plan_step
-    from resilient.runtime.coordinator import restore_plan
+    from resilient.runtime.coordination.agreement import plan_step
+    from resilient.runtime.coordination.coordinator import restore_plan
     from tests.unit.test_coordinator import Concurrently, ranks
 
     c = ranks(3, store=dist.HashStore())
@@ -454,7 +454,7 @@ def test_a_malformed_node_block_aborts_the_barrier_for_every_rank() -> None:
     import torch.distributed as dist
 
     from resilient.errors import PeerAborted
-    from resilient.runtime.coordinator import Coordinator
+    from resilient.runtime.coordination.coordinator import Coordinator
     from tests.unit.test_coordinator import Concurrently
 
     store = dist.HashStore()
@@ -471,7 +471,7 @@ def test_a_malformed_node_block_aborts_the_barrier_for_every_rank() -> None:
 def test_a_malformed_store_replica_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     import torch.distributed as dist
 
-    from resilient.runtime.resume import StoreReplica
+    from resilient.runtime.keeping.resume import StoreReplica
 
     store = dist.HashStore()
     rep = StoreReplica(store, "rep", 0, 1 << 20)

@@ -10,7 +10,7 @@ import pytest
 
 from resilient.config import Timeouts
 from resilient.errors import StepInterrupted
-from resilient.runtime.watchdog import MainThreadInterrupter, Monitor
+from resilient.runtime.detection.watchdog import MainThreadInterrupter, Monitor
 
 TIMEOUTS = Timeouts.derive(10.0, None)  # hang 10 s, startup 50 s
 
@@ -270,9 +270,9 @@ def test_monitor_sleeps_until_the_hang_deadline_not_on_a_fixed_poll(rt, clock, m
 def test_fault_listener_reports_a_posted_fault_and_releases_on_close():
     import torch.distributed as dist
 
-    from resilient.runtime.coordinator import Coordinator
-    from resilient.runtime.faults import FaultRecord
-    from resilient.runtime.watchdog import FaultListener
+    from resilient.runtime.coordination.coordinator import Coordinator
+    from resilient.runtime.detection.faults import FaultRecord
+    from resilient.runtime.detection.watchdog import FaultListener
 
     store = dist.HashStore()
     coord0, coord1 = (Coordinator(store, "ns", r, 2, 2.0) for r in (0, 1))
@@ -302,7 +302,7 @@ def test_fault_listener_reports_a_posted_fault_and_releases_on_close():
 
 
 def test_a_step_checks_long_wait_for_a_peer_is_said_once_with_what_holds_it_up(rt, clock, mon):
-    from resilient.runtime.collective_check import PeerWait
+    from resilient.detectors.collectives import PeerWait
 
     rt.started = True
     wait = PeerWait("ns/g0/fp/3/1", 1, since=clock.now)
@@ -328,7 +328,7 @@ def test_a_count_read_that_blocks_in_the_store_shows_as_in_flight() -> None:
     # request is in flight, so the monitor can tell a stalled store from a peer that is behind
     import torch.distributed as dist
 
-    from resilient.runtime.collective_check import CollectiveCount
+    from resilient.detectors.collectives import CollectiveCount
 
     release = threading.Event()
 

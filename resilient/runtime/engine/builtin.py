@@ -7,13 +7,13 @@ Lifecycle per generation g (states are :class:`Phase`; transitions in brackets):
                                        └──── fault ──→ RECOVERING ←┘
     RECOVERING: post fault → abort group → policy → health → barrier → agree restore step → g+1 → RUNNING
 
-:class:`NativeEngine` is configured with a :class:`~resilient.runtime.wiring.Setup`; each run
+:class:`NativeEngine` is configured with a :class:`~resilient.runtime.engine.wiring.Setup`; each run
 builds its collaborators from the wiring (:func:`collaborators`, the one factory) and a
 :class:`NativeRun` composes its parts from them: the step loop
-(:class:`~resilient.runtime.steps.StepLoop`), the keeper of snapshots beyond the ring
-(:class:`~resilient.runtime.keeping.Mirrors`), fault detection
-(:class:`~resilient.runtime.detection.Detection`) and what a recovery does between two generations
-(:class:`~resilient.runtime.recovery.Recovery`, with the restart policy).
+(:class:`~resilient.runtime.steps.loop.StepLoop`), the keeper of snapshots beyond the ring
+(:class:`~resilient.runtime.keeping.mirrors.Mirrors`), fault detection
+(:class:`~resilient.runtime.detection.notice.Detection`) and what a recovery does between two generations
+(:class:`~resilient.runtime.recovery.recovery.Recovery`, with the restart policy).
 """
 
 from __future__ import annotations
@@ -41,21 +41,21 @@ from resilient.errors import (
     StepInterrupted,
 )
 from resilient.events import Event
-from resilient.runtime import coordinator as coord_mod
-from resilient.runtime import node as node_mod
-from resilient.runtime import resume
-from resilient.runtime.detection import Detection
-from resilient.runtime.generation import PendingRestore
-from resilient.runtime.keeping import Mirrors, ring_share
-from resilient.runtime.persist import Persistence
-from resilient.runtime.policy import RestartPolicy
-from resilient.runtime.recovery import Recovery
-from resilient.runtime.session import Session
-from resilient.runtime.steps import StepLoop
-from resilient.runtime.straggler import Place, StragglerWatch, WorkMeter
-from resilient.runtime.warmup import first_use_imports
-from resilient.runtime.watchdog import HardHangTimer
-from resilient.runtime.wiring import Setup, Wiring, WiringFactory, wire
+from resilient.runtime.coordination import coordinator as coord_mod
+from resilient.runtime.coordination import node as node_mod
+from resilient.runtime.keeping import resume
+from resilient.runtime.detection.notice import Detection
+from resilient.runtime.steps.generation import PendingRestore
+from resilient.runtime.keeping.mirrors import Mirrors, ring_share
+from resilient.runtime.keeping.persist import Persistence
+from resilient.runtime.recovery.policy import RestartPolicy
+from resilient.runtime.recovery.recovery import Recovery
+from resilient.runtime.engine.session import Session
+from resilient.runtime.steps.loop import StepLoop
+from resilient.detectors.stragglers import Place, StragglerWatch, WorkMeter
+from resilient.runtime.engine.warmup import first_use_imports
+from resilient.runtime.detection.watchdog import HardHangTimer
+from resilient.runtime.engine.wiring import Setup, Wiring, WiringFactory, wire
 from resilient.state import SnapshotRing
 
 

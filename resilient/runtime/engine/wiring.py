@@ -16,10 +16,10 @@ from resilient.contract import Heartbeat
 from resilient.events import EventLog
 from resilient.launch_env import LaunchEnv
 from resilient.native import names
-from resilient.runtime import coordinator as coord_mod
-from resilient.runtime.health import Check
+from resilient.runtime.coordination import coordinator as coord_mod
+from resilient.health import Check
 from resilient.runtime.hooks import StepHook
-from resilient.runtime.pg import Group, build_group, resolve_backend
+from resilient.runtime.coordination.pg import Group, build_group, resolve_backend
 
 GroupBuilder = Callable[[int, str], Group]  # (generation, namespace) -> that generation's group
 

@@ -4,7 +4,7 @@ engines.
 Each step begins (the heartbeat, the hooks, the collective count's window) and completes (the
 liveness signal, the collective check where state is kept, the in-memory snapshot when the
 schedule says so, the events). The state of the generation being run is a
-:class:`~resilient.runtime.generation.Generation`; what outlives generations (the snapshot ring,
+:class:`~resilient.runtime.steps.generation.Generation`; what outlives generations (the snapshot ring,
 the cost) is here.
 
 The engines differ in a step at one seam, a :class:`Keeper`: where the state goes besides the
@@ -26,13 +26,13 @@ from loguru import logger
 
 from resilient.errors import CollectiveDesync, ResilienceError, SilentCorruption, StateRestoreError
 from resilient.events import Event
-from resilient.runtime.buckets import AllSame, DdpBuckets
-from resilient.runtime.collective_check import CollectiveCount, NodeLinkHolder, PeerWait
-from resilient.runtime.generation import EpochPosition, Generation, PendingRestore
-from resilient.runtime.guard import StepGuard
-from resilient.runtime.sdc import ReplicaCheck
-from resilient.runtime.session import Session
-from resilient.runtime.straggler import WorkMeter
+from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
+from resilient.detectors.collectives import CollectiveCount, NodeLinkHolder, PeerWait
+from resilient.runtime.steps.generation import EpochPosition, Generation, PendingRestore
+from resilient.detectors.guard import StepGuard
+from resilient.detectors.replicas import ReplicaCheck
+from resilient.runtime.engine.session import Session
+from resilient.detectors.stragglers import WorkMeter
 from resilient.state import SnapshotRing
 from resilient.state.digest import Leaf
 from resilient.state.loader import batches_consumed, finish_pass
@@ -136,7 +136,7 @@ class Cost:
 class StepLoop:
     """``ctx``'s runtime side (see the module docstring). ``count_via``: the coordinator whose
     node link the collective count posts through, if any; ``work``: what times each rank's own
-    work for straggler detection (:mod:`resilient.runtime.straggler`), if anything does."""
+    work for straggler detection (:mod:`resilient.detectors.stragglers`), if anything does."""
 
     def __init__(
         self,

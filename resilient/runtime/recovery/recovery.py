@@ -28,16 +28,16 @@ from resilient.errors import (
     StepInterrupted,
 )
 from resilient.events import Event
-from resilient.runtime.agreement import plan_step
-from resilient.runtime.buckets import agreed
-from resilient.runtime.coordinator import Coordinator
-from resilient.runtime.detection import Detection
-from resilient.runtime.exits import raised_as_itself
-from resilient.runtime.faults import FaultKind, FaultRecord, Severity
-from resilient.runtime.generation import PendingRestore
-from resilient.runtime.keeping import Mirrors
-from resilient.runtime.policy import RestartPolicy
-from resilient.runtime.steps import StepLoop
+from resilient.runtime.coordination.agreement import plan_step
+from resilient.runtime.keeping.buckets import agreed
+from resilient.runtime.coordination.coordinator import Coordinator
+from resilient.runtime.detection.notice import Detection
+from resilient.runtime.engine.exits import raised_as_itself
+from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.steps.generation import PendingRestore
+from resilient.runtime.keeping.mirrors import Mirrors
+from resilient.runtime.recovery.policy import RestartPolicy
+from resilient.runtime.steps.loop import StepLoop
 
 
 class Recovery:
@@ -174,7 +174,7 @@ class Recovery:
 
     def _attribute(self, gen: int) -> None:
         """Replicas differed: every rank's digests of its last windows, exchanged, name the
-        corrupt one where a majority can (runtime/sdc.py); one named twice exits."""
+        corrupt one where a majority can (detectors/replicas.py); one named twice exits."""
         sdc = self.loop.sdc
         if sdc is None:
             return

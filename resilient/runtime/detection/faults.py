@@ -34,7 +34,7 @@ class FaultKind(str, enum.Enum):
     PEER = "peer"  # this rank was pulled out because another rank faulted
     PREEMPT = "preempt"  # a preemption signal: save a final checkpoint and exit for requeue
     CUDA = "cuda"  # a sticky CUDA error: the context is unusable, in-process recovery is impossible
-    DESYNC = "desync"  # ranks issued different collectives in one step (runtime/collective_check.py)
+    DESYNC = "desync"  # ranks issued different collectives in one step (detectors/collectives.py)
     DIED = "died"  # a rank's process died (posted by the launcher's agent, which replaces it)
     MALFORMED = "malformed"  # a record a peer left in the store does not parse (reported, recovered)
     NONFINITE = "nonfinite"  # a NaN/Inf gradient or loss, caught before the optimizer applied it

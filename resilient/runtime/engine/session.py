@@ -1,7 +1,7 @@
 """The run in this process: who this rank is, what the wiring connected it to, and what the run
 reports about itself — the part both engines share, outliving every generation.
 
-A :class:`Session` is built from a :class:`~resilient.runtime.wiring.Wiring` (the store, the run
+A :class:`Session` is built from a :class:`~resilient.runtime.engine.wiring.Wiring` (the store, the run
 id agreed with the peers, the event log, the group builder, the launcher's heartbeat) with no
 side effects; :meth:`Session.open` then starts the heartbeat and writes ``run_started``;
 :meth:`Session.close` releases what the wiring brought, the event log last. In between, the
@@ -25,19 +25,19 @@ from resilient.contract import mark_unhealthy, run_namespace
 from resilient.errors import HealthCheckFailed
 from resilient.events import Event, EventLog
 from resilient.launch_env import Var
-from resilient.runtime.agreement import all_hold
-from resilient.runtime.collective_check import issued_on_default_group
-from resilient.runtime.faults import FaultRecord
-from resilient.runtime.health import HealthInput, run_checks
+from resilient.runtime.coordination.agreement import all_hold
+from resilient.detectors.collectives import issued_on_default_group
+from resilient.runtime.detection.faults import FaultRecord
+from resilient.health import HealthInput, run_checks
 from resilient.runtime.hooks import RunInfo
-from resilient.runtime.schedule import SnapshotSchedule
-from resilient.runtime.stacks import main_thread_where
-from resilient.runtime.wiring import Setup, Wiring
+from resilient.runtime.keeping.schedule import SnapshotSchedule
+from resilient.runtime.detection.stacks import main_thread_where
+from resilient.runtime.engine.wiring import Setup, Wiring
 
 
 class Session:
     """See the module docstring. ``generation``: the generation being run or recovered from, the
-    one counter both engines advance (a :class:`~resilient.runtime.generation.Generation` is
+    one counter both engines advance (a :class:`~resilient.runtime.steps.generation.Generation` is
     what one of them holds)."""
 
     def __init__(

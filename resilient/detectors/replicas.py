@@ -35,7 +35,7 @@ from resilient.config import SdcConfig
 from resilient.contract import mark_replace
 from resilient.errors import CorruptReplica
 from resilient.events import Event
-from resilient.runtime.session import Session
+from resilient.runtime.engine.session import Session
 from resilient.state.digest import Group, Leaf, digest, group_id, leaf_sums, replica_sets
 
 KEEP = 3  # windows whose digests are kept for the attribution (the one that differed is among them)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilient.runtime.collective_check import CollectiveCount
-from resilient.runtime.pg import Group
+from resilient.detectors.collectives import CollectiveCount
+from resilient.runtime.coordination.pg import Group
 from resilient.state import Registry
 
 

@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from resilient.config import GuardConfig
 from resilient.errors import FaultRepeats, NonFiniteStep, SpikeStep, StepRejected
 from resilient.events import Event, EventLog
-from resilient.runtime.faults import FaultKind, FaultRecord
+from resilient.runtime.detection.faults import FaultKind, FaultRecord
 
 LOSS = "loss"  # the window of the observed loss (optimizers' windows are named after them)
 REJECTED = ": the step is not applied; rolled back"

@@ -49,14 +49,14 @@ from resilient.config import Config
 from resilient.contract import die_with_launcher
 from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted, SetupFailed
 from resilient.events import Event
-from resilient.runtime import pg
-from resilient.runtime.agreement import common_restore_step
-from resilient.runtime.faults import FaultKind, FaultRecord, Severity
-from resilient.runtime.policy import RestartPolicy
-from resilient.runtime.session import Session
-from resilient.runtime.stacks import main_thread_where
-from resilient.runtime.steps import RingOnly, StepLoop
-from resilient.runtime.wiring import Setup, WiringFactory, wire
+from resilient.runtime.coordination import pg
+from resilient.runtime.coordination.agreement import common_restore_step
+from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.recovery.policy import RestartPolicy
+from resilient.runtime.engine.session import Session
+from resilient.runtime.detection.stacks import main_thread_where
+from resilient.runtime.steps.loop import RingOnly, StepLoop
+from resilient.runtime.engine.wiring import Setup, WiringFactory, wire
 from resilient.state import SnapshotRing
 
 S = datetime.timedelta

@@ -35,7 +35,7 @@ from resilient.checkpoint.writer import part_name, report_failure
 from resilient.config import CheckpointConfig
 from resilient.errors import CheckpointError, NoValidCheckpoint
 from resilient.events import Event, EventLog
-from resilient.runtime.coordinator import REDUCE
+from resilient.runtime.coordination.coordinator import REDUCE
 
 
 class Persistence:

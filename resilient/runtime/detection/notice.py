@@ -12,7 +12,7 @@ handler raises :class:`~resilient.errors.StepInterrupted`):
   re-arms at every step kills the process, for the launcher.
 
 :class:`Detection` owns those threads and the interrupter, and answers the monitor
-(:class:`~resilient.runtime.watchdog.Watched`). The engine tells it which generation may be
+(:class:`~resilient.runtime.detection.watchdog.Watched`). The engine tells it which generation may be
 interrupted (``running``); the step loop tells it where the step is.
 """
 
@@ -27,13 +27,13 @@ import torch.distributed as dist
 from loguru import logger
 
 from resilient.events import Event
-from resilient.runtime.collective_check import PeerWait
-from resilient.runtime.coordinator import Coordinator
-from resilient.runtime.faults import FaultKind, FaultRecord, Severity
-from resilient.runtime.session import Session
-from resilient.runtime.stacks import all_stacks, main_thread_where
-from resilient.runtime.steps import StepLoop
-from resilient.runtime.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
+from resilient.detectors.collectives import PeerWait
+from resilient.runtime.coordination.coordinator import Coordinator
+from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.engine.session import Session
+from resilient.runtime.detection.stacks import all_stacks, main_thread_where
+from resilient.runtime.steps.loop import StepLoop
+from resilient.runtime.detection.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
 
 
 class Detection:

@@ -1,4 +1,4 @@
-"""The native engine's :class:`~resilient.runtime.steps.Keeper`: where state goes besides the ring.
+"""The native engine's :class:`~resilient.runtime.steps.loop.Keeper`: where state goes besides the ring.
 
 - Under ``resilient launch`` each snapshot is also mirrored where it outlives the process: this
   node's shared memory, and its small objects to the job's store (which outlives the node). That
@@ -26,12 +26,12 @@ from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import CheckpointError, StateRestoreError, StepInterrupted
 from resilient.events import Event
 from resilient.launch_env import LaunchEnv
-from resilient.runtime import resume
-from resilient.runtime.coordinator import Coordinator
-from resilient.runtime.generation import Generation
-from resilient.runtime.persist import Persistence
-from resilient.runtime.schedule import SnapshotSchedule
-from resilient.runtime.session import Session
+from resilient.runtime.keeping import resume
+from resilient.runtime.coordination.coordinator import Coordinator
+from resilient.runtime.steps.generation import Generation
+from resilient.runtime.keeping.persist import Persistence
+from resilient.runtime.keeping.schedule import SnapshotSchedule
+from resilient.runtime.engine.session import Session
 from resilient.state import Registry, SnapshotRing
 from resilient.state.digest import Leaf
 from resilient.state.dtensor import live_meshes

@@ -13,7 +13,7 @@ _COLLECTIVE_MODULES = (
     "torch/distributed/",
     "torch/autograd/",
     "torch/nn/parallel/distributed.py",
-    "resilient/runtime/collective_check.py",  # waiting for a peer's collective count: a victim's wait too
+    "resilient/detectors/collectives.py",  # waiting for a peer's collective count: a victim's wait too
 )
 
 

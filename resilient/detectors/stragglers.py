@@ -17,7 +17,7 @@ otherwise); docs/recovery.md#stragglers has the measurement that chose this figu
 
 :class:`StragglerWatch` (a daemon thread, one per rank) posts the rank's mean work per step every
 ``straggler.check_s`` to the store: on its node's store when the rank is linked to one
-(:mod:`resilient.runtime.node`), where the node's leader collects the node's figures into one
+(:mod:`resilient.runtime.coordination.node`), where the node's leader collects the node's figures into one
 append to the job's store; else straight to the job's store. Local rank 0 of each node reads the
 window's figures with one request and judges its own node's ranks (:class:`StragglerRule`), so the
 job's store sees O(1) requests per node per check when nodes are linked. A straggler is reported
@@ -336,7 +336,7 @@ class StragglerWatch:
         self.meter = meter
         self.store = store
         self.emit = emit  # (event, **fields)
-        self.node = node  # the node link (resilient.runtime.node.NodeLink) or None
+        self.node = node  # the node link (resilient.runtime.coordination.node.NodeLink) or None
         self.mark = mark  # (local rank, detail) -> marked for its agent; None: not under the launcher
         self.settings = LiveSettings(cfg, settings)
         self.rule = StragglerRule(clock)

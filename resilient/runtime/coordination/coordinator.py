@@ -18,7 +18,7 @@ in; the last to arrive reads every payload once, reduces them (the step every ra
 any/all of a vote, rank 0's choice) and writes the result into the release key every rank reads.
 (Every rank reading every payload was O(N²) keys at the server: 268 M at 16,384 ranks.)
 When the job spans several nodes, a node's ranks meet on their node's own store first and reach
-the job's as one (:mod:`resilient.runtime.node`): a barrier's payloads then arrive in blocks
+the job's as one (:mod:`resilient.runtime.coordination.node`): a barrier's payloads then arrive in blocks
 (``<name>/b/<first rank>``, listed in ``<name>/blocks``), each counting as many ranks as it holds.
 docs/control-plane.md lists every key, who writes and reads it, and how often.
 """
@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 from resilient.errors import CoordinationError, PeerAborted
 from resilient.launch_env import Endpoint, LaunchEnv
-from resilient.runtime.agreement import REDUCE, restore_plan
-from resilient.runtime.faults import FaultRecord
-from resilient.runtime.node import NodeLink, NodeLinkLost
+from resilient.runtime.coordination.agreement import REDUCE, restore_plan
+from resilient.runtime.detection.faults import FaultRecord
+from resilient.runtime.coordination.node import NodeLink, NodeLinkLost
 
 OK = "ok"
 _NEVER = "\x00never"  # an expected value no key holds: compare_set(k, _NEVER, _NEVER) only reads k

@@ -32,7 +32,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from resilient.runtime.pg import protect_store_port
+from resilient.runtime.coordination.pg import protect_store_port
 
 
 class NodeLinkLost(RuntimeError):

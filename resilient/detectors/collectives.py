@@ -25,7 +25,7 @@ A rank blocked in a collective its peer never issued never reaches the next chec
 sees a hang, and :meth:`CollectiveCount.diagnose` turns it into a desync when a neighbour
 completed the same window after fewer collectives than this rank has issued in it so far.
 
-On a job linked by node (:mod:`resilient.runtime.node`), ring neighbours on one node compare on
+On a job linked by node (:mod:`resilient.runtime.coordination.node`), ring neighbours on one node compare on
 their node's store; a node's first rank also posts to the job's store, where the previous node's
 last rank reads it: the job's server sees two requests per node and check.
 
@@ -50,7 +50,7 @@ from typing import NamedTuple, Protocol
 import torch.distributed as dist
 
 from resilient.errors import CollectiveDesync, SilentCorruption
-from resilient.runtime.node import NodeLink, NodeLinkLost
+from resilient.runtime.coordination.node import NodeLink, NodeLinkLost
 from resilient.state.digest import Group, group_id, next_member
 
 __all__ = ["CollectiveCount", "CollectiveDesync", "SilentCorruption", "issued_on_default_group"]
