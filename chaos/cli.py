@@ -1,7 +1,7 @@
 """``chaos`` command line: the recovery certificate, the injectors, fault plans.
 
-chaos certify configs/chaos/cpu.yaml --out chaos_out [--classes sigkill,hang] [--trials N] [-- train.py --my-args]
-chaos run configs/chaos/schedule.yaml --out chaos_run [-- train.py --my-args]
+chaos certify configs/chaos/cpu.yaml --out chaos_out [--classes sigkill,hang] [--trials N] [-- train.py ...]
+chaos run configs/chaos/schedule.yaml --out chaos_run [-- train.py ...]
 chaos stream configs/chaos/soak.yaml --out chaos_soak [--faults N]
 """
 
@@ -17,7 +17,6 @@ from chaos.faults import REGISTRY
 from chaos.inject import Injector
 from chaos.schedule import BadInput
 from resilient.argtypes import count
-
 
 # the subcommands that take a training command after ``--`` (instead of the config's ``job.command``)
 _TAKE_COMMAND = ("certify", "run")

@@ -25,8 +25,8 @@ from resilient.errors import (
     StepInterrupted,
 )
 from resilient.events import Event, read_events, read_run_events
-from resilient.runtime.context import Context
 from resilient.health import CheckResult, HealthInput
+from resilient.runtime.context import Context
 from resilient.runtime.hooks import Hook, RunInfo, StepHook
 from resilient.runtime.wrapper import current, wrap
 

@@ -28,7 +28,7 @@ from resilient.config import Config, load_config
 from resilient.errors import ResilienceError
 from resilient.integrations._lightning_state import StepMarks, TrainerState, fit_loop_continues, set_epoch
 from resilient.launch_env import LaunchEnv
-from resilient.launcher.standby import parking
+from resilient.runtime.standby import parking
 from resilient.state.loader import is_stateful_loader, make_resumable
 
 # DDPStrategy's own arguments besides the DistributedDataParallel keywords it passes through

@@ -9,15 +9,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, overload
 
 from resilient.config import Config, load_config
-from resilient.launcher.standby import park_until_promoted, parking
+from resilient.health import Check
 from resilient.runtime import hooks as hooks_mod
 from resilient.runtime.context import Context
-from resilient.runtime.engine.exits import excepthook_exit_codes
-from resilient.health import Check
-from resilient.runtime.hooks import StepHook
 from resilient.runtime.engine.builtin import NativeEngine, freeze_gc
-from resilient.runtime.steps.loop import StepLoop
+from resilient.runtime.engine.exits import excepthook_exit_codes
 from resilient.runtime.engine.wiring import Setup
+from resilient.runtime.hooks import StepHook
+from resilient.runtime.standby import park_until_promoted, parking
+from resilient.runtime.steps.loop import StepLoop
 
 F = TypeVar("F", bound=Callable[..., Any])
 

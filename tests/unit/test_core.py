@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 
 from resilient.config import Config, load_config
+from resilient.detectors import collectives as fingerprint
 from resilient.errors import FaultRepeats, HealthCheckFailed, ResilienceError, StateRestoreError
 from resilient.events import EventLog, read_events
-from resilient.launch_env import LaunchEnv
-from resilient.detectors import collectives as fingerprint
-from resilient.runtime.coordination.agreement import common_restore_step
-from resilient.runtime.context import Context
 from resilient.health import CheckResult, HealthInput
-from resilient.runtime.hooks import Hook, RunInfo
+from resilient.launch_env import LaunchEnv
+from resilient.runtime.context import Context
+from resilient.runtime.coordination.agreement import common_restore_step
 from resilient.runtime.engine.builtin import NativeEngine
-from resilient.runtime.steps.loop import StepLoop
 from resilient.runtime.engine.wiring import Setup, Wiring
+from resilient.runtime.hooks import Hook, RunInfo
+from resilient.runtime.steps.loop import StepLoop
 
 STEPS = 12
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from resilient.config import GuardConfig
+from resilient.detectors.guard import StepGuard, Window, grad_norm
 from resilient.errors import FaultRepeats, NonFiniteStep, SpikeStep
 from resilient.runtime.context import Context
 from resilient.runtime.detection.faults import FaultKind, FaultRecord, classify
-from resilient.detectors.guard import StepGuard, Window, grad_norm
 
 
 class Events:

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient.config import HealthConfig
 from resilient import health
+from resilient.config import HealthConfig
 from resilient.health import CheckResult, HealthInput, run_checks
 
 

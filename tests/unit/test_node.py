@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from resilient.errors import PeerAborted
 from resilient.detectors import collectives as fingerprint
-from resilient.runtime.coordination import node as node_mod
 from resilient.detectors.collectives import CollectiveCount, CollectiveDesync
+from resilient.errors import PeerAborted
+from resilient.runtime.coordination import node as node_mod
 from resilient.runtime.coordination.coordinator import Coordinator
 from tests.unit.test_coordinator import NS, Concurrently, Counting, record
 

@@ -20,11 +20,11 @@ from chaos.faults.bitflip import Bitflip, flip_bit
 from chaos.inject import Fault
 from resilient.config import SdcConfig
 from resilient.contract import take_replace
-from resilient.errors import CorruptReplica, SilentCorruption
 from resilient.detectors import collectives as fingerprint
 from resilient.detectors.collectives import CollectiveCount
-from resilient.runtime.detection.faults import FaultKind, Severity, classify
 from resilient.detectors.replicas import ReplicaCheck
+from resilient.errors import CorruptReplica, SilentCorruption
+from resilient.runtime.detection.faults import FaultKind, Severity, classify
 from resilient.state import SnapshotRing
 from resilient.state import digest as dg
 from resilient.state.snapshot import CorruptSnapshot

@@ -95,7 +95,7 @@ def _parking_script(tmp_path: Path, top: str) -> tuple[Path, Path]:
         f"open({str(tmp_path / 'top.log')!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
         f"{top}\n"
         "print('top level ran')\n"
-        "from resilient.launcher.standby import park_until_promoted\n"
+        "from resilient.runtime.standby import park_until_promoted\n"
         "park_until_promoted()\n"
         "print('promoted')\n"
         "seen = {'name': __name__, 'argv': sys.argv, 'rank': os.environ['RANK'], 'stdin': sys.stdin.read()}\n"

@@ -12,7 +12,6 @@ from torch import nn
 
 from resilient.config import StragglerConfig, load_config
 from resilient.contract import mark_replace, replace_path, take_replace
-from resilient.events import Event
 from resilient.detectors.stragglers import (
     LiveSettings,
     Place,
@@ -22,6 +21,7 @@ from resilient.detectors.stragglers import (
     local_module,
     parse_figures,
 )
+from resilient.events import Event
 
 
 class Clock:

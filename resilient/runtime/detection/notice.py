@@ -26,14 +26,14 @@ from collections.abc import Callable
 import torch.distributed as dist
 from loguru import logger
 
-from resilient.events import Event
 from resilient.detectors.collectives import PeerWait
+from resilient.events import Event
 from resilient.runtime.coordination.coordinator import Coordinator
 from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity
-from resilient.runtime.engine.session import Session
 from resilient.runtime.detection.stacks import all_stacks, main_thread_where
-from resilient.runtime.steps.loop import StepLoop
 from resilient.runtime.detection.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
+from resilient.runtime.engine.session import Session
+from resilient.runtime.steps.loop import StepLoop
 
 
 class Detection:

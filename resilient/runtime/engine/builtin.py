@@ -32,6 +32,7 @@ from loguru import logger
 from resilient.checkpoint import flushed
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.contract import die_with_launcher, mark_replace
+from resilient.detectors.stragglers import Place, StragglerWatch, WorkMeter
 from resilient.errors import (
     CoordinationError,
     HardFault,
@@ -43,19 +44,18 @@ from resilient.errors import (
 from resilient.events import Event
 from resilient.runtime.coordination import coordinator as coord_mod
 from resilient.runtime.coordination import node as node_mod
-from resilient.runtime.keeping import resume
 from resilient.runtime.detection.notice import Detection
-from resilient.runtime.steps.generation import PendingRestore
+from resilient.runtime.detection.watchdog import HardHangTimer
+from resilient.runtime.engine.session import Session
+from resilient.runtime.engine.warmup import first_use_imports
+from resilient.runtime.engine.wiring import Setup, Wiring, WiringFactory, wire
+from resilient.runtime.keeping import resume
 from resilient.runtime.keeping.mirrors import Mirrors, ring_share
 from resilient.runtime.keeping.persist import Persistence
 from resilient.runtime.recovery.policy import RestartPolicy
 from resilient.runtime.recovery.recovery import Recovery
-from resilient.runtime.engine.session import Session
+from resilient.runtime.steps.generation import PendingRestore
 from resilient.runtime.steps.loop import StepLoop
-from resilient.detectors.stragglers import Place, StragglerWatch, WorkMeter
-from resilient.runtime.engine.warmup import first_use_imports
-from resilient.runtime.detection.watchdog import HardHangTimer
-from resilient.runtime.engine.wiring import Setup, Wiring, WiringFactory, wire
 from resilient.state import SnapshotRing
 
 

@@ -52,11 +52,11 @@ from resilient.events import Event
 from resilient.runtime.coordination import pg
 from resilient.runtime.coordination.agreement import common_restore_step
 from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity
-from resilient.runtime.recovery.policy import RestartPolicy
-from resilient.runtime.engine.session import Session
 from resilient.runtime.detection.stacks import main_thread_where
-from resilient.runtime.steps.loop import RingOnly, StepLoop
+from resilient.runtime.engine.session import Session
 from resilient.runtime.engine.wiring import Setup, WiringFactory, wire
+from resilient.runtime.recovery.policy import RestartPolicy
+from resilient.runtime.steps.loop import RingOnly, StepLoop
 from resilient.state import SnapshotRing
 
 S = datetime.timedelta

@@ -22,17 +22,17 @@ import torch.distributed as dist
 from loguru import logger
 
 from resilient.contract import mark_unhealthy, run_namespace
+from resilient.detectors.collectives import issued_on_default_group
 from resilient.errors import HealthCheckFailed
 from resilient.events import Event, EventLog
+from resilient.health import HealthInput, run_checks
 from resilient.launch_env import Var
 from resilient.runtime.coordination.agreement import all_hold
-from resilient.detectors.collectives import issued_on_default_group
 from resilient.runtime.detection.faults import FaultRecord
-from resilient.health import HealthInput, run_checks
-from resilient.runtime.hooks import RunInfo
-from resilient.runtime.keeping.schedule import SnapshotSchedule
 from resilient.runtime.detection.stacks import main_thread_where
 from resilient.runtime.engine.wiring import Setup, Wiring
+from resilient.runtime.hooks import RunInfo
+from resilient.runtime.keeping.schedule import SnapshotSchedule
 
 
 class Session:

@@ -14,12 +14,12 @@ import torch.distributed as dist
 from resilient.config import Config
 from resilient.contract import Heartbeat
 from resilient.events import EventLog
+from resilient.health import Check
 from resilient.launch_env import LaunchEnv
 from resilient.native import names
 from resilient.runtime.coordination import coordinator as coord_mod
-from resilient.health import Check
-from resilient.runtime.hooks import StepHook
 from resilient.runtime.coordination.pg import Group, build_group, resolve_backend
+from resilient.runtime.hooks import StepHook
 
 GroupBuilder = Callable[[int, str], Group]  # (generation, namespace) -> that generation's group
 

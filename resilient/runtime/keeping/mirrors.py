@@ -26,12 +26,12 @@ from resilient.checkpoint.shm import ShmSnapshot
 from resilient.errors import CheckpointError, StateRestoreError, StepInterrupted
 from resilient.events import Event
 from resilient.launch_env import LaunchEnv
-from resilient.runtime.keeping import resume
 from resilient.runtime.coordination.coordinator import Coordinator
-from resilient.runtime.steps.generation import Generation
+from resilient.runtime.engine.session import Session
+from resilient.runtime.keeping import resume
 from resilient.runtime.keeping.persist import Persistence
 from resilient.runtime.keeping.schedule import SnapshotSchedule
-from resilient.runtime.engine.session import Session
+from resilient.runtime.steps.generation import Generation
 from resilient.state import Registry, SnapshotRing
 from resilient.state.digest import Leaf
 from resilient.state.dtensor import live_meshes

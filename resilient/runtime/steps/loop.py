@@ -24,15 +24,15 @@ from typing import Any, Protocol
 import torch
 from loguru import logger
 
-from resilient.errors import CollectiveDesync, ResilienceError, SilentCorruption, StateRestoreError
-from resilient.events import Event
-from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
 from resilient.detectors.collectives import CollectiveCount, NodeLinkHolder, PeerWait
-from resilient.runtime.steps.generation import EpochPosition, Generation, PendingRestore
 from resilient.detectors.guard import StepGuard
 from resilient.detectors.replicas import ReplicaCheck
-from resilient.runtime.engine.session import Session
 from resilient.detectors.stragglers import WorkMeter
+from resilient.errors import CollectiveDesync, ResilienceError, SilentCorruption, StateRestoreError
+from resilient.events import Event
+from resilient.runtime.engine.session import Session
+from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
+from resilient.runtime.steps.generation import EpochPosition, Generation, PendingRestore
 from resilient.state import SnapshotRing
 from resilient.state.digest import Leaf
 from resilient.state.loader import batches_consumed, finish_pass
