@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from resilient.config import GuardConfig
 from resilient.errors import FaultRepeats, NonFiniteStep, SpikeStep, StepRejected
 from resilient.events import Event, EventLog
-from resilient.runtime.detection.faults import FaultKind, FaultRecord
+from resilient.runtime.detection.faults import FaultRecord, Symptom
 
 LOSS = "loss"  # the window of the observed loss (optimizers' windows are named after them)
 REJECTED = ": the step is not applied; rolled back"
@@ -264,7 +264,7 @@ class StepGuard:
         if factor > 0 and len(window) >= self.cfg.warmup:
             median = window.median()
             if median > 0 and value > factor * median:
-                if self.faulted.get(s) == FaultKind.SPIKE.value and self.cfg.on_spike == "accept":
+                if self.faulted.get(s) == Symptom.SPIKE.value and self.cfg.on_spike == "accept":
                     self.events.emit(
                         Event.SPIKE_ACCEPTED, generation=self._generation(), step=step, value=value,
                         median=median, what=what, batch=self._where(),
@@ -288,14 +288,14 @@ class StepGuard:
         policy's verdict). A guard fault seen at this step before is the data's: stop (raises
         :class:`FaultRepeats`) or skip the batch, as configured."""
         kind, step = fault.kind, fault.step
-        if kind not in (FaultKind.NONFINITE.value, FaultKind.SPIKE.value) or step is None:
+        if kind not in (Symptom.NONFINITE.value, Symptom.SPIKE.value) or step is None:
             return
         if self.faulted.get(step) == kind:
-            how = self.cfg.on_nonfinite if kind == FaultKind.NONFINITE.value else self.cfg.on_spike
+            how = self.cfg.on_nonfinite if kind == Symptom.NONFINITE.value else self.cfg.on_spike
             if how == "skip_batch":
                 self.skip.add(step)
             elif how == "stop":
-                what = "on_nonfinite" if kind == FaultKind.NONFINITE.value else "on_spike"
+                what = "on_nonfinite" if kind == Symptom.NONFINITE.value else "on_spike"
                 raise FaultRepeats(
                     step,
                     f"{fault.message.split(': ', 1)[-1].removesuffix(REJECTED)}: it came back on replay, so "

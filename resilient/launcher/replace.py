@@ -91,7 +91,7 @@ class Replacer:
     def _post_death(self, env: dict[str, str], global_rank: int, beat: Beat, message: str) -> bool:
         """The dead rank's fault in the workers' store: its survivors' listeners wake at once."""
         from resilient.runtime.coordination.coordinator import Coordinator, client
-        from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity, signature
+        from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom, signature
 
         try:
             if self._store_client is None:
@@ -103,9 +103,9 @@ class Replacer:
                 rank=global_rank,
                 generation=beat.generation,
                 step=beat.step,
-                kind=FaultKind.DIED.value,
+                kind=Symptom.DIED.value,
                 severity=Severity.SOFT.value,
-                signature=signature(FaultKind.DIED, RuntimeError(message.split(" ", 2)[-1])),
+                signature=signature(Symptom.DIED, RuntimeError(message.split(" ", 2)[-1])),
                 message=f"worker process of {message}",
             )
             coord.post_fault(rec)

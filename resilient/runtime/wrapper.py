@@ -12,7 +12,7 @@ from resilient.config import Config, load_config
 from resilient.health import Check
 from resilient.runtime import hooks as hooks_mod
 from resilient.runtime.context import Context
-from resilient.runtime.engine.builtin import NativeEngine, freeze_gc
+from resilient.runtime.engine.builtin import BuiltinEngine, freeze_gc
 from resilient.runtime.engine.exits import excepthook_exit_codes
 from resilient.runtime.engine.wiring import Setup
 from resilient.runtime.hooks import StepHook
@@ -32,12 +32,12 @@ class Engine(Protocol):
 
 
 def engine_for(setup: Setup) -> Engine:
-    """The engine ``engine:`` names (``resilient``: the native one; ``nvrx``: NVRx's Wrapper)."""
+    """The engine ``engine:`` names (``resilient``: the built-in one; ``nvrx``: NVRx's Wrapper)."""
     if setup.cfg.engine == "nvrx":
         from resilient.runtime.engine.nvrx import NvrxEngine
 
         return NvrxEngine(setup)
-    return NativeEngine(setup)
+    return BuiltinEngine(setup)
 
 
 _current: Context | None = None

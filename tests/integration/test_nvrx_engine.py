@@ -1,7 +1,7 @@
 """``engine: nvrx``: the same decorated example under NVRx's in-process Wrapper, real faults.
 
 NVRx detects and restarts; our snapshot ring restores the state. The final state must equal the
-fault-free run's (made by the native engine: the engines must not change what is computed)."""
+fault-free run's (made by the built-in engine: the engines must not change what is computed)."""
 
 from __future__ import annotations
 

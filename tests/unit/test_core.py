@@ -1,6 +1,6 @@
 """The engine core's state machine in one process, with fakes for its collaborators.
 
-The native engine runs here as it does under torchrun, except that its wiring is handed in: an
+The built-in engine runs here as it does under torchrun, except that its wiring is handed in: an
 in-memory store (torch's HashStore), a group builder that builds no process group, a temporary
 event log. A fault is a real exception raised in the step; recovery, the restart policy, health
 checks, the restore agreement and the hooks run exactly as in production.
@@ -25,7 +25,7 @@ from resilient.health import CheckResult, HealthInput
 from resilient.launch_env import LaunchEnv
 from resilient.runtime.context import Context
 from resilient.runtime.coordination.agreement import common_restore_step
-from resilient.runtime.engine.builtin import NativeEngine
+from resilient.runtime.engine.builtin import BuiltinEngine
 from resilient.runtime.engine.wiring import Setup, Wiring
 from resilient.runtime.hooks import Hook, RunInfo
 from resilient.runtime.steps.loop import StepLoop
@@ -78,7 +78,7 @@ def _cfg(**overrides: Any) -> Config:
 
 
 def _train(
-    rt: NativeEngine, fault_at: Callable[[int, int], bool]
+    rt: BuiltinEngine, fault_at: Callable[[int, int], bool]
 ) -> Callable[[StepLoop], dict[str, torch.Tensor]]:
     """A model with dropout and an optimizer; ``fault_at(generation, step)`` raises in that step."""
 
@@ -100,8 +100,10 @@ def _train(
     return fn
 
 
-def _runtime(fakes: Fakes, cfg: Config | None = None, **kw: Any) -> NativeEngine:
-    return NativeEngine(Setup.of(cfg or _cfg(), launch=LaunchEnv.from_environ({}), **kw), wiring=fakes.wiring)
+def _runtime(fakes: Fakes, cfg: Config | None = None, **kw: Any) -> BuiltinEngine:
+    return BuiltinEngine(
+        Setup.of(cfg or _cfg(), launch=LaunchEnv.from_environ({}), **kw), wiring=fakes.wiring
+    )
 
 
 def test_an_exception_is_recovered_in_process_and_ends_bit_exact(tmp_path: Path) -> None:
@@ -146,7 +148,7 @@ def test_a_failed_health_check_tells_the_agent_and_is_raised_typed(tmp_path: Pat
     def disk_gone(inp: HealthInput) -> CheckResult:
         return CheckResult("scratch_disk", False, "0 MB", "the node's scratch disk vanished")
 
-    rt = NativeEngine(Setup.of(_cfg(), [disk_gone], launch=launch), wiring=fakes.wiring)
+    rt = BuiltinEngine(Setup.of(_cfg(), [disk_gone], launch=launch), wiring=fakes.wiring)
     with pytest.raises(HealthCheckFailed, match="scratch_disk"):
         rt.run(_train(rt, lambda g, s: s == 3))
     verdict = json.loads((hb / "rank00000.unhealthy").read_text())
@@ -252,7 +254,7 @@ def test_a_rank_holding_no_snapshot_failed_before_its_first_step() -> None:
 
 
 def _epochs_train(
-    rt: NativeEngine, fault_at: Callable[[int, int], bool]
+    rt: BuiltinEngine, fault_at: Callable[[int, int], bool]
 ) -> Callable[[StepLoop], dict[str, Any]]:
     """A tutorial epoch loop: a shuffled DataLoader, dropout, and end-of-epoch code that uses the
     epoch's last loss and steps a per-epoch scheduler."""

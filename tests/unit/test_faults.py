@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.errors import StepInterrupted
-from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity, classify, signature
+from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom, classify, signature
 
 GLOO_CLOSED = (
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"
@@ -25,7 +25,7 @@ def sig_of(exc: BaseException) -> str:
 
 def test_torch_out_of_memory_error_is_soft_oom():
     assert classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) == (
-        FaultKind.OOM,
+        Symptom.OOM,
         Severity.SOFT,
     )
 
@@ -33,47 +33,47 @@ def test_torch_out_of_memory_error_is_soft_oom():
 def test_real_host_allocation_failure_is_soft_oom():
     with pytest.raises(RuntimeError, match="can't allocate memory") as ei:
         torch.empty(10**15, dtype=torch.uint8)
-    assert classify(ei.value) == (FaultKind.OOM, Severity.SOFT)
+    assert classify(ei.value) == (Symptom.OOM, Severity.SOFT)
 
 
 def test_python_memory_error_is_oom():
-    assert classify(MemoryError()) == (FaultKind.OOM, Severity.SOFT)
+    assert classify(MemoryError()) == (Symptom.OOM, Severity.SOFT)
 
 
 @pytest.mark.parametrize(
     "msg", [GLOO_CLOSED, GLOO_TIMEOUT, "Connection closed by peer [10.0.0.1]:4000", "Broken pipe"]
 )
 def test_gloo_failures_are_soft_collective(msg: str):
-    assert classify(RuntimeError(msg)) == (FaultKind.COLLECTIVE, Severity.SOFT)
+    assert classify(RuntimeError(msg)) == (Symptom.COLLECTIVE, Severity.SOFT)
 
 
 def test_dist_backend_error_is_collective_by_type():
     # no collective keyword in the message: the type alone decides
     exc = dist.DistBackendError("something went wrong")
-    assert classify(exc) == (FaultKind.COLLECTIVE, Severity.SOFT)
+    assert classify(exc) == (Symptom.COLLECTIVE, Severity.SOFT)
 
 
 def test_sticky_cuda_error_is_hard():
     exc = RuntimeError("CUDA error: an illegal memory access was encountered")
-    assert classify(exc) == (FaultKind.CUDA, Severity.HARD)
+    assert classify(exc) == (Symptom.CUDA, Severity.HARD)
 
 
 def test_device_side_assert_is_hard():
     exc = RuntimeError("CUDA error: device-side assert triggered")
-    assert classify(exc) == (FaultKind.CUDA, Severity.HARD)
+    assert classify(exc) == (Symptom.CUDA, Severity.HARD)
 
 
 def test_cuda_out_of_memory_is_soft_oom_not_sticky():
-    assert classify(RuntimeError("CUDA error: out of memory")) == (FaultKind.OOM, Severity.SOFT)
+    assert classify(RuntimeError("CUDA error: out of memory")) == (Symptom.OOM, Severity.SOFT)
 
 
 def test_plain_user_exception_is_soft_exception():
-    assert classify(ValueError("bad label 7")) == (FaultKind.EXCEPTION, Severity.SOFT)
+    assert classify(ValueError("bad label 7")) == (Symptom.EXCEPTION, Severity.SOFT)
 
 
 def test_step_interrupted_hang_and_peer():
-    assert classify(StepInterrupted("hang: no progress for 61.0s")) == (FaultKind.HANG, Severity.SOFT)
-    assert classify(StepInterrupted("peer: rank 1 faulted")) == (FaultKind.PEER, Severity.SOFT)
+    assert classify(StepInterrupted("hang: no progress for 61.0s")) == (Symptom.HANG, Severity.SOFT)
+    assert classify(StepInterrupted("peer: rank 1 faulted")) == (Symptom.PEER, Severity.SOFT)
 
 
 def test_signature_ignores_volatile_numbers_ports_and_addresses():

@@ -1,6 +1,6 @@
 """The Hugging Face Trainer and Accelerate integration in one process, no process group.
 
-The native engine runs with the fakes of test_core (an in-memory store, no group): a real
+The built-in engine runs with the fakes of test_core (an in-memory store, no group): a real
 ``transformers.Trainer`` (a small GPT-2 from a config, dropout on, shuffled data, a cosine
 schedule) and a real Accelerate loop, each hit by a real exception at a planned step, must end
 bit for bit where the fault-free run ends: model, optimizer, scheduler, the Trainer's state and

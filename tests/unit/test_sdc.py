@@ -24,7 +24,7 @@ from resilient.detectors import collectives as fingerprint
 from resilient.detectors.collectives import CollectiveCount
 from resilient.detectors.replicas import ReplicaCheck
 from resilient.errors import CorruptReplica, SilentCorruption
-from resilient.runtime.detection.faults import FaultKind, Severity, classify
+from resilient.runtime.detection.faults import Severity, Symptom, classify
 from resilient.state import SnapshotRing
 from resilient.state import digest as dg
 from resilient.state.snapshot import CorruptSnapshot
@@ -163,8 +163,8 @@ def test_equal_digests_pass_and_a_different_one_is_named_by_both_neighbours(seq:
     assert isinstance(e0, SilentCorruption) and e0.ranks == (0, 1) and e0.window_end == 1
     assert isinstance(e1, SilentCorruption) and e1.ranks == (1, 2)
     assert "step 1" in str(e0) and "rank 0" in str(e0) and "rank 1" in str(e0)
-    assert classify(e0) == (FaultKind.SDC, Severity.SOFT)
-    assert classify(CorruptReplica("x")) == (FaultKind.SDC, Severity.HARD)
+    assert classify(e0) == (Symptom.SDC, Severity.SOFT)
+    assert classify(CorruptReplica("x")) == (Symptom.SDC, Severity.HARD)
 
 
 def test_a_replica_group_off_the_ring_compares_with_its_next_member(seq: None) -> None:

@@ -417,7 +417,7 @@ def test_a_malformed_fault_record_is_a_fault_of_its_own_not_a_dead_listener() ->
     import torch.distributed as dist
 
     from resilient.runtime.coordination.coordinator import Coordinator
-    from resilient.runtime.detection.faults import FaultKind, FaultRecord, MalformedRecord
+    from resilient.runtime.detection.faults import FaultRecord, MalformedRecord, Symptom
 
     with pytest.raises(MalformedRecord, match=r"rank='zero'"):
         FaultRecord.from_json(
@@ -427,7 +427,7 @@ def test_a_malformed_fault_record_is_a_fault_of_its_own_not_a_dead_listener() ->
     co = Coordinator(store, "ns", 0, 2, 1.0)
     store.set(co.key(3, "fault"), b"\xff{not json")
     got = co.wait_fault(3, store)  # (the listener thread's call: it must return, not raise)
-    assert got is not None and got.kind == FaultKind.MALFORMED.value and got.severity == "soft"
+    assert got is not None and got.kind == Symptom.MALFORMED.value and got.severity == "soft"
     assert "malformed fault record (not JSON" in got.message
 
 

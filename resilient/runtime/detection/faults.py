@@ -26,7 +26,10 @@ from resilient.errors import (
 )
 
 
-class FaultKind(str, enum.Enum):
+class Symptom(str, enum.Enum):
+    """What the runtime saw of a fault (a record's ``kind``); the harness's fault *kinds* (what
+    chaos injects, ``chaos.faults``) are another thing."""
+
     EXCEPTION = "exception"  # an exception in user code
     OOM = "oom"  # torch.OutOfMemoryError / CUDA or host allocation failure raised as an exception
     COLLECTIVE = "collective"  # a collective failed: timeout, peer closed the connection, NCCL error
@@ -68,41 +71,41 @@ def _dist_errors() -> tuple[type[BaseException], ...]:
     return tuple(getattr(torch.distributed, n) for n in names if hasattr(torch.distributed, n))
 
 
-def classify(exc: BaseException) -> tuple[FaultKind, Severity]:
+def classify(exc: BaseException) -> tuple[Symptom, Severity]:
     """Map an exception to (kind, severity). Unknown exceptions are soft: retrying is bounded."""
     msg = str(exc)
     if isinstance(exc, StepInterrupted):
         if exc.reason.startswith("preempt"):
-            return FaultKind.PREEMPT, Severity.SOFT
+            return Symptom.PREEMPT, Severity.SOFT
         if exc.reason.startswith("desync"):
-            return FaultKind.DESYNC, Severity.SOFT
-        return (FaultKind.HANG if exc.reason.startswith("hang") else FaultKind.PEER), Severity.SOFT
+            return Symptom.DESYNC, Severity.SOFT
+        return (Symptom.HANG if exc.reason.startswith("hang") else Symptom.PEER), Severity.SOFT
     if isinstance(exc, CollectiveDesync):
-        return FaultKind.DESYNC, Severity.SOFT
+        return Symptom.DESYNC, Severity.SOFT
     if isinstance(exc, NonFiniteStep):
-        return FaultKind.NONFINITE, Severity.SOFT
+        return Symptom.NONFINITE, Severity.SOFT
     if isinstance(exc, SpikeStep):
-        return FaultKind.SPIKE, Severity.SOFT
+        return Symptom.SPIKE, Severity.SOFT
     if isinstance(exc, SilentCorruption | CorruptReplica):
-        return FaultKind.SDC, Severity.SOFT if isinstance(exc, SilentCorruption) else Severity.HARD
+        return Symptom.SDC, Severity.SOFT if isinstance(exc, SilentCorruption) else Severity.HARD
     if isinstance(exc, torch.OutOfMemoryError | MemoryError) or _OOM_PATTERNS.search(msg):
-        return FaultKind.OOM, Severity.SOFT
+        return Symptom.OOM, Severity.SOFT
     if _STICKY_CUDA.search(msg) and ("cuda" in msg.lower() or "device-side" in msg.lower()):
-        return FaultKind.CUDA, Severity.HARD
+        return Symptom.CUDA, Severity.HARD
     if isinstance(exc, _dist_errors()) or _COLLECTIVE_PATTERNS.search(msg):
-        return FaultKind.COLLECTIVE, Severity.SOFT
-    return FaultKind.EXCEPTION, Severity.SOFT
+        return Symptom.COLLECTIVE, Severity.SOFT
+    return Symptom.EXCEPTION, Severity.SOFT
 
 
-def signature(kind: FaultKind, exc: BaseException) -> str:
+def signature(kind: Symptom, exc: BaseException) -> str:
     """A stable, human-readable signature: kind, type and normalized first line of the message."""
     first = (str(exc).strip().splitlines() or [""])[0]
     first = _VOLATILE.sub("N", first)[:160]
-    if kind is FaultKind.DESYNC:  # the counts differ run to run; the place does not
+    if kind is Symptom.DESYNC:  # the counts differ run to run; the place does not
         return "desync: ranks issued different collectives in a step"
-    if kind is FaultKind.SDC:  # the digests differ run to run
+    if kind is Symptom.SDC:  # the digests differ run to run
         return f"sdc: {type(exc).__name__}: replicas differ"
-    if kind in (FaultKind.HANG, FaultKind.PEER, FaultKind.DIED):
+    if kind in (Symptom.HANG, Symptom.PEER, Symptom.DIED):
         return f"{kind.value}: {first}"
     return f"{kind.value}: {type(exc).__name__}: {first}"
 
@@ -167,7 +170,7 @@ class FaultRecord:
         whole("rank", -1)
         whole("generation", 0)
         whole("step", 0, none=True)
-        if d["kind"] not in {k.value for k in FaultKind} or d["severity"] not in {s.value for s in Severity}:
+        if d["kind"] not in {k.value for k in Symptom} or d["severity"] not in {s.value for s in Severity}:
             raise MalformedRecord(f"kind={d['kind']!r}, severity={d['severity']!r}")
         for name in ("signature", "message"):
             if not isinstance(d[name], str):
@@ -190,7 +193,7 @@ class FaultRecord:
                 rank=-1,
                 generation=generation,
                 step=None,
-                kind=FaultKind.MALFORMED.value,
+                kind=Symptom.MALFORMED.value,
                 severity=Severity.SOFT.value,
                 signature="malformed: a fault record in the store does not parse",
                 message=f"malformed fault record ({e}): {text[:200]!r}",

@@ -1,4 +1,4 @@
-"""Fault detection for the native engine: how a rank learns that its step must end.
+"""Fault detection for the built-in engine: how a rank learns that its step must end.
 
 Three ways, all ending alike for the main thread (the generation's group is aborted so a blocked
 collective fails now, here and on the peers; the main thread is interrupted with a signal whose
@@ -29,7 +29,7 @@ from loguru import logger
 from resilient.detectors.collectives import PeerWait
 from resilient.events import Event
 from resilient.runtime.coordination.coordinator import Coordinator
-from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom
 from resilient.runtime.detection.stacks import all_stacks, main_thread_where
 from resilient.runtime.detection.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
 from resilient.runtime.engine.session import Session
@@ -174,11 +174,11 @@ class Detection:
         wait = self.peer_wait()
         if wait is not None:  # (a step check's wait: the peer's, or the store's)
             msg += f"; it {wait.describe(time.monotonic(), self.t.peer_report)}"
-        kind, sig = FaultKind.HANG, "hang: no step progress"
+        kind, sig = Symptom.HANG, "hang: no step progress"
         count = gen.count
         desync = count.diagnose(self.monitor_store) if count is not None else None
         if desync is not None:  # waiting in a collective a neighbour finished the step without
-            kind, msg = FaultKind.DESYNC, f"{desync} ({msg})"
+            kind, msg = Symptom.DESYNC, f"{desync} ({msg})"
             sig = "desync: ranks issued different collectives in a step"
         rec = FaultRecord(
             rank=self.session.rank,

@@ -145,7 +145,7 @@ class FaultListener(threading.Thread):
             self._closed = True
             self._cond.notify_all()
         if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout=5)  # released by the closing sentinel (see NativeEngine.close)
+            self.join(timeout=5)  # released by the closing sentinel (see BuiltinEngine.close)
 
     def run(self) -> None:
         last = -1

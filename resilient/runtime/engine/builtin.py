@@ -7,9 +7,9 @@ Lifecycle per generation g (states are :class:`Phase`; transitions in brackets):
                                        └──── fault ──→ RECOVERING ←┘
     RECOVERING: post fault → abort group → policy → health → barrier → agree restore step → g+1 → RUNNING
 
-:class:`NativeEngine` is configured with a :class:`~resilient.runtime.engine.wiring.Setup`; each run
+:class:`BuiltinEngine` is configured with a :class:`~resilient.runtime.engine.wiring.Setup`; each run
 builds its collaborators from the wiring (:func:`collaborators`, the one factory) and a
-:class:`NativeRun` composes its parts from them: the step loop
+:class:`BuiltinRun` composes its parts from them: the step loop
 (:class:`~resilient.runtime.steps.loop.StepLoop`), the keeper of snapshots beyond the ring
 (:class:`~resilient.runtime.keeping.mirrors.Mirrors`), fault detection
 (:class:`~resilient.runtime.detection.notice.Detection`) and what a recovery does between two generations
@@ -69,7 +69,7 @@ class Phase(str, enum.Enum):
 
 @dataclass
 class Collaborators:
-    """What a native run reaches outside its process besides the session's wiring: the store
+    """What a built-in run reaches outside its process besides the session's wiring: the store
     protocol, a connection per background thread, durable checkpoints, the shared-memory mirror
     and the store replica (the last three where configured / under ``resilient launch``)."""
 
@@ -84,9 +84,9 @@ class Collaborators:
 
 
 def collaborators(setup: Setup, wiring: Wiring) -> Collaborators:
-    """The one factory of the native engine's collaborators (connections made, nothing started)."""
+    """The one factory of the built-in engine's collaborators (connections made, nothing started)."""
     launch, cfg, t = setup.launch, setup.cfg, setup.cfg.timeouts
-    session = Session(setup, wiring, engine=NativeEngine.name, ring_share=ring_share(launch))
+    session = Session(setup, wiring, engine=BuiltinEngine.name, ring_share=ring_share(launch))
     ep = launch.endpoint
     blocks, _ = node_mod.node_mode(cfg.node_aggregation, ep.world_size, ep.local_world_size)
     coord = coord_mod.Coordinator(session.store, session.ns, ep.rank, ep.world_size, t.barrier, blocks=blocks)
@@ -153,8 +153,8 @@ def freeze_gc() -> None:
     gc.freeze()
 
 
-class NativeEngine:
-    """The native engine behind :func:`resilient.wrap`: ``run(fn)`` calls ``fn(loop)`` once per
+class BuiltinEngine:
+    """The built-in engine behind :func:`resilient.wrap`: ``run(fn)`` calls ``fn(loop)`` once per
     generation until it returns on every rank (or the run gives up, typed)."""
 
     name = "resilient"
@@ -174,10 +174,10 @@ class NativeEngine:
             undo.callback(w.events.close)
             parts = collaborators(self.setup, w)
             undo.pop_all()
-        return NativeRun(parts).run(fn)
+        return BuiltinRun(parts).run(fn)
 
 
-class NativeRun:
+class BuiltinRun:
     """One run of the function in this process: its generations and the recoveries between them
     (the state machine of the module docstring). Not thread-safe except where detection needs it."""
 

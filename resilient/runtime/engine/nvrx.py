@@ -11,7 +11,7 @@ Per NVRx restart iteration ``i`` (= ``ctx.generation``):
     group built on <ns>/g<i>  →  (i > 0) agree the newest snapshot every rank holds, restore it
     →  fn()  →  every completed step: ping NVRx's progress watchdog, snapshot when due
 
-Mapping of the configuration (one knob, as in the native engine): ``hang_timeout`` → NVRx
+Mapping of the configuration (one knob, as in the built-in engine): ``hang_timeout`` → NVRx
 ``soft_timeout``; the derived hard/barrier timeouts → ``hard_timeout`` / ``barrier_timeout`` /
 ``completion_timeout``; ``restart.max_restarts`` → ``RetryController(max_iterations)``; our
 restart policy (same fault at the same step ``max_repeats`` times) runs in NVRx's ``initialize``
@@ -20,11 +20,11 @@ NVRx's ``health_check``.
 
 gloo: NVRx's ``AbortTorchDistributed`` destroys the group, which does not wake a peer blocked in
 a gloo collective (torch 2.13). The abort here first shuts down the group's peer sockets (as the
-native engine does), so a blocked all-reduce fails at once instead of waiting out its timeout.
+built-in engine does), so a blocked all-reduce fails at once instead of waiting out its timeout.
 
 Not wired under this engine: durable checkpoints (``checkpoint.dir``; configuring it is an error
 that says so) and the shared-memory snapshot of ``resilient launch``: a hard fault restarts the
-job from step 0. The per-step collective count check runs as under the native engine; a rank left
+job from step 0. The per-step collective count check runs as under the built-in engine; a rank left
 waiting in a collective its peer skipped is interrupted by NVRx's soft timeout and the fault is
 diagnosed as a desync from the counts.
 """
@@ -51,7 +51,7 @@ from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhauste
 from resilient.events import Event
 from resilient.runtime.coordination import pg
 from resilient.runtime.coordination.agreement import common_restore_step
-from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom
 from resilient.runtime.detection.stacks import main_thread_where
 from resilient.runtime.engine.session import Session
 from resilient.runtime.engine.wiring import Setup, WiringFactory, wire
@@ -88,7 +88,7 @@ def wrapper_kwargs(cfg: Config) -> dict[str, Any]:
 
 class NvrxEngine:
     """Engine behind ``resilient.wrap(engine="nvrx")``: ``run(fn)`` calls ``fn(loop)`` once per
-    NVRx restart iteration, as the native engine does once per generation."""
+    NVRx restart iteration, as the built-in engine does once per generation."""
 
     name = "nvrx"
 
@@ -295,11 +295,11 @@ class NvrxRun:
             # a fault of its own, not NVRx's interrupt nor what the abort did to this rank
             if type(exc).__name__ != "RankShouldRestart" and self._aborted[0] != it:
                 rec = FaultRecord.from_exception(exc, rank=s.rank, generation=it, step=loop.step)
-                if rec.kind == FaultKind.COLLECTIVE.value:  # timed out waiting for a skipped one?
+                if rec.kind == Symptom.COLLECTIVE.value:  # timed out waiting for a skipped one?
                     rec = self._desync(s.store) or rec
                 # a collective that timed out is a victim's view: the peer it waited for may be
                 # the one that hangs, and that rank's record (posted at NVRx's abort) comes first
-                weak = rec.kind == FaultKind.COLLECTIVE.value
+                weak = rec.kind == Symptom.COLLECTIVE.value
                 s.store.compare_set(self._fault_key(it, weak), "", rec.to_json())
             traceback.clear_frames(exc.__traceback__)
             raise
@@ -323,7 +323,7 @@ class NvrxRun:
         else:  # NVRx interrupted every rank before any raised: its progress timeout (a hang)
             aborted = self._aborted[1] if self._aborted[0] == gen else time.time()
             rec = FaultRecord(
-                rank=-1, generation=gen, step=self.loop.step, kind=FaultKind.HANG.value,
+                rank=-1, generation=gen, step=self.loop.step, kind=Symptom.HANG.value,
                 severity=Severity.SOFT.value, signature="hang: NVRx soft timeout",
                 message="no rank raised: NVRx's progress timeout interrupted the ranks", ts=aborted,
             )  # fmt: skip
@@ -355,7 +355,7 @@ class NvrxRun:
         if in_collective or idle < limit:
             return None
         return FaultRecord(
-            rank=s.rank, generation=s.generation, step=self.loop.step, kind=FaultKind.HANG.value,
+            rank=s.rank, generation=s.generation, step=self.loop.step, kind=Symptom.HANG.value,
             severity=Severity.SOFT.value, signature="hang: no step progress", latency_s=idle,
             message=f"no step progress for {idle:.2f}s (limit {limit:g}s); main thread at {where}",
         )  # fmt: skip
@@ -374,7 +374,7 @@ class NvrxRun:
         if why is None:
             return None
         return FaultRecord(
-            rank=s.rank, generation=s.generation, step=count.step, kind=FaultKind.DESYNC.value,
+            rank=s.rank, generation=s.generation, step=count.step, kind=Symptom.DESYNC.value,
             severity=Severity.SOFT.value, signature="desync: collective count", message=why,
         )  # fmt: skip
 

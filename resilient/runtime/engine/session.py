@@ -66,7 +66,7 @@ class Session:
             wiring.events.path.parent if wiring.events.path is not None else cfg.events.dir / wiring.run_id
         )
         # the in-memory ring's cadence; ``ring_share``: its part of the snapshot budget (the rest:
-        # the native engine's mirror under `resilient launch`)
+        # the built-in engine's mirror under `resilient launch`)
         self.schedule = SnapshotSchedule(
             cfg.snapshot, self.rank, self.store, f"{self.ns}/snapshot_interval", ring_share
         )

@@ -1,4 +1,4 @@
-"""The native engine's :class:`~resilient.runtime.steps.loop.Keeper`: where state goes besides the ring.
+"""The built-in engine's :class:`~resilient.runtime.steps.loop.Keeper`: where state goes besides the ring.
 
 - Under ``resilient launch`` each snapshot is also mirrored where it outlives the process: this
   node's shared memory, and its small objects to the job's store (which outlives the node). That

@@ -1,4 +1,4 @@
-"""What every rank does between a failed generation and the next (the native engine's RECOVERING
+"""What every rank does between a failed generation and the next (the built-in engine's RECOVERING
 phase): the fault posted and reported, the group aborted, the restart policy's verdict, the health
 checks, the newest snapshot step every rank holds agreed on, and the restore prepared for the next
 generation. Also the two ways into a recovery that are not a fault of this process's: a
@@ -30,7 +30,7 @@ from resilient.errors import (
 from resilient.events import Event
 from resilient.runtime.coordination.agreement import plan_step
 from resilient.runtime.coordination.coordinator import Coordinator
-from resilient.runtime.detection.faults import FaultKind, FaultRecord, Severity
+from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom
 from resilient.runtime.detection.notice import Detection
 from resilient.runtime.engine.exits import raised_as_itself
 from resilient.runtime.keeping.buckets import agreed
@@ -98,7 +98,7 @@ class Recovery:
         if rec is not None and rec.severity == Severity.HARD.value:
             self.coord.abort_generation(gen, f"hard fault: {rec.signature}")
             raise HardFault(f"rank {s.rank} cannot recover in-process: {rec.message}") from exc
-        if primary.kind == FaultKind.PREEMPT.value:
+        if primary.kind == Symptom.PREEMPT.value:
             self._preempt(gen, primary)
         self.hard_timer.arm(self.t.barrier + 10.0)
         try:
@@ -117,7 +117,7 @@ class Recovery:
             raise
         self.check_health(gen, step)
         lap = Laps()  # the agreement's parts, for the restore_agreed event (docs/recovery.md#phases)
-        if primary.kind == FaultKind.SDC.value and primary.severity == Severity.SOFT.value:
+        if primary.kind == Symptom.SDC.value and primary.severity == Severity.SOFT.value:
             self._attribute(gen)
             lap("attribute_s")
         if delay > 0:

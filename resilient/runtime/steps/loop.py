@@ -8,9 +8,9 @@ schedule says so, the events). The state of the generation being run is a
 the cost) is here.
 
 The engines differ in a step at one seam, a :class:`Keeper`: where the state goes besides the
-ring, and how a process's first entry starts (the native engine resumes what a previous process
+ring, and how a process's first entry starts (the built-in engine resumes what a previous process
 left in shared memory, a peer or a checkpoint, and mirrors snapshots there; ``engine: nvrx``
-keeps the ring alone, :class:`RingOnly`). The engine's liveness signal (re-arming the native
+keeps the ring alone, :class:`RingOnly`). The engine's liveness signal (re-arming the built-in
 engine's hard-hang timer, pinging NVRx's progress watchdog) is ``liveness``.
 """
 
