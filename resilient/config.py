@@ -274,6 +274,12 @@ class Config(_Model):
         "(a rank that skipped a collective is a desync fault, never a silently wrong snapshot); off "
         "only where ranks legitimately issue different collectives on the default group",
     )
+    store_name_lookups: bool = Field(
+        False,
+        description="torch's store sockets ask the resolver for each peer's name (a reverse DNS lookup per "
+        "connection, on the store server's event loop); false: numeric names (docs/control-plane.md), "
+        "as RESILIENT_STORE_NAME_LOOKUPS=1 turns them back on for the launcher too",
+    )
     node_aggregation: Literal["auto", "on", "off"] = Field(
         "auto",
         description="a node's ranks reach the job's store through a store of their node (control-plane.md);"

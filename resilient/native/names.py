@@ -86,6 +86,15 @@ def applied() -> list[str]:
     return sorted(_numeric)
 
 
+def describe() -> str:
+    """What this process's store sockets do now, for its ``run_started`` event: ``numeric``
+    (and where), or ``lookups`` (and why: not applied, or what :func:`apply` said)."""
+    if _numeric:
+        return f"numeric ({', '.join(applied())})"
+    why = _done.get(None)
+    return f"lookups ({why})" if why else "lookups (not applied: store_name_lookups)"
+
+
 def apply_or_warn() -> None:
     """:func:`apply`, saying once why not where it cannot be done."""
     global _warned

@@ -10,11 +10,12 @@ from typing import Any, Protocol, TypeVar, overload
 
 from resilient.config import Config, load_config
 from resilient.health import Check
+from resilient.launch_env import Var
 from resilient.runtime import hooks as hooks_mod
 from resilient.runtime.context import Context
 from resilient.runtime.engine.builtin import BuiltinEngine, freeze_gc
 from resilient.runtime.engine.exits import excepthook_exit_codes
-from resilient.runtime.engine.wiring import Setup
+from resilient.runtime.engine.wiring import Setup, numeric_names
 from resilient.runtime.hooks import StepHook
 from resilient.runtime.standby import park_until_promoted, parking
 from resilient.runtime.steps.loop import StepLoop
@@ -100,6 +101,8 @@ def wrap(
         def run(*args: Any, **kwargs: Any) -> Any:
             global _current
             standby = parking()
+            if standby:  # (what the engine's wiring does first, done while waiting)
+                numeric_names(cfg, os.environ.get(Var.STORE_NAME_LOOKUPS) == "1")
             if standby and cfg.freeze_gc and cfg.engine == "resilient":
                 freeze_gc()  # (the engine's own freeze, paid while waiting rather than once promoted)
             ahead = [prepare()] if prepare is not None and standby else []  # (a standby's, built early)

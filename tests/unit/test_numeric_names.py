@@ -303,3 +303,32 @@ def test_a_name_server_that_never_answers_no_longer_delays_the_store(
         took[mode] = float(r.stdout.split()[-1])
     assert took["torch"] >= 1.9, took  # (the control: the lookup did wait for the deaf server)
     assert took["numeric"] < 0.5, took
+
+
+_OPT_OUT = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, {root!r})
+    import torch
+    from resilient.config import load_config
+    from resilient.native import _numeric_names as ext, names
+    from resilient.runtime.engine.wiring import numeric_names
+    cpu = os.path.realpath(os.path.join(names._torch_lib()[0], "libtorch_cpu.so"))
+    ours = lambda: {{held == ext.address() for _, held, _ in ext.slots(cpu)}}
+    numeric_names(load_config(None, store_name_lookups=True), False)  # the config's opt-out
+    assert ours() == {{False}}, "store_name_lookups: true left torch's slots alone"
+    numeric_names(load_config(None), True)  # RESILIENT_STORE_NAME_LOOKUPS=1
+    assert ours() == {{False}}, "the launcher's variable left torch's slots alone"
+    numeric_names(load_config(None), False)  # the default
+    assert ours() == {{True}}
+    print("ok")
+    """
+)
+
+
+@linux
+def test_the_opt_outs_keep_torchs_lookups_and_the_default_does_not(tmp_path: Path) -> None:
+    probe = tmp_path / "opt_out.py"
+    probe.write_text(_OPT_OUT.format(root=str(ROOT)))
+    r = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "ok", r.stderr[-2000:]

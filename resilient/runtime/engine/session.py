@@ -27,6 +27,7 @@ from resilient.errors import HealthCheckFailed
 from resilient.events import Event, EventLog
 from resilient.health import HealthInput, run_checks
 from resilient.launch_env import Var
+from resilient.native import names
 from resilient.runtime.coordination.agreement import all_hold
 from resilient.runtime.detection.faults import FaultRecord
 from resilient.runtime.detection.stacks import main_thread_where
@@ -91,6 +92,7 @@ class Session:
             engine=self.engine,
             max_restarts=self.cfg.restart.max_restarts,
             restart_window_s=self.cfg.restart.window_s,
+            store_names=names.describe(),
         )
         self._serve_metrics()
 

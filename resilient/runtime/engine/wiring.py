@@ -73,13 +73,20 @@ class Wiring:
 WiringFactory = Callable[[Setup], Wiring]
 
 
+def numeric_names(cfg: Config, lookups: bool) -> None:
+    """torch's store sockets without reverse DNS lookups (resilient/native/names.py), unless the
+    config (``store_name_lookups``) or the launcher's ``RESILIENT_STORE_NAME_LOOKUPS=1`` (``lookups``)
+    keeps them; once per process (a parked standby did it before it waited)."""
+    if not (lookups or cfg.store_name_lookups):
+        names.apply_or_warn()
+
+
 def wire(setup: Setup) -> Wiring:
     """The real collaborators: the job's TCPStore (rank 0 hosts it without an agent store), the run
     id agreed over it, the run's event log, groups built with the backend, the launcher's heartbeat."""
     cfg, launch, backend, device = setup.cfg, setup.launch, setup.backend, setup.device
     ep, t = launch.endpoint, cfg.timeouts
-    if not launch.store_name_lookups:
-        names.apply_or_warn()  # (before any store connection of this process)
+    numeric_names(cfg, launch.store_name_lookups)  # (before any store connection of this process)
     store = coord_mod.connect(ep, t.barrier)
     run_id = launch.run_id or coord_mod.agree_run_id(store, {})
     port = store.port
