@@ -103,7 +103,7 @@ def _kinds() -> None:
 def _certify(args: Any) -> int:
     from rich.console import Console
 
-    from chaos import certify, schedule
+    from chaos import certify, report, schedule
 
     cert = schedule.load(args.config)
     if args.command:
@@ -117,9 +117,9 @@ def _certify(args: Any) -> int:
         cert = cert.model_copy(update={"classes": {
             n: c.model_copy(update={"trials": None}) for n, c in cert.classes.items()}})  # fmt: skip
     trials = certify.certify(cert, args.out, only)
-    rows = certify.write(cert, trials, args.out)
+    rows = report.write(cert, trials, args.out)
     console = Console(width=max(120, Console().width))
-    console.print(certify.table(rows))
+    console.print(report.table(rows))
     for r in rows:
         for err in r["errors"]:
             console.print(f"[red]{r['class']}[/]: {err}")

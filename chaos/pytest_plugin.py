@@ -55,7 +55,7 @@ def chaos_certify(tmp_path: Path) -> Callable[..., CertificateResult]:
 
     Runs the certificate (a fault-free reference, then every selected class) in ``tmp_path``;
     every process it starts is killed by process group before it returns."""
-    from chaos import certify, schedule
+    from chaos import certify, report, schedule
 
     def run(
         config: str | Path,
@@ -71,6 +71,6 @@ def chaos_certify(tmp_path: Path) -> Callable[..., CertificateResult]:
             cert = cert.model_copy(update={"classes": fixed})
         out = tmp_path / "certificate"
         ran = certify.certify(cert, out, list(classes) if classes else None)
-        return CertificateResult(certify.write(cert, ran, out), out)
+        return CertificateResult(report.write(cert, ran, out), out)
 
     return run

@@ -76,8 +76,14 @@ class SLO(_Model):
     )
     phase_p50_s: dict[PhaseName, float] = Field(
         default_factory=dict,
-        description="in-process recoveries: each named phase's median over the trials, at most "
+        description="in-process recoveries: each named phase's median wall time over the trials, at most "
         "(resilient/metrics/phases.py: detect, leave, health, agree, free, rebuild, restore, reenter, rerun)",
+    )
+    phase_cpu_p50_s: dict[PhaseName, float] = Field(
+        default_factory=dict,
+        description="in-process recoveries: each named phase's median CPU time over the trials (the main "
+        "thread's, on the rank where it cost most), at most: what the runtime's own work costs, "
+        "whatever else the machine runs",
     )
 
 

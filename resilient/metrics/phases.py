@@ -10,6 +10,12 @@ rank ended it: the phases are the differences between those instants, so they ad
 recovery (the fault to every rank stepping again), and a rank that is late in one phase (a slow
 health check) is charged there, not in the barrier where its peers waited for it.
 
+The same records carry the main thread's CPU time (``cpu_s``, and the parts' ``*_cpu_s``): each
+phase's CPU time on each rank, the costliest rank's kept (:attr:`Phases.cpu`). Wall time is what
+a fault costs; CPU time is what the runtime's own work costs, whatever else the machine runs
+(a rank descheduled for 100 ms by a busy neighbour shows in the first, not in the second), which
+makes it the regression guard of a loaded machine (the certificate's ``phase_cpu_p50_s``).
+
 ================  ================================================================================
 ``detect``        the fault happened, until every rank knew (its own exception, or its listener)
 ``leave``         out of the step: interrupted, the fault posted, the group aborted
@@ -62,6 +68,7 @@ class Phases:
     ranks: dict[str, int | None] = field(default_factory=dict)
     agree_parts: dict[str, float] = field(default_factory=dict)
     total: float | None = None
+    cpu: dict[str, float | None] = field(default_factory=dict)  # the costliest rank's CPU s per phase
 
     def complete(self) -> bool:
         return all(self.seconds.get(p) is not None for p in PHASES)
@@ -99,6 +106,51 @@ def _marks(own: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
+def _cpu_marks(own: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """One rank's main-thread CPU clock at the same instants as :func:`_marks` (None where a
+    record predates the stamps)."""
+    agreed, rebuilt, restored = own.get("restore_agreed"), own.get("group_rebuilt"), own.get("state_restored")
+
+    def less(e: dict[str, Any] | None, part: str) -> float | None:
+        cpu = _num(e, "cpu_s")
+        return None if cpu is None else cpu - (_num(e, part) or 0.0)
+
+    return {
+        "noticed": _num(own.get("fault_detected"), "cpu_s"),
+        "left": _num(own.get("group_aborted"), "cpu_s"),
+        "checked": _num(own.get("health_checked"), "cpu_s"),
+        "agreed": less(agreed, "prepare_cpu_s"),
+        "prepared": _num(agreed, "cpu_s"),
+        "freed": less(rebuilt, "build_cpu_s"),
+        "rebuilt": _num(rebuilt, "cpu_s"),
+        "entered": less(restored, "load_cpu_s"),
+        "restored": _num(restored, "cpu_s"),
+        "resumed": _num(own.get("step_resumed"), "cpu_s"),
+    }
+
+
+def _span_cpu(m: dict[str, float | None], spans: tuple[tuple[str, str], ...]) -> float | None:
+    total = 0.0
+    for a, b in spans:
+        lo, hi = m[a], m[b]
+        if lo is None or hi is None:
+            return None
+        total += hi - lo
+    return max(0.0, total)
+
+
+def _phase_cpu(per: dict[int, dict[str, dict[str, Any]]]) -> dict[str, float | None]:
+    """Each phase's CPU time on the rank where it cost most (None where a rank lacks a stamp)."""
+    marks = [_cpu_marks(own) for own in per.values()]
+    out: dict[str, float | None] = dict.fromkeys(PHASES)
+    for phase, spans in _SPANS.items():
+        costs = [_span_cpu(m, spans) for m in marks]
+        known = [c for c in costs if c is not None]
+        if known and len(known) == len(costs):
+            out[phase] = max(known)
+    return out
+
+
 def recovery_phases(events: Iterable[dict[str, Any]], generation: int, start: float) -> Phases:
     """The phases of the recovery from ``generation`` (its fault happened at ``start``), from the
     records of every rank that detected it."""
@@ -115,6 +167,8 @@ def recovery_phases(events: Iterable[dict[str, Any]], generation: int, start: fl
             name = "step" if ev in ("step_completed", "step_resumed") else ev
             if name in ("group_rebuilt", "state_restored", "step"):
                 per[r].setdefault(name, e)
+            if ev == "step_resumed":  # (the one with the CPU stamp: step_completed has none)
+                per[r].setdefault(ev, e)
     if not per:
         return out
     marks = {r: _marks(own) for r, own in per.items()}
@@ -136,6 +190,7 @@ def recovery_phases(events: Iterable[dict[str, Any]], generation: int, start: fl
                            and isinstance(v, int | float)}  # fmt: skip
     if "resumed" in last:
         out.total = max(0.0, last["resumed"][0] - start)
+    out.cpu = _phase_cpu(per)
     return out
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from chaos import certify, schedule
+from chaos import certify, report, schedule
 
 
 def _step(ts: float, rank: int, step: int, pid: int, gen: int = 0) -> dict:
@@ -89,16 +89,16 @@ def test_a_warm_replacement_is_certified_only_when_a_standby_waited(tmp_path: Pa
     # both figures, side by side: the replacements a standby took, and the cold ones
     more = [certify.Trial("k", i, 5, ok=True, recover_s=x, bit_exact=True, standby="parked") for i, x in
             ((1, 0.4), (2, 0.6))]  # fmt: skip
-    (row,) = certify.summarize(_cert(recover_s=3.0), [warm, cold, *more])
+    (row,) = report.summarize(_cert(recover_s=3.0), [warm, cold, *more])
     assert row["recover_p50_by_standby"] == {"none": 0.5, "parked": 0.5}
     cold.recover_s = 2.0
-    (row,) = certify.summarize(_cert(recover_s=3.0), [warm, cold, *more])
+    (row,) = report.summarize(_cert(recover_s=3.0), [warm, cold, *more])
     assert row["recover_p50_by_standby"] == {"none": 2.0, "parked": 0.5}
 
 
 def test_summary_counts_skipped_classes_apart() -> None:
     cert = _cert()
-    rows = certify.summarize(cert, [certify.Trial("k", 0, 5, skipped="no cgroup v1 memory controller")])
+    rows = report.summarize(cert, [certify.Trial("k", 0, 5, skipped="no cgroup v1 memory controller")])
     assert rows == [{"class": "k", "trials": 0, "skipped": "no cgroup v1 memory controller", "failed": [],
                      "errors": []}]  # fmt: skip
 
@@ -227,15 +227,15 @@ def test_a_phase_over_its_budget_fails_the_class_even_when_the_total_passes() ->
         t.phases = {"free": free, "rebuild": 0.004}
         return t
 
-    (row,) = certify.summarize(cert, [trial(0, 0.09, 0.002), trial(1, 0.10, 0.003), trial(2, 0.5, 0.09)])
+    (row,) = report.summarize(cert, [trial(0, 0.09, 0.002), trial(1, 0.10, 0.003), trial(2, 0.5, 0.09)])
     assert row["failed"] == [] and row["phases_p50"]["free"] == 0.003  # (a median: one slow trial)
-    (row,) = certify.summarize(cert, [trial(0, 0.09, 0.009), trial(1, 0.10, 0.008), trial(2, 0.11, 0.001)])
+    (row,) = report.summarize(cert, [trial(0, 0.09, 0.009), trial(1, 0.10, 0.008), trial(2, 0.11, 0.001)])
     assert row["failed"] == ["phase:free"]  # every trial's total within its SLO, the phase not
-    (row,) = certify.summarize(cert, [trial(0, 0.13, 0.001), trial(1, 0.2, None), trial(2, 0.11, None)])
+    (row,) = report.summarize(cert, [trial(0, 0.13, 0.001), trial(1, 0.2, None), trial(2, 0.11, None)])
     assert row["failed"] == ["recover_p50_s"]  # (free's median of the trials that have it: 1 ms)
-    (row,) = certify.summarize(cert, [trial(0, 0.09, None)])
+    (row,) = report.summarize(cert, [trial(0, 0.09, None)])
     assert row["failed"] == ["phase:free"]  # no figure is no pass
-    assert "free" in str(certify.phase_table([row]).columns[5].header)
+    assert "free" in str(report.phase_table([row]).columns[5].header)
 
 
 def test_a_budget_for_a_phase_that_is_not_one_is_refused_by_name(tmp_path: Path) -> None:

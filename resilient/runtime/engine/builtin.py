@@ -348,7 +348,7 @@ class BuiltinRun:
         if gen > 0:
             gc.collect()  # free the previous generation's group and DDP here, in order, not at exit
             gc_s = time.time() - t0
-        t_build = time.time()
+        t_build, cpu_build = time.time(), time.thread_time()
         try:
             self.loop.begin_generation(gen, self.pending)
         except Exception as e:
@@ -373,6 +373,8 @@ class BuiltinRun:
                 duration_s=time.time() - t0,
                 gc_s=gc_s,
                 build_s=time.time() - t_build,
+                cpu_s=(cpu := time.thread_time()),
+                build_cpu_s=cpu - cpu_build,
             )
         self.phase = Phase.RUNNING
         self.detection.watch(gen)

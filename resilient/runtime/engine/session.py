@@ -151,6 +151,7 @@ class Session:
             origin_latency_s=primary.latency_s,
             local=local,
             noticed_ts=noticed_ts,
+            cpu_s=time.thread_time(),
         )
 
     def fault_report(self, rec: FaultRecord, *, tb: str | None = None, stacks: str | None = None) -> None:
@@ -179,6 +180,7 @@ class Session:
             ok=not failed,
             duration_s=time.time() - t0,
             checks={r.name: {"ok": r.ok, "value": r.value} for r in results},
+            cpu_s=time.thread_time(),
         )
         if not failed:
             return

@@ -93,7 +93,8 @@ class Recovery:
             group.destroy()
             loop.gen.group = None
         s.events.emit(
-            Event.GROUP_ABORTED, generation=gen, step=step, connections=n, duration_s=time.time() - t0
+            Event.GROUP_ABORTED, generation=gen, step=step, connections=n, duration_s=time.time() - t0,
+            cpu_s=time.thread_time(),
         )
         if rec is not None and rec.severity == Severity.HARD.value:
             self.coord.abort_generation(gen, f"hard fault: {rec.signature}")
@@ -160,11 +161,14 @@ class Recovery:
             lap("saves_s")
         # (DDP's layouts were agreed in the same barrier; another agreement only if they changed)
         same = agreed(layout, plan.get("layout_same"), self.coord.same)
+        cpu0 = time.thread_time()
         pending = loop.prepare_restore(gen, restore, step, fault_ts, same)
         lap("prepare_s")  # (last: the phases put it in the restore, docs/recovery.md#phases)
         parts: dict[str, Any] = {"fault_step": step, "duration_s": lap.total(), **lap.laps,
                                  **loop.prepare_parts}  # fmt: skip
-        s.events.emit(Event.RESTORE_AGREED, generation=gen, step=restore, **parts)
+        cpu = time.thread_time()  # (this thread's CPU time: the phases' cost, apart from waiting)
+        s.events.emit(Event.RESTORE_AGREED, generation=gen, step=restore, cpu_s=cpu, prepare_cpu_s=cpu - cpu0,
+                      **parts)  # fmt: skip
         s.generation = gen + 1
         return pending
 

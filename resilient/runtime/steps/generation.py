@@ -29,6 +29,7 @@ class PendingRestore:
     fault_ts: float | None  # when it was detected (the resume events' since_fault_s)
     loaded: set[str] = field(default_factory=set)  # the names tracked (and loaded) so far
     load_s: float = 0.0  # the time those loads took (the restore phase's part in the re-entry)
+    load_cpu_s: float = 0.0  # ... of this thread's CPU time
 
 
 class EpochPosition:

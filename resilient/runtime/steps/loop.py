@@ -279,9 +279,10 @@ class StepLoop:
                         f"{name!r} is tracked now but was not in the snapshot of step {r.step} "
                         f"(snapshot holds {sorted(k for k in r.state if k != RNG)})"
                     )
-                t0 = time.monotonic()
+                t0, cpu0 = time.monotonic(), time.thread_time()
                 gen.registry.load(name, r.state[name], owned=r.owned)
                 r.load_s += time.monotonic() - t0
+                r.load_cpu_s += time.thread_time() - cpu0
                 r.loaded.add(name)
 
     def observe(self, loss: Any) -> None:
@@ -391,9 +392,10 @@ class StepLoop:
         missing = [n for n in r.state if n != RNG and n not in r.loaded]
         if missing:
             raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         restore_rng(r.state[RNG])
         r.load_s += time.monotonic() - t0
+        r.load_cpu_s += time.thread_time() - cpu0
         self.guard.rewind(r.step)
         self.session.events.emit(
             Event.STATE_RESTORED,
@@ -406,6 +408,8 @@ class StepLoop:
             since_fault_s=time.time() - (r.fault_ts or time.time()),
             snapshot_interval=self.session.schedule.interval,
             load_s=r.load_s,
+            cpu_s=time.thread_time(),
+            load_cpu_s=r.load_cpu_s,
         )
         self.gen.restore = None
         self.step = r.step
@@ -478,6 +482,7 @@ class StepLoop:
                 generation=s.generation,
                 step=step,
                 since_fault_s=time.time() - (gen.fault_ts or time.time()),
+                cpu_s=time.thread_time(),
             )
 
     # -- the collective check's verdicts ---------------------------------------------------------------
