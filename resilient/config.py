@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from resilient.errors import ConfigError
 
+# the built-in health checks, by name (resilient/health.py defines a function of each name)
 BUILTIN_CHECKS = ("gpu", "host_memory", "checkpoint_dir", "store")
 
 
@@ -131,7 +132,9 @@ class HealthConfig(_Model):
     )
     min_host_memory_mb: float = Field(256.0, ge=0, description="host_memory: the least available memory")
     checkpoint_dir: Path | None = Field(
-        None, description="checkpoint_dir: the directory whose free space is checked (skipped when null)"
+        None,
+        description="checkpoint_dir: the directory whose free space is checked; null: checkpoint.dir "
+        "(skipped when neither is set)",
     )
     min_free_disk_mb: float = Field(1024.0, ge=0, description="checkpoint_dir: the least free space")
 

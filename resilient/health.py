@@ -2,8 +2,9 @@
 
 A check is any callable ``(HealthInput) -> CheckResult``. Built-ins: ``gpu`` (NVML, only when a
 GPU is present — auto-detected, never forced), ``host_memory`` (available RAM), ``checkpoint_dir``
-(writable, with free space) and ``store`` (a write read back). A failing check makes the rank
-exit with :attr:`ExitCode.HARD_FAULT` after a log line naming the check and the value.
+(writable, with free space: ``health.checkpoint_dir``, else ``checkpoint.dir``) and ``store`` (a
+write read back). A failing check makes the rank exit with :attr:`ExitCode.HARD_FAULT` after a log
+line naming the check and the value.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from resilient.config import HealthConfig
+from resilient.config import BUILTIN_CHECKS, Config, HealthConfig
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,18 @@ class CheckResult:
 
 @dataclass(frozen=True)
 class HealthInput:
+    """What a check is given. ``checkpoint_dir``: the directory the ``checkpoint_dir`` check
+    looks at (:meth:`of` takes ``health.checkpoint_dir``, else ``checkpoint.dir``)."""
+
     rank: int
     generation: int
     store: dist.Store | None
     cfg: HealthConfig
+    checkpoint_dir: Path | None = None
+
+    @classmethod
+    def of(cls, rank: int, generation: int, store: dist.Store | None, cfg: Config) -> HealthInput:
+        return cls(rank, generation, store, cfg.health, cfg.health.checkpoint_dir or cfg.checkpoint.dir)
 
 
 Check = Callable[[HealthInput], CheckResult]
@@ -71,9 +80,9 @@ def host_memory(inp: HealthInput) -> CheckResult:
 
 
 def checkpoint_dir(inp: HealthInput) -> CheckResult:
-    d = inp.cfg.checkpoint_dir
+    d = inp.checkpoint_dir
     if d is None:
-        return CheckResult("checkpoint_dir", True, None, "no checkpoint_dir configured; skipped")
+        return CheckResult("checkpoint_dir", True, None, "no checkpoint directory configured; skipped")
     path = Path(d)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -102,12 +111,8 @@ def store(inp: HealthInput) -> CheckResult:
     return CheckResult("store", ok, f"{(time.perf_counter() - t0) * 1e3:.1f} ms round trip")
 
 
-BUILTINS: dict[str, Check] = {
-    "gpu": gpu,
-    "host_memory": host_memory,
-    "checkpoint_dir": checkpoint_dir,
-    "store": store,
-}
+# the built-ins by name: the config's list of names (it validates health.checks), each a function here
+BUILTINS: dict[str, Check] = {name: globals()[name] for name in BUILTIN_CHECKS}
 
 
 def run_checks(inp: HealthInput, extra: Sequence[Check] = ()) -> list[CheckResult]:

@@ -226,6 +226,7 @@ def write_json_durable(path: Path, data: Any, *, durable: bool = True) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    """Make a directory's new entries durable, not only the files' contents."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from resilient.checkpoint.manifest import fsync_dir
 from resilient.errors import CheckpointError
 
 METADATA_FILE = ".metadata.json"
@@ -76,7 +77,7 @@ def save_sharded(
         dcp.save(state_dict, storage_writer=writer, process_group=process_group)
     except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
         raise CheckpointError(f"saving sharded state to {root} failed: {e}") from e
-    _fsync_dir(root)
+    fsync_dir(root)
     return sorted({str(p.relative_to(root)) for p in writer.recorder.written})
 
 
@@ -94,15 +95,6 @@ def load_sharded(
         if reader.metadata_error is not None:
             raise CheckpointError(str(reader.metadata_error)) from reader.metadata_error
         raise CheckpointError(f"loading sharded state from {directory} failed: {e}") from e
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the new directory entries durable, not only the file contents."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _RecordingFileSystem(FileSystem):

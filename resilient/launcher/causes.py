@@ -83,17 +83,6 @@ def dump_stacks(pid: int, timeout_s: float = 3.0, *, native: bool = False) -> st
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout[-16000:]
     return None
-    # (a stopped process cannot be suspended: its native frames are not read, and not tried)
-    for mode in ("--nonblocking",) if _stopped(pid) else ("--native", "--nonblocking"):
-        try:
-            out = subprocess.run([exe, "dump", "--pid", str(pid), mode], capture_output=True, text=True,
-                                 timeout=timeout_s)  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout[-16000:]
-    return None
-
 
 def _stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped (SIGSTOP: state ``T`` in ``/proc/<pid>/stat``)."""

@@ -14,7 +14,8 @@ from resilient.health import CheckResult, HealthInput, run_checks
 
 
 def inp(store: dist.Store | None = None, **cfg: object) -> HealthInput:
-    return HealthInput(rank=1, generation=4, store=store, cfg=HealthConfig(**cfg))
+    c = HealthConfig(**cfg)
+    return HealthInput(rank=1, generation=4, store=store, cfg=c, checkpoint_dir=c.checkpoint_dir)
 
 
 def test_host_memory_passes_with_a_modest_minimum():
@@ -55,6 +56,24 @@ def test_checkpoint_dir_without_enough_free_space_fails(tmp_path: Path):
 def test_checkpoint_dir_not_configured_is_skipped():
     r = health.checkpoint_dir(inp())
     assert r.ok and "skipped" in r.detail
+
+
+def test_checkpoint_dir_is_the_checkpoints_own_unless_health_names_another(tmp_path: Path):
+    from resilient.config import load_config
+
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    # checkpoint.dir set, health.checkpoint_dir not: its free space is what is checked
+    r = health.checkpoint_dir(
+        HealthInput.of(
+            0, 1, None, load_config(None, checkpoint={"dir": str(ckpt)}, health={"min_free_disk_mb": 1e15})
+        )
+    )
+    assert not r.ok and str(ckpt) in r.value, r
+    got = HealthInput.of(
+        0, 1, None, load_config(None, checkpoint={"dir": str(ckpt)}, health={"checkpoint_dir": str(other)})
+    )
+    assert got.checkpoint_dir == other
+    assert HealthInput.of(0, 1, None, load_config(None)).checkpoint_dir is None
 
 
 def test_store_round_trip_passes():

@@ -171,7 +171,7 @@ class Session:
         one this rank uses); a failure is told to the launcher's agent (a node that keeps failing
         them is excluded) and to the peers (``tell_peers``), then raised."""
         t0 = time.time()
-        results = run_checks(HealthInput(self.rank, gen, store, self.cfg.health), self.checks)
+        results = run_checks(HealthInput.of(self.rank, gen, store, self.cfg), self.checks)
         failed = [r for r in results if not r.ok]
         self.events.emit(
             Event.HEALTH_CHECKED,
