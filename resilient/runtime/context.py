@@ -12,9 +12,9 @@ import torch
 T = TypeVar("T")
 
 
-class Loop(Protocol):
-    """What a :class:`Context` needs of the runtime: the step loop (:class:`~resilient.runtime.
-    steps.StepLoop`, the same under both engines)."""
+class Identity(Protocol):
+    """Who this rank is, in the run (the engine's session: :class:`~resilient.runtime.engine.
+    session.Session`); ``generation``: the generation being run."""
 
     @property
     def rank(self) -> int: ...
@@ -29,13 +29,21 @@ class Loop(Protocol):
     def device(self) -> torch.device: ...
 
     @property
+    def run_dir(self) -> Path: ...
+
+    @property
     def generation(self) -> int: ...
+
+
+class Loop(Protocol):
+    """What a :class:`Context` needs of the runtime: the step loop (:class:`~resilient.runtime.
+    steps.loop.StepLoop`, the same under both engines) and, through it, the run's identity."""
+
+    @property
+    def session(self) -> Identity: ...
 
     @property
     def restored_step(self) -> int | None: ...
-
-    @property
-    def run_dir(self) -> Path: ...
 
     step: int | None
 
@@ -76,27 +84,27 @@ class Context:
     def rank(self) -> int:
         """This process's global rank in the current group (``dist.get_rank()``); a replacement
         started by ``resilient launch`` has its dead predecessor's."""
-        return self._rt.rank
+        return self._rt.session.rank
 
     @property
     def world_size(self) -> int:
         """The number of ranks in the current group (``dist.get_world_size()``)."""
-        return self._rt.world_size
+        return self._rt.session.world_size
 
     @property
     def local_rank(self) -> int:
         """This process's rank on its node (``LOCAL_RANK``): the GPU it uses on NCCL."""
-        return self._rt.local_rank
+        return self._rt.session.local_rank
 
     @property
     def device(self) -> torch.device:
         """``cuda:<local_rank>`` on NCCL, ``cpu`` on gloo."""
-        return self._rt.device
+        return self._rt.session.device
 
     @property
     def generation(self) -> int:
         """How many in-process restarts happened so far (0 on the first entry)."""
-        return self._rt.generation
+        return self._rt.session.generation
 
     @property
     def restored_step(self) -> int | None:
@@ -114,7 +122,7 @@ class Context:
     def run_dir(self) -> Any:
         """The directory of this run's event log (``resilient_runs/<run_id>``, a ``Path``):
         ``resilient events`` and ``resilient report`` read it."""
-        return self._rt.run_dir
+        return self._rt.session.run_dir
 
     def track(self, **objects: Any) -> None:
         """Register state to snapshot after good steps and restore after a fault.

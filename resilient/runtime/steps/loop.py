@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -164,31 +163,7 @@ class StepLoop:
         )
         self.sdc = ReplicaCheck(session.cfg.sdc, session) if session.cfg.sdc.enabled else None
 
-    # -- what Context reads ----------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self.session.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.session.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self.session.local_rank
-
-    @property
-    def device(self) -> torch.device:
-        return self.session.device
-
-    @property
-    def run_dir(self) -> Path:
-        return self.session.run_dir
-
-    @property
-    def generation(self) -> int:
-        return self.session.generation
-
+    # -- what Context reads (its identity is the session's) -------------------------------------
     @property
     def restored_step(self) -> int | None:
         return self.gen.restored_step
@@ -516,7 +491,8 @@ class StepLoop:
         snapshot whose copy no longer matches its digests is dropped too."""
         if self.sdc is not None:
             for step, why in self.ring.drop_corrupt():
-                logger.error("rank {}: snapshot of step {} corrupt, not restored: {}", self.rank, step, why)
+                rank = self.session.rank
+                logger.error("rank {}: snapshot of step {} corrupt, not restored: {}", rank, step, why)
         count = self.gen.count
         if count is None or count.pending is None:
             return
