@@ -15,26 +15,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from resilient.detectors import REGISTRY as DETECTORS
 from resilient.errors import ConfigError
+from resilient.sections import Section, interval_or_auto
 
 # the built-in health checks, by name (resilient/health.py defines a function of each name)
 BUILTIN_CHECKS = ("gpu", "host_memory", "checkpoint_dir", "store")
 
 
-def _interval_or_auto(v: int | str) -> int | str:
-    """A snapshot or digest interval: ``auto``, or at least 1 step."""
-    if isinstance(v, int) and v < 1:
-        raise ValueError("must be >= 1 or 'auto'")
-    return v
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-class RestartConfig(_Model):
+class RestartConfig(Section):
     """Bounds on in-process restarts."""
 
     max_restarts: int = Field(10, ge=0, description="restarts allowed within `window_s`")
@@ -50,7 +41,7 @@ class RestartConfig(_Model):
         return self
 
 
-class SnapshotConfig(_Model):
+class SnapshotConfig(Section):
     """In-memory snapshot of the last good step.
 
     ``interval: auto`` snapshots at a few sample steps while the run calibrates, then rank 0 measures
@@ -70,60 +61,10 @@ class SnapshotConfig(_Model):
         "node's per-rank state survives it; 0 turns the replica off",
     )
 
-    _positive = field_validator("interval")(classmethod(lambda cls, v: _interval_or_auto(v)))
+    _positive = field_validator("interval")(classmethod(lambda cls, v: interval_or_auto(v)))
 
 
-class GuardConfig(_Model):
-    """Steps that would poison the weights without raising: a non-finite gradient (or observed
-    loss), or a spike against the recent values. Checked before a tracked optimizer applies the
-    step (its step pre-hook); a hit rolls every rank back to the newest snapshot and replays."""
-
-    nonfinite: bool = Field(True, description="a NaN/Inf in the gradients (or the observed loss) is a fault")
-    spike: float = Field(
-        10.0,
-        ge=0,
-        description="a gradient norm this many times the median of the last `window` ones is a spike "
-        "fault; 0 turns the watch off",
-    )
-    loss_spike: float = Field(
-        3.0, ge=0, description="the same for a loss reported with `ctx.observe(loss=...)`; 0: off"
-    )
-    window: int = Field(50, ge=1, description="values the spike rule takes the median of")
-    warmup: int = Field(10, ge=1, description="values seen before the spike rule applies")
-    on_nonfinite: Literal["stop", "skip_batch"] = Field(
-        "stop",
-        description="a non-finite step that comes back at the same step on replay (bad data): stop "
-        "with FaultRepeats naming the step and batch, or skip that batch on every rank",
-    )
-    on_spike: Literal["accept", "skip_batch", "stop"] = Field(
-        "accept",
-        description="a spike that comes back at the same step on replay is the data's own: apply "
-        "it (as a run without the guard would), skip that batch on every rank, or stop",
-    )
-
-
-class SdcConfig(_Model):
-    """Silent data corruption: digests of the replicated state (DDP parameters and their
-    optimizer's state, DTensor replicas) compared across replicas where the collective count is.
-
-    ``interval: auto`` digests every state the collective check verifies (the ring's snapshot
-    cadence, as the schedule picks it within the snapshot budget) and at least every
-    ``max_interval`` steps; an int digests every N steps (and at every kept state). A mismatch is
-    a soft fault (``sdc``): every rank rolls back to the newest snapshot whose digests agreed.
-    """
-
-    enabled: bool = Field(True, description="compare digests of the replicated state across replicas")
-    interval: int | Literal["auto"] = Field(
-        "auto", description="every N completed steps, or auto: wherever state is kept (see max_interval)"
-    )
-    max_interval: int = Field(
-        100, ge=1, description="auto: also every this many steps when state is kept less often"
-    )
-
-    _positive = field_validator("interval")(classmethod(lambda cls, v: _interval_or_auto(v)))
-
-
-class HealthConfig(_Model):
+class HealthConfig(Section):
     """Health checks run between fault detection and the rebuild of the group."""
 
     checks: tuple[str, ...] = Field(
@@ -147,7 +88,7 @@ class HealthConfig(_Model):
         return v
 
 
-class CheckpointConfig(_Model):
+class CheckpointConfig(Section):
     """Durable checkpoints (off while ``dir`` is unset).
 
     ``interval: auto`` sets the interval from the measured write time and the observed fault rate
@@ -204,7 +145,7 @@ class CheckpointConfig(_Model):
         return v
 
 
-class EventsConfig(_Model):
+class EventsConfig(Section):
     """Where the per-run JSONL event log goes."""
 
     dir: Path = Field(Path("resilient_runs"), description="event logs go to `<dir>/<run_id>/events.jsonl`")
@@ -214,7 +155,7 @@ class EventsConfig(_Model):
     )
 
 
-class MetricsConfig(_Model):
+class MetricsConfig(Section):
     """The Prometheus endpoint of a run under plain torchrun (``resilient launch --metrics-port``
     serves it from the agent instead)."""
 
@@ -227,28 +168,7 @@ class MetricsConfig(_Model):
     )
 
 
-class StragglerConfig(_Model):
-    """A rank slower than its peers (docs/recovery.md#stragglers): each rank's own work per step
-    (forward of a local module + optimizer step) compared across ranks through the store.
-    ``threshold``, ``window_s`` and ``action`` may change while the job runs:
-    ``<events.dir>/<run_id>/straggler.yaml``."""
-
-    enabled: bool = Field(True, description="measure and compare each rank's own work per step")
-    check_s: float = Field(
-        5.0, gt=0, description="each rank posts its figure this often (steps must be shorter)"
-    )
-    threshold: float = Field(
-        1.3, gt=1, description="a rank this many times slower than the median of its peers is slow"
-    )
-    window_s: float = Field(30.0, ge=0, description="a rank slow on average over this long: a straggler")
-    action: Literal["report", "replace"] = Field(
-        "report",
-        description="report: a `straggler_detected` event; replace (under `resilient launch`): its "
-        "process is ended and a standby takes its rank",
-    )
-
-
-class Config(_Model):
+class Config(Section):
     """Runtime configuration. Defaults live here; ``configs/default.yaml`` mirrors them."""
 
     backend: Literal["auto", "gloo", "nccl"] = Field(
@@ -271,12 +191,6 @@ class Config(_Model):
         description="gc.freeze() the objects alive at start so the full collection that frees a failed "
         "generation (its model, optimizer state, group) takes milliseconds instead of ~80 ms",
     )
-    collective_check: bool = Field(
-        True,
-        description="compare each step's collective count across ranks before its state is kept "
-        "(a rank that skipped a collective is a desync fault, never a silently wrong snapshot); off "
-        "only where ranks legitimately issue different collectives on the default group",
-    )
     store_name_lookups: bool = Field(
         False,
         description="torch's store sockets ask the resolver for each peer's name (a reverse DNS lookup per "
@@ -290,13 +204,16 @@ class Config(_Model):
     )
     restart: RestartConfig = Field(default_factory=RestartConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
-    guard: GuardConfig = Field(default_factory=GuardConfig)
-    sdc: SdcConfig = Field(default_factory=SdcConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    straggler: StragglerConfig = Field(default_factory=StragglerConfig)
+    # each detector's section (guard, sdc, collective_check, straggler), modelled in its own file
+    # (resilient/detectors): the registry lists them, so adding a detector adds its section here
+    for _key, (_type, _field) in DETECTORS.fields().items():
+        __annotations__[_key] = _type
+        locals()[_key] = _field
+    del _key, _type, _field
 
     @field_validator("interrupt_signal")
     @classmethod

@@ -8,6 +8,7 @@ the launcher (and with Slurm/Kubernetes): they say whether relaunching can help.
 from __future__ import annotations
 
 import enum
+from typing import ClassVar
 
 
 class ExitCode(enum.IntEnum):
@@ -33,7 +34,14 @@ class ExitCode(enum.IntEnum):
 
 
 class ResilienceError(Exception):
-    """Root of every error raised by resilient."""
+    """Root of every error raised by resilient. A fault a detector raises names, in class
+    attributes, how a fault record calls it (``symptom``; None: classified like any exception),
+    whether it is recovered in-process (``severity``) and, where its message varies from run to
+    run, the signature repeats are compared by (``signature_text``)."""
+
+    symptom: ClassVar[str | None] = None
+    severity: ClassVar[str] = "soft"
+    signature_text: ClassVar[str | None] = None
 
 
 class ConfigError(ResilienceError):
@@ -44,64 +52,15 @@ class SoftFault(ResilienceError):
     """A fault the runtime itself detected inside a step and recovers from in-process."""
 
 
-class CollectiveDesync(SoftFault):
-    """Ranks issued different numbers of collectives in one window (recovered in-process).
-    ``window_end``: the step that closed the window; state kept after it is not a good state."""
-
-    def __init__(self, message: str, window_end: int) -> None:
-        super().__init__(message)
-        self.window_end = window_end
-
-
-class SilentCorruption(SoftFault):
-    """Replicas of the same state differ (a flipped bit: silent data corruption), found by
-    comparing digests where the collective count is compared. ``window_end``: the step after which
-    they were compared; state kept after it is not a good state. ``ranks``: the two that differ."""
-
-    def __init__(self, message: str, window_end: int, ranks: tuple[int, int] = (-1, -1)) -> None:
-        super().__init__(message)
-        self.window_end = window_end
-        self.ranks = ranks
-
-
 class SnapshotError(SoftFault):
     """Copying a tracked object's state failed; the message names the object and the leaf."""
-
-
-class StepRejected(SoftFault):
-    """A step the guard (resilient/detectors/guard.py) did not let reach the weights: every rank
-    rolls back to the newest snapshot and replays it. ``step``: the step; ``where``: its batch
-    (``epoch 2, batch 17``) where a data position is known."""
-
-    def __init__(self, message: str, step: int | None, value: float, where: str | None = None) -> None:
-        super().__init__(message)
-        self.step = step
-        self.value = value
-        self.where = where
-
-
-class NonFiniteStep(StepRejected):
-    """A NaN or Inf in a step's gradients (before the optimizer applied them) or its observed loss."""
-
-
-class SpikeStep(StepRejected):
-    """A step's gradient norm (or observed loss) far above the median of the recent ones."""
 
 
 class HardFault(ResilienceError):
     """A fault that in-process recovery cannot fix; the process should exit for the launcher."""
 
     exit_code = ExitCode.HARD_FAULT
-
-
-class CorruptReplica(HardFault):
-    """This rank's replica was found corrupt a second time: its hardware is not trusted any more.
-    ``replaced``: under ``resilient launch`` it marked itself for replacement, and its agent puts a
-    standby in its place while its peers wait in their recovery; else the group exits (75)."""
-
-    def __init__(self, message: str, replaced: bool = False) -> None:
-        super().__init__(message)
-        self.replaced = replaced
+    severity: ClassVar[str] = "hard"
 
 
 class CoordinationError(HardFault):

@@ -45,15 +45,64 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import torch.distributed as dist
 
-from resilient.errors import CollectiveDesync, SilentCorruption
-from resilient.runtime.coordination.node import NodeLink, NodeLinkLost
+from resilient.detectors.base import Detector, Run
+from resilient.detectors.replicas import SilentCorruption
+from resilient.errors import SoftFault
 from resilient.state.digest import Group, group_id, next_member
 
-__all__ = ["CollectiveCount", "CollectiveDesync", "SilentCorruption", "issued_on_default_group"]
+__all__ = ["CollectiveCheck", "CollectiveCount", "CollectiveDesync", "issued_on_default_group"]
+
+
+class CollectiveDesync(SoftFault):
+    """Ranks issued different numbers of collectives in one window (recovered in-process).
+    ``window_end``: the step that closed the window; state kept after it is not a good state."""
+
+    symptom: ClassVar[str] = "desync"
+    signature_text: ClassVar[str] = "desync: ranks issued different collectives in a step"  # (counts vary)
+
+    def __init__(self, message: str, window_end: int) -> None:
+        super().__init__(message)
+        self.window_end = window_end
+
+
+DESYNC = CollectiveDesync.symptom
+
+
+class CollectiveCheck(Detector):
+    """The collective count's detector: each generation's :class:`CollectiveCount`, where the
+    count is compared (``collective_check``) or carries the replica digests alone."""
+
+    name = "collectives"
+    summary = "a rank that issued other collectives than its peers in a step (its snapshot is never kept)"
+    section = "collective_check"
+    config = bool
+    config_default = True
+    config_description = (
+        "compare each step's collective count across ranks before its state is kept (a rank that "
+        "skipped a collective is a desync fault, never a silently wrong snapshot); off only where "
+        "ranks legitimately issue different collectives on the default group"
+    )
+    faults = (CollectiveDesync,)
+
+    @classmethod
+    def build(cls, section: bool, run: Run) -> CollectiveCheck:
+        return cls(section)
+
+    def __init__(self, counts: bool) -> None:
+        self.counts = counts
+
+    def window(
+        self, store: dist.Store, prefix: str, rank: int, world: int, via: NodeLinkHolder | None, digests: bool
+    ) -> CollectiveCount | None:
+        """A generation's count (posted under ``prefix``), where it is compared or carries the
+        replica digests (``digests``); None where neither."""
+        if not (self.counts or digests):
+            return None
+        return CollectiveCount(store, prefix, rank, world, via, counts=self.counts)
 
 _ABSENT = "\x00absent"  # never a count: what a read of a key not posted yet returns
 
@@ -71,13 +120,24 @@ class _Posted(NamedTuple):
         return cls(int(n), dict(p.split("=", 1) for p in pairs))
 
 
+class NodeStores(Protocol):
+    """What the count reads of its node's link (:class:`~resilient.runtime.coordination.node.NodeLink`)."""
+
+    first: int
+    store: dist.Store
+    monitor: dist.Store
+
+    def holds(self, rank: int) -> bool: ...
+
+
 class NodeLinkHolder(Protocol):
     """What the count needs of the coordinator: its node link while it lasts, and the switch to
     the job's store when the node's store fails (see :meth:`Coordinator.lose`)."""
 
-    node: NodeLink | None
+    @property
+    def node(self) -> NodeStores | None: ...
 
-    def lose(self, e: BaseException) -> NodeLinkLost: ...
+    def lose(self, e: BaseException) -> BaseException: ...
 
 
 def issued_on_default_group() -> int:

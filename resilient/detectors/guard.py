@@ -37,18 +37,75 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field
 from torch.utils.hooks import RemovableHandle
 
-from resilient.config import GuardConfig
-from resilient.errors import FaultRepeats, NonFiniteStep, SpikeStep, StepRejected
-from resilient.events import Event, EventLog
-from resilient.runtime.detection.faults import FaultRecord, Symptom
+from resilient.detectors.base import AgreedFault, Detector, Emits, Run
+from resilient.errors import FaultRepeats, SoftFault
+from resilient.events import Event
+from resilient.sections import Section
 
 LOSS = "loss"  # the window of the observed loss (optimizers' windows are named after them)
 REJECTED = ": the step is not applied; rolled back"
+
+
+class GuardConfig(Section):
+    """Steps that would poison the weights without raising: a non-finite gradient (or observed
+    loss), or a spike against the recent values. Checked before a tracked optimizer applies the
+    step (its step pre-hook); a hit rolls every rank back to the newest snapshot and replays."""
+
+    nonfinite: bool = Field(True, description="a NaN/Inf in the gradients (or the observed loss) is a fault")
+    spike: float = Field(
+        10.0,
+        ge=0,
+        description="a gradient norm this many times the median of the last `window` ones is a spike "
+        "fault; 0 turns the watch off",
+    )
+    loss_spike: float = Field(
+        3.0, ge=0, description="the same for a loss reported with `ctx.observe(loss=...)`; 0: off"
+    )
+    window: int = Field(50, ge=1, description="values the spike rule takes the median of")
+    warmup: int = Field(10, ge=1, description="values seen before the spike rule applies")
+    on_nonfinite: Literal["stop", "skip_batch"] = Field(
+        "stop",
+        description="a non-finite step that comes back at the same step on replay (bad data): stop "
+        "with FaultRepeats naming the step and batch, or skip that batch on every rank",
+    )
+    on_spike: Literal["accept", "skip_batch", "stop"] = Field(
+        "accept",
+        description="a spike that comes back at the same step on replay is the data's own: apply "
+        "it (as a run without the guard would), skip that batch on every rank, or stop",
+    )
+
+
+class StepRejected(SoftFault):
+    """A step the guard did not let reach the weights: every rank rolls back to the newest
+    snapshot and replays it. ``step``: the step; ``where``: its batch (``epoch 2, batch 17``)
+    where a data position is known."""
+
+    def __init__(self, message: str, step: int | None, value: float, where: str | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.value = value
+        self.where = where
+
+
+class NonFiniteStep(StepRejected):
+    """A NaN or Inf in a step's gradients (before the optimizer applied them) or its observed loss."""
+
+    symptom: ClassVar[str] = "nonfinite"
+
+
+class SpikeStep(StepRejected):
+    """A step's gradient norm (or observed loss) far above the median of the recent ones."""
+
+    symptom: ClassVar[str] = "spike"
+
+
+NONFINITE, SPIKE = NonFiniteStep.symptom, SpikeStep.symptom
 
 
 def grad_norm(optimizer: torch.optim.Optimizer) -> tuple[float, bool] | None:
@@ -146,14 +203,26 @@ class ClipWatch:
         return None
 
 
-class StepGuard:
+class StepGuard(Detector):
     """See the module docstring. ``step``: the step being run; ``where``: its batch, described
     (None where no data position is known)."""
+
+    name = "guard"
+    summary = "a NaN/Inf or spiking gradient (or observed loss), refused before optimizer.step applies it"
+    section = "guard"
+    config = GuardConfig
+    faults = (NonFiniteStep, SpikeStep)
+    evidence = (Event.BATCH_SKIPPED, Event.SPIKE_ACCEPTED)
+
+    @classmethod
+    def build(cls, section: GuardConfig, run: Run) -> StepGuard:
+        # (always built: with every rule off it watches nothing, and ctx.observe still has a guard)
+        return cls(section, run.events, lambda: run.step, run.where, lambda: run.generation)
 
     def __init__(
         self,
         cfg: GuardConfig,
-        events: EventLog,
+        events: Emits,
         step: Callable[[], int | None],
         where: Callable[[], str | None] = lambda: None,
         generation: Callable[[], int] = lambda: 0,
@@ -193,6 +262,19 @@ class StepGuard:
                 self.check(name, opt, applied=True)
 
         self._handles += [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+
+    def tracked(self, name: str, obj: Any) -> None:
+        if isinstance(obj, torch.optim.Optimizer):
+            self.attach(name, obj)
+
+    def generation(self, number: int) -> None:
+        self.detach()  # (the failed generation's optimizers)
+
+    def restored(self, step: int) -> None:
+        self.rewind(step)
+
+    def recovering(self, fault: AgreedFault, history: list[dict[str, object]]) -> None:
+        self.learn(fault, history)
 
     def detach(self) -> None:
         """A generation ended: its optimizers are no longer watched (the next one's are)."""
@@ -264,7 +346,7 @@ class StepGuard:
         if factor > 0 and len(window) >= self.cfg.warmup:
             median = window.median()
             if median > 0 and value > factor * median:
-                if self.faulted.get(s) == Symptom.SPIKE.value and self.cfg.on_spike == "accept":
+                if self.faulted.get(s) == SPIKE and self.cfg.on_spike == "accept":
                     self.events.emit(
                         Event.SPIKE_ACCEPTED, generation=self._generation(), step=step, value=value,
                         median=median, what=what, batch=self._where(),
@@ -283,19 +365,19 @@ class StepGuard:
         raise cls(f"{what} at {at}{REJECTED}", step, value, where)
 
     # -- what the recovery tells it ------------------------------------------------------------------------
-    def learn(self, fault: FaultRecord, history: list[dict[str, object]]) -> None:
+    def learn(self, fault: AgreedFault, history: list[dict[str, object]]) -> None:
         """Every rank agreed ``fault`` ended the generation (in the recovery, before the restart
         policy's verdict). A guard fault seen at this step before is the data's: stop (raises
         :class:`FaultRepeats`) or skip the batch, as configured."""
         kind, step = fault.kind, fault.step
-        if kind not in (Symptom.NONFINITE.value, Symptom.SPIKE.value) or step is None:
+        if kind not in (NONFINITE, SPIKE) or step is None:
             return
         if self.faulted.get(step) == kind:
-            how = self.cfg.on_nonfinite if kind == Symptom.NONFINITE.value else self.cfg.on_spike
+            how = self.cfg.on_nonfinite if kind == NONFINITE else self.cfg.on_spike
             if how == "skip_batch":
                 self.skip.add(step)
             elif how == "stop":
-                what = "on_nonfinite" if kind == Symptom.NONFINITE.value else "on_spike"
+                what = "on_nonfinite" if kind == NONFINITE else "on_spike"
                 raise FaultRepeats(
                     step,
                     f"{fault.message.split(': ', 1)[-1].removesuffix(REJECTED)}: it came back on replay, so "

@@ -1,9 +1,9 @@
 """Silent data corruption: this rank's digests of its replicated state, when they are due, and who
 was corrupt once replicas were found to differ.
 
-The digests (:mod:`resilient.state.digest`) ride the collective count (:mod:`collective_check`):
+The digests (:mod:`resilient.state.digest`) ride the collective count (:mod:`.collectives`):
 posted with it where a window closes, compared with the next replica's, a difference raised as
-:class:`~resilient.errors.SilentCorruption` and every snapshot after the window dropped, so the
+:class:`SilentCorruption` and every snapshot after the window dropped, so the
 ranks roll back to the newest state whose digests agreed and replay. Who was corrupt:
 
 - **three replicas or more**: in the recovery (only then) every rank contributes the digests of its
@@ -20,32 +20,94 @@ ranks roll back to the newest state whose digests agreed and replay. Who was cor
   ``undecided``, never a wrong name.
 
 A rank named twice is marked unhealthy for the launcher and exits as a hard fault
-(:class:`~resilient.errors.CorruptReplica`).
+(:class:`CorruptReplica`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from loguru import logger
+from pydantic import Field, field_validator
 
-from resilient.config import SdcConfig
-from resilient.contract import mark_replace
-from resilient.errors import CorruptReplica
+from resilient.detectors.base import Detector, Run
+from resilient.errors import HardFault, SoftFault
 from resilient.events import Event
-from resilient.runtime.engine.session import Session
+from resilient.sections import Section, interval_or_auto
 from resilient.state.digest import Group, Leaf, digest, group_id, leaf_sums, replica_sets
 
 KEEP = 3  # windows whose digests are kept for the attribution (the one that differed is among them)
 STRIKES = 2  # found corrupt this many times: the rank's hardware is not trusted any more
 
 
-class ReplicaCheck:
+class SdcConfig(Section):
+    """Silent data corruption: digests of the replicated state (DDP parameters and their
+    optimizer's state, DTensor replicas) compared across replicas where the collective count is.
+
+    ``interval: auto`` digests every state the collective check verifies (the ring's snapshot
+    cadence, as the schedule picks it within the snapshot budget) and at least every
+    ``max_interval`` steps; an int digests every N steps (and at every kept state). A mismatch is
+    a soft fault (``sdc``): every rank rolls back to the newest snapshot whose digests agreed.
+    """
+
+    enabled: bool = Field(True, description="compare digests of the replicated state across replicas")
+    interval: int | Literal["auto"] = Field(
+        "auto", description="every N completed steps, or auto: wherever state is kept (see max_interval)"
+    )
+    max_interval: int = Field(
+        100, ge=1, description="auto: also every this many steps when state is kept less often"
+    )
+
+    _positive = field_validator("interval")(classmethod(lambda cls, v: interval_or_auto(v)))
+
+
+class SilentCorruption(SoftFault):
+    """Replicas of the same state differ (a flipped bit: silent data corruption), found by
+    comparing digests where the collective count is compared. ``window_end``: the step after which
+    they were compared; state kept after it is not a good state. ``ranks``: the two that differ."""
+
+    symptom: ClassVar[str] = "sdc"
+    signature_text: ClassVar[str] = "sdc: SilentCorruption: replicas differ"  # (the digests vary)
+
+    def __init__(self, message: str, window_end: int, ranks: tuple[int, int] = (-1, -1)) -> None:
+        super().__init__(message)
+        self.window_end = window_end
+        self.ranks = ranks
+
+
+class CorruptReplica(HardFault):
+    """This rank's replica was found corrupt a second time: its hardware is not trusted any more.
+    ``replaced``: under ``resilient launch`` it marked itself for replacement, and its agent puts a
+    standby in its place while its peers wait in their recovery; else the group exits (75)."""
+
+    symptom: ClassVar[str] = "sdc"
+    signature_text: ClassVar[str] = "sdc: CorruptReplica: replicas differ"
+
+    def __init__(self, message: str, replaced: bool = False) -> None:
+        super().__init__(message)
+        self.replaced = replaced
+
+
+SDC = SilentCorruption.symptom
+
+
+class ReplicaCheck(Detector):
     """See the module docstring: one per process (it outlives generations)."""
 
-    def __init__(self, cfg: SdcConfig, session: Session) -> None:
+    name = "replicas"
+    summary = "replicas of the same state that differ (a flipped bit): exact digests, compared with the count"
+    section = "sdc"
+    config = SdcConfig
+    faults = (SilentCorruption, CorruptReplica)
+    evidence = (Event.SDC_DETECTED,)
+
+    @classmethod
+    def build(cls, section: SdcConfig, run: Run) -> ReplicaCheck | None:
+        return cls(section, run) if section.enabled else None
+
+    def __init__(self, cfg: SdcConfig, session: Run) -> None:
         self.cfg = cfg
         self.session = session
         self.history: dict[int, dict[Group, str]] = {}  # window end -> this rank's digests
@@ -132,7 +194,6 @@ class ReplicaCheck:
         if self.strikes < STRIKES:
             return
         detail = f"replica found corrupt {self.strikes} times (last after step {step})"
-        beats = s.launch.heartbeat_dir
-        replaced = beats is not None and mark_replace(beats, s.local_rank, {"cause": f"sdc: {detail}"})
+        replaced = s.mark_replace({"cause": f"sdc: {detail}"})
         then = "a standby takes its rank" if replaced else "the group exits for a relaunch"
         raise CorruptReplica(f"rank {s.rank}: {detail}; {then}", replaced)

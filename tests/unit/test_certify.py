@@ -238,6 +238,24 @@ def test_a_phase_over_its_budget_fails_the_class_even_when_the_total_passes() ->
     assert "free" in str(report.phase_table([row]).columns[5].header)
 
 
+def test_a_phases_cpu_time_is_held_to_its_own_budget_whatever_its_wall_time() -> None:
+    cert = _cert(recover_s=1.0, phase_cpu_p50_s={"restore": 0.015})
+
+    def trial(i: int, wall: float, cpu: float | None) -> certify.Trial:
+        t = certify.Trial("k", i, 5, ok=True, recover_s=0.1, bit_exact=True)
+        t.phases, t.phase_cpu = {"restore": wall}, {"restore": cpu}
+        return t
+
+    # a rank descheduled mid-copy: 196 ms of wall time, 5 ms of work
+    (row,) = report.summarize(cert, [trial(0, 0.196, 0.005)])
+    assert row["failed"] == [] and row["phases_cpu_p50"]["restore"] == 0.005
+    (row,) = report.summarize(cert, [trial(0, 0.02, 0.030), trial(1, 0.02, 0.031), trial(2, 0.02, 0.004)])
+    assert row["failed"] == ["cpu:restore"]  # the work itself grew (a copy too many)
+    (row,) = report.summarize(cert, [trial(0, 0.02, None)])
+    assert row["failed"] == ["cpu:restore"]  # no figure is no pass
+    assert "cpu" in str(report.phase_table([row]).columns[0]._cells)
+
+
 def test_a_budget_for_a_phase_that_is_not_one_is_refused_by_name(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     slo = "slo: {phase_p50_s: {fre: 0.005}}"

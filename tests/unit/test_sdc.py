@@ -18,13 +18,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from chaos.faults.bitflip import Bitflip, flip_bit
 from chaos.inject import Fault
-from resilient.config import SdcConfig
-from resilient.contract import take_replace
+from resilient.contract import mark_replace, take_replace
 from resilient.detectors import collectives as fingerprint
 from resilient.detectors.collectives import CollectiveCount
-from resilient.detectors.replicas import ReplicaCheck
-from resilient.errors import CorruptReplica, SilentCorruption
-from resilient.runtime.detection.faults import Severity, Symptom, classify
+from resilient.detectors.replicas import CorruptReplica, ReplicaCheck, SdcConfig, SilentCorruption
+from resilient.runtime.detection.faults import Severity, classify
 from resilient.state import SnapshotRing
 from resilient.state import digest as dg
 from resilient.state.snapshot import CorruptSnapshot
@@ -163,8 +161,8 @@ def test_equal_digests_pass_and_a_different_one_is_named_by_both_neighbours(seq:
     assert isinstance(e0, SilentCorruption) and e0.ranks == (0, 1) and e0.window_end == 1
     assert isinstance(e1, SilentCorruption) and e1.ranks == (1, 2)
     assert "step 1" in str(e0) and "rank 0" in str(e0) and "rank 1" in str(e0)
-    assert classify(e0) == (Symptom.SDC, Severity.SOFT)
-    assert classify(CorruptReplica("x")) == (Symptom.SDC, Severity.HARD)
+    assert classify(e0) == ("sdc", Severity.SOFT)
+    assert classify(CorruptReplica("x")) == ("sdc", Severity.HARD)
 
 
 def test_a_replica_group_off_the_ring_compares_with_its_next_member(seq: None) -> None:
@@ -210,10 +208,12 @@ class _Events:
 
 
 def _check(rank: int, world: int, tmp_path: Path | None = None) -> ReplicaCheck:
-    launch = SimpleNamespace(heartbeat_dir=tmp_path)
-    session = SimpleNamespace(rank=rank, world_size=world, local_rank=rank, generation=0, events=_Events(),
-                              launch=launch)  # fmt: skip
-    return ReplicaCheck(SdcConfig(), session)  # type: ignore[arg-type]
+    def mark(detail: dict[str, Any]) -> bool:  # (what the step loop's run does under the launcher)
+        return tmp_path is not None and mark_replace(tmp_path, rank, detail)
+
+    run = SimpleNamespace(rank=rank, world_size=world, local_rank=rank, generation=0, events=_Events(),
+                          mark_replace=mark)  # fmt: skip
+    return ReplicaCheck(SdcConfig(), run)  # type: ignore[arg-type]
 
 
 def _exchange(checks: list[ReplicaCheck]) -> Any:

@@ -10,17 +10,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient.config import StragglerConfig, load_config
+from resilient.config import load_config
 from resilient.contract import mark_replace, replace_path, take_replace
-from resilient.detectors.stragglers import (
+from resilient.detectors.straggler_watch import (
     LiveSettings,
     Place,
     StragglerRule,
     StragglerWatch,
-    WorkMeter,
-    local_module,
     parse_figures,
 )
+from resilient.detectors.stragglers import StragglerConfig, WorkMeter, local_module
 from resilient.events import Event
 
 

@@ -16,19 +16,16 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from resilient.errors import (
-    CollectiveDesync,
-    CorruptReplica,
-    NonFiniteStep,
-    SilentCorruption,
-    SpikeStep,
-    StepInterrupted,
-)
+from resilient.detectors import REGISTRY as DETECTORS
+from resilient.detectors.collectives import DESYNC
+from resilient.errors import ResilienceError, StepInterrupted
 
 
 class Symptom(str, enum.Enum):
     """What the runtime saw of a fault (a record's ``kind``); the harness's fault *kinds* (what
-    chaos injects, ``chaos.faults``) are another thing."""
+    chaos injects, ``chaos.faults``) are another thing. These are the runtime's own; each detector
+    names those of its faults (``resilient.detectors``: desync, nonfinite, spike, sdc), and a
+    record's kind is one of either (:data:`KINDS`)."""
 
     EXCEPTION = "exception"  # an exception in user code
     OOM = "oom"  # torch.OutOfMemoryError / CUDA or host allocation failure raised as an exception
@@ -37,12 +34,8 @@ class Symptom(str, enum.Enum):
     PEER = "peer"  # this rank was pulled out because another rank faulted
     PREEMPT = "preempt"  # a preemption signal: save a final checkpoint and exit for requeue
     CUDA = "cuda"  # a sticky CUDA error: the context is unusable, in-process recovery is impossible
-    DESYNC = "desync"  # ranks issued different collectives in one step (detectors/collectives.py)
     DIED = "died"  # a rank's process died (posted by the launcher's agent, which replaces it)
     MALFORMED = "malformed"  # a record a peer left in the store does not parse (reported, recovered)
-    NONFINITE = "nonfinite"  # a NaN/Inf gradient or loss, caught before the optimizer applied it
-    SPIKE = "spike"  # a gradient norm or loss far above the recent ones, caught before it was applied
-    SDC = "sdc"  # replicas of the same state differ: silent data corruption (resilient/state/digest.py)
 
 
 class Severity(str, enum.Enum):
@@ -71,23 +64,29 @@ def _dist_errors() -> tuple[type[BaseException], ...]:
     return tuple(getattr(torch.distributed, n) for n in names if hasattr(torch.distributed, n))
 
 
-def classify(exc: BaseException) -> tuple[Symptom, Severity]:
-    """Map an exception to (kind, severity). Unknown exceptions are soft: retrying is bounded."""
+def kinds() -> frozenset[str]:
+    """Every kind a fault record may have: the runtime's symptoms and the detectors'."""
+    return frozenset(k.value for k in Symptom) | DETECTORS.symptoms()
+
+
+def _fixed(kind: str) -> str | None:
+    """A detector symptom's signature where its message varies run to run (a desync's counts)."""
+    texts = (f.signature_text for f in DETECTORS.faults() if f.symptom == kind and f.signature_text)
+    return next(texts, None)
+
+
+def classify(exc: BaseException) -> tuple[str, Severity]:
+    """Map an exception to (kind, severity): a detector's fault by what its class says, the rest
+    by its type and message. Unknown exceptions are soft: retrying is bounded."""
     msg = str(exc)
     if isinstance(exc, StepInterrupted):
         if exc.reason.startswith("preempt"):
             return Symptom.PREEMPT, Severity.SOFT
-        if exc.reason.startswith("desync"):
-            return Symptom.DESYNC, Severity.SOFT
+        if exc.reason.startswith(DESYNC):  # (the hang monitor's diagnosis of a skipped collective)
+            return DESYNC, Severity.SOFT
         return (Symptom.HANG if exc.reason.startswith("hang") else Symptom.PEER), Severity.SOFT
-    if isinstance(exc, CollectiveDesync):
-        return Symptom.DESYNC, Severity.SOFT
-    if isinstance(exc, NonFiniteStep):
-        return Symptom.NONFINITE, Severity.SOFT
-    if isinstance(exc, SpikeStep):
-        return Symptom.SPIKE, Severity.SOFT
-    if isinstance(exc, SilentCorruption | CorruptReplica):
-        return Symptom.SDC, Severity.SOFT if isinstance(exc, SilentCorruption) else Severity.HARD
+    if isinstance(exc, ResilienceError) and exc.symptom is not None:
+        return exc.symptom, Severity(exc.severity)
     if isinstance(exc, torch.OutOfMemoryError | MemoryError) or _OOM_PATTERNS.search(msg):
         return Symptom.OOM, Severity.SOFT
     if _STICKY_CUDA.search(msg) and ("cuda" in msg.lower() or "device-side" in msg.lower()):
@@ -97,17 +96,18 @@ def classify(exc: BaseException) -> tuple[Symptom, Severity]:
     return Symptom.EXCEPTION, Severity.SOFT
 
 
-def signature(kind: Symptom, exc: BaseException) -> str:
-    """A stable, human-readable signature: kind, type and normalized first line of the message."""
+def signature(kind: str, exc: BaseException) -> str:
+    """A stable, human-readable signature: kind, type and normalized first line of the message
+    (or the fixed text of a fault whose message varies from run to run)."""
+    kind = kind.value if isinstance(kind, Symptom) else kind
+    fixed = exc.signature_text if isinstance(exc, ResilienceError) else _fixed(kind)
+    if fixed is not None:
+        return fixed
     first = (str(exc).strip().splitlines() or [""])[0]
     first = _VOLATILE.sub("N", first)[:160]
-    if kind is Symptom.DESYNC:  # the counts differ run to run; the place does not
-        return "desync: ranks issued different collectives in a step"
-    if kind is Symptom.SDC:  # the digests differ run to run
-        return f"sdc: {type(exc).__name__}: replicas differ"
     if kind in (Symptom.HANG, Symptom.PEER, Symptom.DIED):
-        return f"{kind.value}: {first}"
-    return f"{kind.value}: {type(exc).__name__}: {first}"
+        return f"{kind}: {first}"
+    return f"{kind}: {type(exc).__name__}: {first}"
 
 
 class MalformedRecord(ValueError):
@@ -137,7 +137,7 @@ class FaultRecord:
             rank=rank,
             generation=generation,
             step=step,
-            kind=kind.value,
+            kind=kind.value if isinstance(kind, Symptom) else kind,
             severity=sev.value,
             signature=signature(kind, exc),
             message=f"{type(exc).__name__}: {str(exc)[:500]}",
@@ -170,7 +170,7 @@ class FaultRecord:
         whole("rank", -1)
         whole("generation", 0)
         whole("step", 0, none=True)
-        if d["kind"] not in {k.value for k in Symptom} or d["severity"] not in {s.value for s in Severity}:
+        if d["kind"] not in kinds() or d["severity"] not in {s.value for s in Severity}:
             raise MalformedRecord(f"kind={d['kind']!r}, severity={d['severity']!r}")
         for name in ("signature", "message"):
             if not isinstance(d[name], str):

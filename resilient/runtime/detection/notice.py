@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from loguru import logger
 
-from resilient.detectors.collectives import PeerWait
+from resilient.detectors.collectives import DESYNC, CollectiveDesync, PeerWait
 from resilient.events import Event
 from resilient.runtime.coordination.coordinator import Coordinator
 from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom
@@ -174,17 +174,17 @@ class Detection:
         wait = self.peer_wait()
         if wait is not None:  # (a step check's wait: the peer's, or the store's)
             msg += f"; it {wait.describe(time.monotonic(), self.t.peer_report)}"
-        kind, sig = Symptom.HANG, "hang: no step progress"
+        kind, sig = Symptom.HANG.value, "hang: no step progress"
         count = gen.count
         desync = count.diagnose(self.monitor_store) if count is not None else None
         if desync is not None:  # waiting in a collective a neighbour finished the step without
-            kind, msg = Symptom.DESYNC, f"{desync} ({msg})"
-            sig = "desync: ranks issued different collectives in a step"
+            kind, msg = DESYNC, f"{desync} ({msg})"
+            sig = CollectiveDesync.signature_text
         rec = FaultRecord(
             rank=self.session.rank,
             generation=generation,
             step=self.loop.step,
-            kind=kind.value,
+            kind=kind,
             severity=Severity.SOFT.value,
             signature=sig,
             message=msg,
@@ -193,7 +193,7 @@ class Detection:
         self.coord.post_fault(rec, store=self.monitor_store)
         self.session.fault_report(rec, stacks=all_stacks())  # (before the interrupt moves the main thread)
         self._abort_group(generation)
-        self.interrupter.interrupt(generation, f"{kind.value}: {msg}")
+        self.interrupter.interrupt(generation, f"{kind}: {msg}")
 
     def nudge(self, generation: int) -> None:
         now = time.monotonic()

@@ -32,7 +32,8 @@ from loguru import logger
 from resilient.checkpoint import flushed
 from resilient.checkpoint.shm import ShmSnapshot
 from resilient.contract import die_with_launcher, mark_replace
-from resilient.detectors.stragglers import Place, StragglerWatch, WorkMeter
+from resilient.detectors.straggler_watch import Place, StragglerWatch
+from resilient.detectors.stragglers import Stragglers
 from resilient.errors import (
     CoordinationError,
     HardFault,
@@ -88,6 +89,7 @@ def collaborators(setup: Setup, wiring: Wiring) -> Collaborators:
     launch, cfg, t = setup.launch, setup.cfg, setup.cfg.timeouts
     session = Session(setup, wiring, engine=BuiltinEngine.name, ring_share=ring_share(launch))
     ep = launch.endpoint
+    stragglers = Stragglers.wanted(Stragglers.section_of(cfg), ep.world_size)
     blocks, _ = node_mod.node_mode(cfg.node_aggregation, ep.world_size, ep.local_world_size)
     coord = coord_mod.Coordinator(session.store, session.ns, ep.rank, ep.world_size, t.barrier, blocks=blocks)
     persist = None
@@ -120,14 +122,15 @@ def collaborators(setup: Setup, wiring: Wiring) -> Collaborators:
         persist=persist,
         shm=shm,
         replica=replica,
-        straggler_store=wiring.side_store(t.barrier) if cfg.straggler.enabled and ep.world_size > 1 else None,
+        straggler_store=wiring.side_store(t.barrier) if stragglers else None,
     )
 
 
-def _straggler_watch(c: Collaborators) -> StragglerWatch | None:
-    """This rank's straggler watch (straggler.enabled, more than one rank), not started."""
+def _straggler_watch(c: Collaborators, detector: Stragglers | None) -> StragglerWatch | None:
+    """This rank's straggler watch on its detector's meter (straggler.enabled, more than one
+    rank), not started."""
     s = c.session
-    if c.straggler_store is None:
+    if c.straggler_store is None or detector is None:
         return None
     ep, beats = s.launch.endpoint, s.launch.heartbeat_dir
 
@@ -135,7 +138,7 @@ def _straggler_watch(c: Collaborators) -> StragglerWatch | None:
         s.events.emit(event, generation=s.generation, step=None, **fields)
 
     return StragglerWatch(
-        s.cfg.straggler, Place(ep.rank, ep.local_rank, ep.local_world_size, s.ns), WorkMeter(),
+        detector.cfg, Place(ep.rank, ep.local_rank, ep.local_world_size, s.ns), detector.meter,
         c.straggler_store, emit, settings=s.run_dir / "straggler.yaml",
         mark=None if beats is None else lambda local_rank, detail: mark_replace(beats, local_rank, detail),
     )  # fmt: skip
@@ -192,11 +195,8 @@ class BuiltinRun:
         self.keeper = Mirrors(
             s, self.ring, c.coord, persist=c.persist, shm=c.shm, replica=c.replica, arm=self.hard_timer.arm
         )
-        self.straggler = _straggler_watch(c)
-        self.loop = StepLoop(
-            s, self.keeper, self.ring, liveness=self._stepped, count_via=c.coord,
-            work=self.straggler.meter if self.straggler else None,
-        )  # fmt: skip
+        self.loop = StepLoop(s, self.keeper, self.ring, liveness=self._stepped, count_via=c.coord)
+        self.straggler = _straggler_watch(c, self.loop.detectors.get(Stragglers))
         self.detection = Detection(
             s, c.coord, self.loop, self.hard_timer, running=self._running, busy=lambda: self.keeper.in_save,
             monitor_store=c.monitor_store, listener_store=c.listener_store,

@@ -47,6 +47,7 @@ from loguru import logger
 
 from resilient.config import Config
 from resilient.contract import die_with_launcher
+from resilient.detectors.collectives import DESYNC
 from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted, SetupFailed
 from resilient.events import Event
 from resilient.runtime.coordination import pg
@@ -56,7 +57,8 @@ from resilient.runtime.detection.stacks import main_thread_where
 from resilient.runtime.engine.session import Session
 from resilient.runtime.engine.wiring import Setup, WiringFactory, wire
 from resilient.runtime.recovery.policy import RestartPolicy
-from resilient.runtime.steps.loop import RingOnly, StepLoop
+from resilient.runtime.steps.keeper import RingOnly
+from resilient.runtime.steps.loop import StepLoop
 from resilient.state import SnapshotRing
 
 S = datetime.timedelta
@@ -374,7 +376,7 @@ class NvrxRun:
         if why is None:
             return None
         return FaultRecord(
-            rank=s.rank, generation=s.generation, step=count.step, kind=Symptom.DESYNC.value,
+            rank=s.rank, generation=s.generation, step=count.step, kind=DESYNC,
             severity=Severity.SOFT.value, signature="desync: collective count", message=why,
         )  # fmt: skip
 

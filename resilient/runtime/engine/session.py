@@ -55,6 +55,7 @@ class Session:
         self.device = setup.device
         self.hooks = list(setup.hooks)
         self.checks = setup.checks
+        self.detectors = setup.detectors
         self.wiring = wiring
         self.store = wiring.store
         self.clock = wiring.clock

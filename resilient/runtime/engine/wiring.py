@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from resilient.config import Config
 from resilient.contract import Heartbeat
+from resilient.detectors import REGISTRY as DETECTORS
+from resilient.detectors import Registry
 from resilient.events import EventLog
 from resilient.health import Check
 from resilient.launch_env import LaunchEnv
@@ -27,7 +29,8 @@ GroupBuilder = Callable[[int, str], Group]  # (generation, namespace) -> that ge
 @dataclass(frozen=True)
 class Setup:
     """What an engine is configured with, before anything is connected: the validated config,
-    the launch contract, the caller's hooks and health checks, the backend and device they imply."""
+    the launch contract, the caller's hooks and health checks, the backend and device they imply,
+    and the detectors the run builds (the registry's, unless a test hands it others)."""
 
     cfg: Config
     launch: LaunchEnv
@@ -35,6 +38,7 @@ class Setup:
     checks: tuple[Check, ...] = ()
     backend: str = "gloo"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    detectors: Registry = DETECTORS
 
     @classmethod
     def of(
@@ -44,12 +48,13 @@ class Setup:
         *,
         launch: LaunchEnv | None = None,
         hooks: Sequence[StepHook] = (),
+        detectors: Registry = DETECTORS,
     ) -> Setup:
         launch = launch if launch is not None else LaunchEnv.from_environ()
         backend = resolve_backend(cfg.backend)
         local = launch.endpoint.local_rank
         device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
-        return cls(cfg, launch, tuple(hooks), tuple(checks), backend, device)
+        return cls(cfg, launch, tuple(hooks), tuple(checks), backend, device, detectors)
 
     @property
     def rank(self) -> int:

@@ -18,8 +18,8 @@ import torch
 from loguru import logger
 
 from resilient.contract import wait_exited
+from resilient.detectors.replicas import SDC, CorruptReplica
 from resilient.errors import (
-    CorruptReplica,
     HardFault,
     Preempted,
     RestartBudgetExhausted,
@@ -104,7 +104,8 @@ class Recovery:
         self.hard_timer.arm(self.t.barrier + 10.0)
         try:
             history = [asdict(f) for f in [*self.policy.history, primary]]
-            loop.guard.learn(primary, history)  # (a guard fault seen at this step before: its verdict)
+            for d in loop.detectors.all:  # (a guard fault seen at this step before: its verdict)
+                d.recovering(primary, history)
             delay = self.policy.admit(primary)
         except RestartBudgetExhausted as e:
             try:  # diagnosis only
@@ -118,7 +119,7 @@ class Recovery:
             raise
         self.check_health(gen, step)
         lap = Laps()  # the agreement's parts, for the restore_agreed event (docs/recovery.md#phases)
-        if primary.kind == Symptom.SDC.value and primary.severity == Severity.SOFT.value:
+        if primary.kind == SDC and primary.severity == Severity.SOFT.value:
             self._attribute(gen)
             lap("attribute_s")
         if delay > 0:

@@ -18,124 +18,40 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 from loguru import logger
 
-from resilient.detectors.collectives import CollectiveCount, NodeLinkHolder, PeerWait
+from resilient.detectors import Detectors
+from resilient.detectors.collectives import (
+    CollectiveCheck,
+    CollectiveCount,
+    CollectiveDesync,
+    NodeLinkHolder,
+    PeerWait,
+)
 from resilient.detectors.guard import StepGuard
-from resilient.detectors.replicas import ReplicaCheck
-from resilient.detectors.stragglers import WorkMeter
-from resilient.errors import CollectiveDesync, ResilienceError, SilentCorruption, StateRestoreError
+from resilient.detectors.replicas import ReplicaCheck, SilentCorruption
+from resilient.errors import ResilienceError, StateRestoreError
 from resilient.events import Event
 from resilient.runtime.engine.session import Session
 from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
+from resilient.runtime.steps.cost import Cost
+from resilient.runtime.steps.detector_run import DetectorRun
 from resilient.runtime.steps.generation import EpochPosition, Generation, PendingRestore
+from resilient.runtime.steps.keeper import Keeper
 from resilient.state import SnapshotRing
 from resilient.state.digest import Leaf
 from resilient.state.loader import batches_consumed, finish_pass
 from resilient.state.registry import EPOCHS, RNG, restore_rng
 
 
-class Keeper(Protocol):
-    """Where an engine keeps state besides the in-memory ring (see the module docstring)."""
-
-    def first_step(self, gen: Generation, total: int | None, fresh: bool) -> tuple[int, bool]:
-        """The step a ``ctx.steps`` with nothing to restore starts at, its state kept; and whether
-        it was restored (``fresh``: the process's first entry, which may resume a predecessor)."""
-        ...
-
-    def due(self, nxt: int, total: int | None) -> bool:
-        """Whether the state after ``nxt`` completed steps is kept somewhere besides the ring."""
-        ...
-
-    def keep(self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None,
-             step_s: float | None, sums: dict[str, Leaf] | None = None) -> None:  # fmt: skip
-        """After each step (``state``: what was captured for the ring, if anything was; ``sums``:
-        its tensor leaves' byte sums, where the replica digests took them)."""
-        ...
-
-    def materialize(self, step: int) -> tuple[dict[str, Any], bool]:
-        """A fresh copy of the state of ``step``, and whether its tensors are its own (False:
-        views of a mapped snapshot, copied as each object loads them)."""
-        ...
-
-    def stopping(self) -> bool:
-        """A stop was asked for (a preemption signal): the step just completed is the run's last,
-        its state kept in the ring for the final checkpoint (``keep`` then ends the step)."""
-        ...
-
-    def drop_after(self, step: int) -> None:
-        """The ranks rolled back to ``step``: what was kept of later steps goes (their replay
-        keeps them afresh; the state before the roll-back may be what the fault corrupted)."""
-        ...
-
-
-class RingOnly:
-    """The keeper of an engine that keeps its snapshots in the ring alone."""
-
-    def __init__(self, ring: SnapshotRing) -> None:
-        self.ring = ring
-
-    def first_step(self, gen: Generation, total: int | None, fresh: bool) -> tuple[int, bool]:
-        self.ring.capture(0, gen.registry.capture())
-        return 0, False
-
-    def due(self, nxt: int, total: int | None) -> bool:
-        return False
-
-    def keep(self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None,
-             step_s: float | None, sums: dict[str, Leaf] | None = None) -> None:  # fmt: skip
-        return None
-
-    def materialize(self, step: int) -> tuple[dict[str, Any], bool]:
-        return self.ring.materialize(step), True
-
-    def stopping(self) -> bool:
-        return False
-
-    def drop_after(self, step: int) -> None:
-        return None
-
-
-class Cost:
-    """What the runtime costs the main thread in steady state, and the ``progress`` events that
-    report it (at most one every ``events.progress_s``; ``run_finished`` reports the total)."""
-
-    def __init__(self, session: Session) -> None:
-        self.session = session
-        self.steps = 0
-        self.snapshots = 0
-        self.hook_s = 0.0  # time in the per-step hook: progress, timer, snapshot copy
-        self._progress_at: tuple[float, int] | None = None  # (clock, steps) of the last progress event
-
-    @property
-    def ms_per_step(self) -> float:
-        return 1e3 * self.hook_s / max(1, self.steps)
-
-    def add(self, step: int, now: float, hook_s: float, snapshot: bool) -> None:
-        """Step ``step``, completed at ``now``, cost the main thread ``hook_s``."""
-        self.steps += 1
-        self.snapshots += snapshot
-        self.hook_s += hook_s
-        last = self._progress_at
-        s = self.session
-        if last is not None and now - last[0] < s.cfg.events.progress_s:
-            return
-        self._progress_at = (now, self.steps)
-        s.events.emit(
-            Event.PROGRESS, generation=s.generation, step=step, first=last is None,
-            steps_completed=self.steps,
-            step_s=None if last is None else (now - last[0]) / max(1, self.steps - last[1]),
-            runtime_ms_per_step=self.ms_per_step, snapshot_interval=s.schedule.interval, log=False,
-        )  # fmt: skip
-
-
 class StepLoop:
     """``ctx``'s runtime side (see the module docstring). ``count_via``: the coordinator whose
-    node link the collective count posts through, if any; ``work``: what times each rank's own
-    work for straggler detection (:mod:`resilient.detectors.stragglers`), if anything does."""
+    node link the collective count posts through, if any. The detectors of the registry
+    (``resilient.detectors``) are built here, one set per run, and their hooks called at the
+    loop's fixed points; the collective count and the replica digests, which verify what is kept,
+    are reached by their class where state is kept."""
 
     def __init__(
         self,
@@ -145,23 +61,24 @@ class StepLoop:
         *,
         liveness: Callable[[int], None] = lambda step: None,
         count_via: NodeLinkHolder | None = None,
-        work: WorkMeter | None = None,
     ) -> None:
         self.session = session
         self.keeper = keeper
         self.ring = ring
         self.liveness = liveness
         self.count_via = count_via
-        self.work = work
         self.buckets = DdpBuckets(session.run_dir)
         self.prepare_parts: dict[str, float] = {}  # the last prepare_restore's parts
         self.gen = Generation(0, None, None, None, session.clock())  # (none built yet)
         self.step: int | None = None  # the step being run; across generations, the one a fault hit
         self.cost = Cost(session)
-        self.guard = StepGuard(
-            session.cfg.guard, session.events, lambda: self.step, self._batch, lambda: session.generation
+        self.detectors = Detectors.build(session.detectors, session.cfg, DetectorRun(self))
+        guard = self.detectors.get(StepGuard)  # (ctx.observe reports to it)
+        self.guard = (
+            guard if guard is not None else StepGuard.build(StepGuard.section_of(None), DetectorRun(self))
         )
-        self.sdc = ReplicaCheck(session.cfg.sdc, session) if session.cfg.sdc.enabled else None
+        self.sdc = self.detectors.get(ReplicaCheck)
+        self.collectives = self.detectors.get(CollectiveCheck)
 
     # -- what Context reads (its identity is the session's) -------------------------------------
     @property
@@ -173,7 +90,7 @@ class StepLoop:
         """Before the first generation: DDP's layouts from a previous process (agreed at start
         unless this process replaces one rank: ``joining``), then the hooks' ``on_start``."""
         self.buckets.load()
-        self.guard.install()
+        self.detectors.each(lambda d: d.install())
         if not joining:
             t = self.session.t
             self.buckets.agree_at_start(self.session.all_hold, t.startup + t.barrier)
@@ -184,19 +101,22 @@ class StepLoop:
         afresh (and loads ``restore`` into them). A group that fails to build changes nothing."""
         s = self.session
         group = s.wiring.build_group(number, s.ns)
-        self.guard.detach()  # (the failed generation's optimizers)
         if s.heartbeat is not None:  # the generation a replacement for this rank would join
             s.heartbeat.generation = number
         count = None
-        if s.cfg.collective_check or self.sdc is not None:  # (the digests ride the count's posts)
-            count = CollectiveCount(
-                s.store, f"{s.ns}/g{number}/fp", s.rank, s.world_size, self.count_via,
-                counts=s.cfg.collective_check,
-            )  # fmt: skip
+        if self.collectives is not None:  # (the digests ride the count's posts)
+            count = self.collectives.window(
+                s.store,
+                f"{s.ns}/g{number}/fp",
+                s.rank,
+                s.world_size,
+                self.count_via,
+                digests=self.sdc is not None,
+            )
+        if count is not None:
             count.on_wait_end = self._peer_wait_ended
         self.gen = Generation(number, group, count, restore, s.clock())
-        if self.work is not None:  # (the objects the function tracks afresh are hooked afresh)
-            self.work.clear()
+        self.detectors.each(lambda d: d.generation(number))  # (the failed generation's objects go)
         return self.gen
 
     def _peer_wait_ended(self, wait: PeerWait, waited_s: float) -> None:
@@ -232,7 +152,7 @@ class StepLoop:
         return PendingRestore(step, state, owned, fault_step, fault_ts)
 
     def close(self) -> None:
-        self.guard.uninstall()
+        self.detectors.uninstall()
         self.buckets.release()
         group, self.gen.group = self.gen.group, None
         if group is not None:
@@ -243,10 +163,8 @@ class StepLoop:
         gen = self.gen
         for name, obj in objects.items():
             gen.registry.add(name, obj)
-            if isinstance(obj, torch.optim.Optimizer):
-                self.guard.attach(name, obj)
-            if self.work is not None:
-                self.work.track(obj)
+            for d in self.detectors.all:
+                d.tracked(name, obj)
             r = gen.restore
             if r is not None:
                 if name not in r.state:
@@ -264,7 +182,7 @@ class StepLoop:
         """``ctx.observe(loss=...)``: held to the guard's rules before the step is applied."""
         self.guard.observe_loss(loss)
 
-    def _batch(self) -> str | None:
+    def batch(self) -> str | None:
         """The batch being run, where a data position is known (``epoch 2, batch 17 of 'loader'``)."""
         gen = self.gen
         parts = [f"epoch {gen.epochs.epoch}"] if gen.epochs is not None else []
@@ -371,7 +289,7 @@ class StepLoop:
         restore_rng(r.state[RNG])
         r.load_s += time.monotonic() - t0
         r.load_cpu_s += time.thread_time() - cpu0
-        self.guard.rewind(r.step)
+        self.detectors.each(lambda d: d.restored(r.step))
         self.session.events.emit(
             Event.STATE_RESTORED,
             generation=self.session.generation,
@@ -409,8 +327,8 @@ class StepLoop:
         step_s = now - gen.progress if gen.stepped else None
         gen.progress, gen.stepped = now, True
         self.liveness(step)
-        if self.work is not None:
-            self.work.step_done()
+        for d in self.detectors.all:
+            d.step_done(step)
         nxt = step + 1
         capture_s = None
         state: dict[str, Any] | None = None
