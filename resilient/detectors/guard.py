@@ -6,7 +6,7 @@ applies it the weights are poisoned for good. The guard looks at each tracked op
 gradients in its step pre-hook, before they are applied: their norm (one fused pass, one value to
 the host) must be finite and, once ``warmup`` values were seen, at most ``spike`` times the median
 of the last ``window`` ones. A loss the function reports (``ctx.observe(loss=...)``) is held to
-the same rules. A hit raises :class:`~resilient.errors.StepRejected` inside the step: a soft fault
+the same rules. A hit raises :class:`StepRejected` inside the step: a soft fault
 like any exception, so every rank rolls back to the newest snapshot and replays, and a transient
 fault ends bit-exact with the fault-free run.
 
