@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from chaos.harness import run_ranks  # noqa: E402
+from resilient.events import Event  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
 
@@ -48,7 +49,7 @@ def main() -> None:
             assert res.ok, res.describe()
             rep = json.loads(res.ranks[0].stdout.strip().splitlines()[-1])
             wall[mode].append(rep["loop_s"] / rep["steps"] * 1e3)
-            hook[mode] += [e["runtime_ms_per_step"] for e in res.of("run_finished")]
+            hook[mode] += [e["runtime_ms_per_step"] for e in res.of(Event.RUN_FINISHED)]
     med = {k: statistics.median(v) for k, v in wall.items()}
     hmed = {k: statistics.median(v) for k, v in hook.items()}
     result = {

@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def one_run(i: int, args: argparse.Namespace) -> dict[str, Any]:
+    from resilient.events import Event
+
     with tempfile.TemporaryDirectory(prefix=f"false-alarms-{i}-") as tmp:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if args.names == "torch":
@@ -47,12 +49,12 @@ def one_run(i: int, args: argparse.Namespace) -> dict[str, Any]:
         evs = [json.loads(line) for f in logs for line in f.read_text().splitlines() if line.strip()]
     saves: dict[int, list[float]] = {}  # (a checkpoint every 10 steps: a stall shows as a gap)
     for e in evs:
-        if e.get("event") == "checkpoint_saved" and e.get("rank", -1) >= 0:
+        if e.get("event") == Event.CHECKPOINT_SAVED and e.get("rank", -1) >= 0:
             saves.setdefault(e["rank"], []).append(e["ts"])
     gaps = [b - a for ts in saves.values() for a, b in itertools.pairwise(ts)]
-    done = [e.get("steps_completed", 0) for e in evs if e.get("event") == "run_finished"]
-    faults = [e for e in evs if e.get("event") == "fault_detected"]
-    waits = [e for e in evs if e.get("event") == "peer_wait"]
+    done = [e.get("steps_completed", 0) for e in evs if e.get("event") == Event.RUN_FINISHED]
+    faults = [e for e in evs if e.get("event") == Event.FAULT_DETECTED]
+    waits = [e for e in evs if e.get("event") == Event.PEER_WAIT]
     return {
         "run": i, "rc": p.returncode, "wall_s": round(wall, 2),
         "steps": min(done) if len(done) == 3 else 0,

@@ -133,6 +133,7 @@ def checkpoint_blocking(mb: float, repeat: int) -> dict[str, Any]:
 
 def snapshot_cost(steps: int, dim: int, layers: int) -> dict[str, Any]:
     from chaos.harness import run_ranks
+    from resilient.events import Event
 
     work = Path(tempfile.mkdtemp(prefix="resilient-fsdp2-snap-"))
     try:
@@ -145,8 +146,8 @@ def snapshot_cost(steps: int, dim: int, layers: int) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         if not res.ok:
             raise SystemExit(res.describe())
-        done = res.of("run_finished")
-        steps_s = [e["step_s"] for e in res.of("step_completed") if e.get("step_s") is not None]
+        done = res.of(Event.RUN_FINISHED)
+        steps_s = [e["step_s"] for e in res.of(Event.STEP_COMPLETED) if e.get("step_s") is not None]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     runtime_ms = max(e["runtime_ms_per_step"] for e in done)

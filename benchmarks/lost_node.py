@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from chaos.harness import free_port  # noqa: E402
+from resilient.events import Event  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
 MODES = ("memory", "checkpoint")
@@ -86,7 +87,7 @@ class Node:
             os.killpg(self.p.pid, signal.SIGKILL)
         self.p.wait()
         for e in self.events():  # workers run in sessions of their own
-            if e["event"] == "run_started" and e.get("pid"):
+            if e["event"] == Event.RUN_STARTED and e.get("pid"):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(e["pid"], signal.SIGKILL)
         for leftover in Path("/dev/shm").glob(f"resilient-*{rdzv_id}-{self.p.pid}"):  # snapshots, heartbeats
@@ -129,7 +130,7 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"mode": mode, "recovered": False}
 
     def steps_of(node: Node, rank: int, after: float = 0.0) -> list[dict[str, Any]]:
-        return [e for e in node.events() if e["event"] == "step_completed" and e["rank"] == rank
+        return [e for e in node.events() if e["event"] == Event.STEP_COMPLETED and e["rank"] == rank
                 and e["ts"] > after]  # fmt: skip
 
     try:
@@ -143,11 +144,11 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
         _wait("node 0's rendezvous store", store_up, 60, nodes)
         nodes.append(Node(cwd / "node1", argv))
         _wait("rank 0 stepping", lambda: steps_of(nodes[0], 0), 120, nodes)
-        if not any(e["event"] == "run_started" and e["rank"] == 1 for e in nodes[1].events()):
+        if not any(e["event"] == Event.RUN_STARTED and e["rank"] == 1 for e in nodes[1].events()):
             out["error"] = "node 1 does not hold rank 1"
             return out
         nodes.append(Node(cwd / "spare", argv))
-        spare_said = lambda: [e for e in nodes[0].events() if e["event"] == "spare_waiting"]  # noqa: E731
+        spare_said = lambda: [e for e in nodes[0].events() if e["event"] == Event.SPARE_WAITING]  # noqa: E731
         _wait("the spare waiting in the rendezvous", spare_said, 120, nodes)
         last = _wait(f"rank 0 at step {args.kill_at}",
                      lambda: [e for e in steps_of(nodes[0], 0) if e["step"] >= args.kill_at],
@@ -155,11 +156,11 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
         t_kill = time.time()
         if args.cascade:
             worker = next(
-                e["pid"] for e in nodes[1].events() if e["event"] == "run_started" and e["rank"] == 1
+                e["pid"] for e in nodes[1].events() if e["event"] == Event.RUN_STARTED and e["rank"] == 1
             )
             os.kill(worker, signal.SIGKILL)
-            seen = "snapshot_flushed" if mode == "flushed" else "worker_died"
-            said = _wait(f"node 1's agent: {seen}",
+            seen = Event.SNAPSHOT_FLUSHED if mode == "flushed" else Event.WORKER_DIED
+            said = _wait(f"node 1's agent: {seen.value}",
                          lambda: [e for e in nodes[1].events() if e["event"] == seen], 60, nodes)  # fmt: skip
             out["flush"] = {k: said[0].get(k) for k in ("steps", "nbytes", "duration_s", "gb_per_s", "error")}
         nodes[1].kill(rdzv_id)
@@ -168,7 +169,7 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
 
         def restored() -> list[dict[str, Any]] | None:
             got = [e for n in survivors for e in n.events()
-                   if e["event"] == "state_restored" and e["ts"] > t_kill]  # fmt: skip
+                   if e["event"] == Event.STATE_RESTORED and e["ts"] > t_kill]  # fmt: skip
             return got if len(got) == 2 else None
 
         def stepping() -> list[float] | None:

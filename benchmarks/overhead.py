@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from chaos.harness import run_ranks  # noqa: E402
-from resilient.events import read_run_events  # noqa: E402
+from resilient.events import Event, read_run_events  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
 MODES = ("plain", "wrapped", "launch")
@@ -64,7 +64,7 @@ def one_run(mode: str, nproc: int, steps: int, dim: int, seq: int, i: int) -> tu
                 raise RuntimeError(res.describe())
             rep = _report(res.ranks[0].stdout)
         hook = [e["runtime_ms_per_step"] for e in read_run_events(cwd / "resilient_runs")
-                if e["event"] == "run_finished" and e["rank"] == 0]  # fmt: skip
+                if e["event"] == Event.RUN_FINISHED and e["rank"] == 0]  # fmt: skip
     return rep["loop_s"] / rep["steps"] * 1e3, (hook[0] if hook else None)
 
 

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from chaos.harness import run_ranks  # noqa: E402
+from resilient.events import Event  # noqa: E402
 from resilient.metrics.phases import PHASES, incident_phases  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
@@ -54,11 +55,11 @@ def exception_trials(nproc: int, trials: int, step_ms: float) -> dict[str, objec
                 run_id=f"exc{t}",
                 timeout=120,
             )
-            if not res.ok or not res.of("step_resumed"):
+            if not res.ok or not res.of(Event.STEP_RESUMED):
                 failed += 1
                 continue
-            origin = res.of("fault_detected")[0]["origin_ts"]
-            per_rank += [e["ts"] - origin for e in res.of("step_resumed")]
+            origin = res.of(Event.FAULT_DETECTED)[0]["origin_ts"]
+            per_rank += [e["ts"] - origin for e in res.of(Event.STEP_RESUMED)]
             got = incident_phases(res.events, origin)
             for p, v in (got.seconds if got is not None else {}).items():
                 if v is not None:
@@ -89,9 +90,9 @@ def hang_trials(nproc: int, trials: int, hang_timeout: float) -> dict[str, objec
                 continue
             pids = {(e["rank"], e["pid"]) for e in res.events}
             died += len(pids) != nproc
-            primary = res.of("fault_detected")[0]
+            primary = res.of(Event.FAULT_DETECTED)[0]
             detect.append(primary["origin_latency_s"])
-            recover += [e["ts"] - primary["origin_ts"] for e in res.of("step_resumed")]
+            recover += [e["ts"] - primary["origin_ts"] for e in res.of(Event.STEP_RESUMED)]
     return {
         "hang_timeout_s": hang_timeout,
         "detect_median_s": _median(detect),
@@ -115,7 +116,7 @@ def overhead(nproc: int, runs: int, dim: int, seq: int, steps: int = 300) -> dic
             assert res.ok, res.describe()
             rep = json.loads(res.ranks[0].stdout.strip().splitlines()[-1])
             (plain if mode else wrapped).append(rep["loop_s"] / rep["steps"] * 1e3)
-            hook_ms += [e["runtime_ms_per_step"] for e in res.of("run_finished")]
+            hook_ms += [e["runtime_ms_per_step"] for e in res.of(Event.RUN_FINISHED)]
     w, p = _median(wrapped), _median(plain)
     return {
         "step_ms_plain": p,

@@ -226,12 +226,14 @@ def job(
 def _standby_waiting(d: Path) -> str:
     """The standby of ``resilient launch`` that waits now in run directory ``d``, by its agent's
     events: ``parked``, ``imported`` or ``none`` (one promoted since is not waiting)."""
+    from resilient.events import Event
+
     waiting: dict[int, str] = {}
     for f in d.glob("resilient_runs/*/events.jsonl"):
         for e in _lines(f):
-            if e.get("event") == "standby_ready":
+            if e.get("event") == Event.STANDBY_READY:
                 waiting[e["standby_pid"]] = e.get("warmth", "imported")
-            elif e.get("event") == "rank_replaced" and e.get("standby"):
+            elif e.get("event") == Event.RANK_REPLACED and e.get("standby"):
                 waiting.pop(e.get("new_pid", -1), None)
     return "parked" if "parked" in waiting.values() else next(iter(waiting.values()), "none")
 

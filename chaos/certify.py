@@ -40,6 +40,7 @@ from chaos.faults import CRASH, REGISTRY
 from chaos.job import Job, events, fresh, jsonl
 from chaos.runner import standby_at
 from chaos.schedule import Certification, Planned
+from resilient.events import Event
 from resilient.metrics import account
 from resilient.metrics.phases import incident_phases
 
@@ -88,7 +89,7 @@ def measure(
     ref_step_s: float,
     detection: tuple[str, ...] = DETECTION,
 ) -> dict[str, Any]:
-    steps = [e for e in evs if e["event"] == "step_completed"]
+    steps = [e for e in evs if e["event"] == Event.STEP_COMPLETED]
     detect = next((e for e in evs if e["event"] in detection and e["ts"] >= injected_ts), None)
     before: dict[int, tuple[int, int]] = {}
     last_done = -1
@@ -108,10 +109,10 @@ def measure(
         out["detect_step"] = detect.get("step")
         out["detected_rank"] = detect.get("global_rank", detect["rank"])
         out["rate_back_s"] = rate_back(steps, detect["ts"], ref_step_s)
-    named = [e for e in evs if e["event"] == "sdc_detected" and e.get("ranks") and e["ts"] >= injected_ts]
+    named = [e for e in evs if e["event"] == Event.SDC_DETECTED and e.get("ranks") and e["ts"] >= injected_ts]
     if named:
         out["named_ranks"] = sorted(named[0]["ranks"])
-    if detect is not None and detect["event"] == "fault_detected":  # (an in-process recovery's phases)
+    if detect is not None and detect["event"] == Event.FAULT_DETECTED:  # (an in-process recovery's phases)
         got = incident_phases([e for e in evs if e["ts"] >= detect["ts"] - 1.0], injected_ts)
         if got is not None:
             out["phases"] = got
@@ -120,7 +121,7 @@ def measure(
         out["steps_lost"] = max(0, last_done + 1 - min(e["step"] for e in first_after.values()))
     if steps:
         distinct = len({e["step"] for e in steps})
-        end = max(e["ts"] for e in evs if e["event"] in ("run_finished", "step_completed"))
+        end = max(e["ts"] for e in evs if e["event"] in (Event.RUN_FINISHED, Event.STEP_COMPLETED))
         wall = end - steps[0]["ts"] + ref_step_s  # the first step's own time counts too
         out["goodput"] = min(1.0, distinct * ref_step_s / wall) if wall > 0 else None
     return out
@@ -158,7 +159,7 @@ def reference(cert: Certification, cwd: Path) -> tuple[list[dict[str, Any]], flo
     finals = _finals(cwd, cert.job.nproc)
     if rc != 0 or finals is None:
         raise SystemExit(f"the fault-free reference run failed (rc={rc}); see {cwd / 'launch.log'}")
-    durations = [e["step_s"] for e in events(cwd) if e["event"] == "step_completed" and e.get("step_s")]
+    durations = [e["step_s"] for e in events(cwd) if e["event"] == Event.STEP_COMPLETED and e.get("step_s")]
     return finals, statistics.median(durations) if durations else cert.job.step_ms / 1e3
 
 
@@ -211,12 +212,12 @@ def _run_trial(
     t.time_by_cause = {k: round(v, 4) for k, v in account(evs).seconds.items()}  # (as `resilient report`)
     if restored is not None and t.recover_s is not None:
         t.recover_after_restore_s = inj["ts"] + t.recover_s - restored
-    done = [e for e in evs if e["event"] == "step_completed"]
+    done = [e for e in evs if e["event"] == Event.STEP_COMPLETED]
     t.restarts = len({(e["rank"], e["pid"], e["generation"]) for e in done}) - len({e["rank"] for e in done})
     corrupted = {i["step"] for i in injections if REGISTRY[i["kind"]].breaks_checkpoint}  # by design
     t.lost_checkpoints = unloadable_checkpoints(cwd / j.checkpoint_dir, j.nproc, skip=corrupted)
     if kind.breaks_checkpoint:
-        loaded = [e for e in evs if e["event"] == "checkpoint_loaded"]
+        loaded = [e for e in evs if e["event"] == Event.CHECKPOINT_LOADED]
         t.previous_loaded = bool(loaded) and all(e["step"] < inj["step"] for e in loaded)
     finals = _finals(cwd, j.nproc)
     if finals is not None and t.ok:
@@ -228,7 +229,7 @@ def _run_trial(
     t.timeline = {
         "injected": inj["ts"], "detected": m.get("detect_ts"), "restored": restored,
         "lasting": kind.lasting,
-        "steps": [(e["ts"], e["rank"], e["step"]) for e in evs if e["event"] == "step_completed"],
+        "steps": [(e["ts"], e["rank"], e["step"]) for e in evs if e["event"] == Event.STEP_COMPLETED],
     }  # fmt: skip
     t.failed_slos = _check(t, cert)
     return t

@@ -20,7 +20,7 @@ from chaos.hooks import Var, enable
 from chaos.netns import ENV as NETNS_ENV
 from chaos.netns import VethLink
 from chaos.schedule import Certification
-from resilient.events import read_events, read_run_events
+from resilient.events import Event, read_events, read_run_events
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_tiny.py"
@@ -104,7 +104,7 @@ class Job:
             os.killpg(self.p.pid, signal.SIGKILL)
         self.p.wait()
         for e in events(self.cwd):  # workers run in sessions of their own
-            if e["event"] == "run_started" and e["rank"] >= 0:
+            if e["event"] == Event.RUN_STARTED and e["rank"] >= 0:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(int(e["pid"]), signal.SIGKILL)
         for leftover in Path("/dev/shm").glob(f"resilient-*-{self.p.pid}"):

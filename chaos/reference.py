@@ -58,8 +58,8 @@ def table() -> str:
             f"| {name} | {_fires(k)} | {k.summary} | {', '.join(k.needs) or '—'} | {_arg(k)} | "
             f"{k.evidence.name} | {_slo(k)} | {'✓' if k.streams else '—'} |"
         )
-    crash = ", ".join(f"`{e}`" for e in CRASH.detection)
-    slow = ", ".join(f"`{e}`" for e in SLOW_STORAGE.detection)
+    crash = ", ".join(f"`{e.value}`" for e in CRASH.detection)
+    slow = ", ".join(f"`{e.value}`" for e in SLOW_STORAGE.detection)
     legend = (
         f"Detected by *{CRASH.name}*: the first of {crash} after the injection; recovered once every "
         f"rank completed a step in a new generation or process. *{SLOW_STORAGE.name}*: {slow}; it is "

@@ -18,7 +18,7 @@ from typing import Any
 from chaos.faults import REGISTRY, Arrangement
 from chaos.job import Job, record_injection
 from chaos.schedule import Certification, Planned
-from resilient.events import EventTail
+from resilient.events import Event, EventTail
 
 
 class Tail:
@@ -33,13 +33,13 @@ class Tail:
 
     def poll(self) -> None:
         for e in self._tail.poll():
-            if e["event"] == "step_completed":
+            if e["event"] == Event.STEP_COMPLETED:
                 self.reached[e["rank"]] = (e["step"], e["pid"])
-            elif e["event"] == "run_started" and e["rank"] >= 0:  # a new process: from its start
+            elif e["event"] == Event.RUN_STARTED and e["rank"] >= 0:  # a new process: from its start
                 self.reached[e["rank"]] = (-1, e["pid"])
-            elif e["event"] == "standby_ready":
+            elif e["event"] == Event.STANDBY_READY:
                 self.standbys[e["standby_pid"]] = e.get("warmth", "imported")
-            elif e["event"] == "rank_replaced" and e.get("standby"):
+            elif e["event"] == Event.RANK_REPLACED and e.get("standby"):
                 self.standbys.pop(e["new_pid"], None)
 
 
@@ -50,9 +50,9 @@ def standby_at(evs: list[dict[str, Any]], ts: float) -> str:
     for e in sorted(evs, key=lambda e: e["ts"]):
         if e["ts"] > ts:
             break
-        if e["event"] == "standby_ready":
+        if e["event"] == Event.STANDBY_READY:
             waiting[e["standby_pid"]] = e.get("warmth", "imported")
-        elif e["event"] == "rank_replaced" and e.get("standby"):
+        elif e["event"] == Event.RANK_REPLACED and e.get("standby"):
             waiting.pop(e["new_pid"], None)
     kinds = sorted(waiting.values(), key=lambda w: w != "parked")
     return kinds[0] if kinds else "none"

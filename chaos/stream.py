@@ -33,6 +33,7 @@ from chaos.compare import assert_bit_exact
 from chaos.faults import REGISTRY
 from chaos.job import events, fresh, jsonl
 from chaos.schedule import Certification, Planned
+from resilient.events import Event
 from resilient.metrics import account
 
 
@@ -101,7 +102,7 @@ def _report(
     j = cert.job
     evs = events(cwd)
     injected = jsonl(cwd / "injections.jsonl")
-    steps_ev = [e for e in evs if e["event"] == "step_completed"]
+    steps_ev = [e for e in evs if e["event"] == Event.STEP_COMPLETED]
     per_fault = []
     by_kind: dict[str, dict[str, int]] = {}
     for inj in injected:
@@ -129,7 +130,7 @@ def _report(
         k["detected"] += detected
         k["recovered"] += recovered
     distinct = len({e["step"] for e in steps_ev})
-    end = max((e["ts"] for e in evs if e["event"] in ("run_finished", "step_completed")), default=0.0)
+    end = max((e["ts"] for e in evs if e["event"] in (Event.RUN_FINISHED, Event.STEP_COMPLETED)), default=0.0)
     wall = end - steps_ev[0]["ts"] + ref_step_s if steps_ev else 0.0
     corrupted = {i["step"] for i in injected if REGISTRY[i["kind"]].breaks_checkpoint}
     lost = unloadable_checkpoints(cwd / j.checkpoint_dir, j.nproc, skip=corrupted)

@@ -30,7 +30,7 @@ from resilient.argtypes import nonnegative as _nonnegative
 from resilient.argtypes import positive as _positive
 from resilient.config import load_config
 from resilient.errors import ConfigError
-from resilient.events import read_events
+from resilient.events import Event, read_events
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -59,11 +59,13 @@ def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per fault generation, computed from the event log alone."""
     rows = []
     # the launcher's agent replaced a dead rank whose survivors were in generation `join_generation`
-    replaced = {e.get("join_generation"): e for e in events if e["event"] == "rank_replaced"}
+    replaced = {e.get("join_generation"): e for e in events if e["event"] == Event.RANK_REPLACED}
     gens = sorted({e["generation"] for e in events if e["rank"] >= 0})
     for g in gens:
         faults = [
-            e for e in events if e["generation"] == g and e["event"] == "fault_detected" and e["rank"] >= 0
+            e
+            for e in events
+            if e["generation"] == g and e["event"] == Event.FAULT_DETECTED and e["rank"] >= 0
         ]
         if not faults:
             continue
@@ -78,9 +80,9 @@ def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
             p["signature"] = dead.get("cause", p["signature"])
         nxt = [e for e in events if e["generation"] == g + 1]
-        resumed = [e["ts"] for e in nxt if e["event"] == "step_resumed"]
-        restored = next((e for e in nxt if e["event"] == "state_restored"), {})
-        failed = [e for e in events if e["generation"] == g and e["event"] == "run_failed"]
+        resumed = [e["ts"] for e in nxt if e["event"] == Event.STEP_RESUMED]
+        restored = next((e for e in nxt if e["event"] == Event.STATE_RESTORED), {})
+        failed = [e for e in events if e["generation"] == g and e["event"] == Event.RUN_FAILED]
         rows.append(
             {
                 "generation": g,
@@ -225,9 +227,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _over(events: list[dict[str, Any]]) -> bool:
     """Every rank that started has finished, or the launcher gave up."""
-    started = {e["rank"] for e in events if e.get("event") == "run_started"}
-    ended = {e["rank"] for e in events if e.get("event") in ("run_finished", "run_preempted")}
-    failed = any(e.get("event") == "run_failed" for e in events)
+    started = {e["rank"] for e in events if e.get("event") == Event.RUN_STARTED}
+    ended = {e["rank"] for e in events if e.get("event") in (Event.RUN_FINISHED, Event.RUN_PREEMPTED)}
+    failed = any(e.get("event") == Event.RUN_FAILED for e in events)
     return failed or (bool(started) and started <= ended)
 
 

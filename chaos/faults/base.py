@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from resilient.events import Event
+
 if TYPE_CHECKING:
     from chaos.inject import Fault
     from chaos.netns import VethLink
@@ -52,14 +54,18 @@ class Evidence:
     """Which events prove a fault was detected, and whether a recovery follows it."""
 
     name: str  # as the docs' table shows it
-    detection: tuple[str, ...]  # the first of these after the injection is its detection
+    detection: tuple[Event, ...]  # the first of these after the injection is its detection
     restarts: bool  # True: recovered once every rank completed a step in a new generation or process
 
 
 # a crash of any kind: the runtime's, the launcher's, the checkpoint reader's detection events
-CRASH = Evidence("fault", ("fault_detected", "worker_died", "heartbeat_missed", "checkpoint_rejected"), True)
+CRASH = Evidence(
+    "fault",
+    (Event.FAULT_DETECTED, Event.WORKER_DIED, Event.HEARTBEAT_MISSED, Event.CHECKPOINT_REJECTED),
+    True,
+)
 # a slow disk is no crash: a save waiting on it shows, nothing restarts, there is no recovery to time
-SLOW_STORAGE = Evidence("slow save", ("checkpoint_slow",), False)
+SLOW_STORAGE = Evidence("slow save", (Event.CHECKPOINT_SLOW,), False)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from chaos.faults.base import Evidence, InjectedFault, InProcess, Undo
+from resilient.events import Event
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +49,7 @@ class Bitflip(InProcess):
         "one bit (the lowest exponent bit) of one weight of the tracked model flips on the rank, after "
         "its optimizer step: silent until the replicas' digests are compared"
     )
-    evidence = Evidence("replicas differ", ("fault_detected",), True)
+    evidence = Evidence("replicas differ", (Event.FAULT_DETECTED,), True)
 
     def inject(self, fault: Fault, objects: Iterable[object]) -> Undo | None:
         import torch

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from chaos.faults.base import Evidence, InProcess, Undo
+from resilient.events import Event
 
 if TYPE_CHECKING:
     import torch
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from chaos.inject import Fault
 
 # a step the guard rejected is a fault like any other: fault_detected, then a roll-back
-NUMERIC = Evidence("fault", ("fault_detected",), True)
+NUMERIC = Evidence("fault", (Event.FAULT_DETECTED,), True)
 
 
 def _first_grad_tensor(out: Any) -> torch.Tensor | None:

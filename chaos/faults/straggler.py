@@ -21,13 +21,14 @@ from loguru import logger
 
 from chaos.cgroup import cpu_cgroup, release_blkio, set_cpu_quota
 from chaos.faults.base import Arrangement, Evidence, InProcess, Undo
+from resilient.events import Event
 
 if TYPE_CHECKING:
     from chaos.inject import Fault
     from chaos.runner import Runner
     from chaos.schedule import Planned
 
-STRAGGLER = Evidence("straggler", ("straggler_detected",), False)
+STRAGGLER = Evidence("straggler", (Event.STRAGGLER_DETECTED,), False)
 
 
 def _throttled() -> bool:

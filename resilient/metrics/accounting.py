@@ -36,6 +36,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from resilient.events import Event
+
 CAUSES = (
     "detection",
     "relaunch",
@@ -54,8 +56,8 @@ MODE_CAUSE = {
     "in_process": "recovery",
     "failed": "recovery",
 }
-_STEPPING = {"step_completed", "progress", "step_resumed"}
-_SIGNALS = {"fault_detected", "worker_died", "heartbeat_missed"}
+_STEPPING = {Event.STEP_COMPLETED, Event.PROGRESS, Event.STEP_RESUMED}
+_SIGNALS = {Event.FAULT_DETECTED, Event.WORKER_DIED, Event.HEARTBEAT_MISSED}
 # faults that crash nothing: a step whose update would have been wrong, rolled back and replayed
 ROLLBACK_KINDS = frozenset({"nonfinite", "spike", "sdc"})
 
@@ -115,7 +117,7 @@ class Accounting:
 def _signal(e: dict[str, Any]) -> tuple[float, float, str, int | None, int | None, str, str, int | None]:
     """(origin ts, noticed ts, kind, rank, step, noticed by, signature, pid) of a fault signal."""
     ts = float(e["ts"])
-    if e["event"] == "fault_detected":
+    if e["event"] == Event.FAULT_DETECTED:
         # (a hang is posted when its timeout expires: it began origin_latency_s before)
         origin = float(e.get("origin_ts") or ts) - float(e.get("origin_latency_s") or 0.0)
         return (
@@ -128,7 +130,7 @@ def _signal(e: dict[str, Any]) -> tuple[float, float, str, int | None, int | Non
             str(e.get("signature") or e.get("kind")),
             None,
         )
-    if e["event"] == "heartbeat_missed":
+    if e["event"] == Event.HEARTBEAT_MISSED:
         silent = float(e.get("silent_s") or 0.0)
         return (
             ts - silent,
@@ -151,11 +153,11 @@ def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accou
     if not evs:
         t = now or 0.0
         return Accounting(t, t, dict.fromkeys((*CAUSES, OTHER), 0.0), [], 0, [], False)
-    starts = [e["ts"] for e in evs if e["event"] in ("workers_started", "run_started")]
+    starts = [e["ts"] for e in evs if e["event"] in (Event.WORKERS_STARTED, Event.RUN_STARTED)]
     t0 = min(starts) if starts else evs[0]["ts"]
     t1 = max(now or 0.0, evs[-1]["ts"])
-    exact = any(e["event"] == "step_completed" for e in evs)
-    world = max((int(e.get("world_size") or 0) for e in evs if e["event"] == "run_started"), default=0)
+    exact = any(e["event"] == Event.STEP_COMPLETED for e in evs)
+    world = max((int(e.get("world_size") or 0) for e in evs if e["event"] == Event.RUN_STARTED), default=0)
     incidents = _incidents(evs, world)
     claims: list[tuple[float, float, str]] = []
     for inc in incidents:
@@ -168,12 +170,12 @@ def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accou
     if first is not None:
         claims.append((t0, first, "startup"))
     for e in evs:
-        if e["event"] == "checkpoint_saved" and e.get("block_s"):
+        if e["event"] == Event.CHECKPOINT_SAVED and e.get("block_s"):
             claims.append((e["ts"] - float(e["block_s"]), e["ts"], "checkpoint"))
     top = 0
     claims += _steps(evs, incidents, exact)
     for e in evs:
-        stepped = e["event"] in _STEPPING or e["event"] == "run_finished"
+        stepped = e["event"] in _STEPPING or e["event"] == Event.RUN_FINISHED
         if stepped and isinstance(e.get("step"), int) and e.get("rank", -1) >= 0:
             top = max(top, e["step"] + 1)
     seconds, segments = _paint(claims, t0, t1)
@@ -189,15 +191,15 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
         ev, rank = e["event"], e.get("rank", -1)
         if open_ is not None:
             open_.records.append(e)
-            if ev == "rank_replaced" and open_.mode == "in_process":
+            if ev == Event.RANK_REPLACED and open_.mode == "in_process":
                 open_.mode = "replacement"
-            elif ev in ("relaunched", "group_stopped"):
+            elif ev in (Event.RELAUNCHED, Event.GROUP_STOPPED):
                 open_.mode = "relaunch"
-            elif ev == "state_restored" and e.get("steps_rerun") is not None:
+            elif ev == Event.STATE_RESTORED and e.get("steps_rerun") is not None:
                 open_.steps_rerun = max(open_.steps_rerun or 0, int(e["steps_rerun"]))
-            elif ev == "state_restored" and open_.step is not None and isinstance(e.get("step"), int):
+            elif ev == Event.STATE_RESTORED and open_.step is not None and isinstance(e.get("step"), int):
                 open_.steps_rerun = max(open_.steps_rerun or 0, open_.step - e["step"])
-            elif ev == "rank_replaced" and open_.step is None:
+            elif ev == Event.RANK_REPLACED and open_.step is None:
                 open_.step = e.get("last_step")
         if ev in _STEPPING and isinstance(rank, int) and rank >= 0:
             k = (e.get("pid"), e.get("generation"))
@@ -210,7 +212,7 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
             key[rank] = k
         elif ev in _SIGNALS and open_ is None:
             origin, noticed, kind, frank, fstep, by, sig, pid = _signal(e)
-            own = ev != "fault_detected" or e.get("rank") == e.get("origin_rank")
+            own = ev != Event.FAULT_DETECTED or e.get("rank") == e.get("origin_rank")
             open_ = Incident(
                 start=origin,
                 detected=noticed,
@@ -223,25 +225,25 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
                 noticed_by=by,
                 signature=sig,
                 records=[e],
-                agent_cause=ev != "fault_detected",
+                agent_cause=ev != Event.FAULT_DETECTED,
             )
             ranks = set(key) | set(range(world))
             waiting = {r: key.get(r) for r in ranks}
         elif ev in _SIGNALS and open_ is not None:
             origin, noticed, kind, frank, fstep, _by, sig, pid = _signal(e)
             open_.start, open_.detected = min(open_.start, origin), min(open_.detected, noticed)
-            if ev == "fault_detected" and open_.host is None and rank == open_.rank:
+            if ev == Event.FAULT_DETECTED and open_.host is None and rank == open_.rank:
                 open_.host, open_.pid = e.get("host"), e.get("pid")  # the origin's own record
-            if ev != "fault_detected" and not open_.agent_cause:
+            if ev != Event.FAULT_DETECTED and not open_.agent_cause:
                 # a dead or silent worker explains what its peers saw (a broken collective)
                 open_.kind, open_.rank, open_.signature, open_.pid = kind, frank, sig, pid
                 open_.host = e.get("host")
                 open_.step = fstep if fstep is not None else open_.step
                 open_.agent_cause = True
-        elif ev == "run_failed" and open_ is not None:
+        elif ev == Event.RUN_FAILED and open_ is not None:
             open_.mode = "failed"
     if open_ is not None:
-        if open_.mode != "failed" and any(r["event"] == "run_failed" for r in open_.records):
+        if open_.mode != "failed" and any(r["event"] == Event.RUN_FAILED for r in open_.records):
             open_.mode = "failed"
         out.append(open_)
     return out
@@ -264,12 +266,12 @@ def _steps(
 ) -> list[tuple[float, float, str]]:
     """Each rank's stretches between two step samples, as productive or re-run."""
     samples: dict[int, list[tuple[float, float, Any]]] = {}  # rank -> (ts, completed step, process key)
-    kinds = {"step_completed"} if exact else {"progress", "step_resumed"}
+    kinds = {Event.STEP_COMPLETED} if exact else {Event.PROGRESS, Event.STEP_RESUMED}
     for e in evs:
         r = e.get("rank", -1)
         if (e["event"] in kinds and isinstance(r, int) and r >= 0 and isinstance(e.get("step"), int)) or (
             not exact
-            and e["event"] == "run_finished"
+            and e["event"] == Event.RUN_FINISHED
             and isinstance(r, int)
             and r >= 0
             and isinstance(e.get("step"), int)

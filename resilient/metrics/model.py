@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from resilient.events import Event
 from resilient.metrics.accounting import Accounting, account
 
 
@@ -42,40 +43,40 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
         ev, r = e.get("event"), e.get("rank", -1)
         if isinstance(r, int) and r >= 0:
             m.generation = max(m.generation, int(e.get("generation") or 0))
-        if ev in ("progress", "step_completed", "step_resumed") and isinstance(r, int) and r >= 0:
+        if ev in (Event.PROGRESS, Event.STEP_COMPLETED, Event.STEP_RESUMED) and isinstance(r, int) and r >= 0:
             if isinstance(e.get("step"), int):
                 m.steps[r] = (e["step"], e["ts"])
-            if ev == "progress":
+            if ev == Event.PROGRESS:
                 if e.get("step_s") is not None:
                     m.step_s[r] = float(e["step_s"])
                 if e.get("runtime_ms_per_step") is not None:
                     m.runtime_s_per_step[r] = float(e["runtime_ms_per_step"]) / 1e3
-            elif ev == "step_completed" and e.get("step_s") is not None:
+            elif ev == Event.STEP_COMPLETED and e.get("step_s") is not None:
                 m.step_s[r] = float(e["step_s"])
-        elif ev == "checkpoint_saved" and not e.get("final"):
+        elif ev == Event.CHECKPOINT_SAVED and not e.get("final"):
             m.checkpoints["saved"] = m.checkpoints.get("saved", 0) + 1
             if e.get("block_s") is not None:
                 m.block_s.append(float(e["block_s"]))
-        elif ev == "checkpoint_durable":
+        elif ev == Event.CHECKPOINT_DURABLE:
             m.durable_s.append(float(e.get("write_s") or 0.0))
             m.checkpoint_bytes = int(e.get("nbytes") or 0)
-        elif ev == "checkpoint_failed":
+        elif ev == Event.CHECKPOINT_FAILED:
             m.checkpoints["failed"] = m.checkpoints.get("failed", 0) + 1
-        elif ev == "checkpoint_rejected":
+        elif ev == Event.CHECKPOINT_REJECTED:
             m.checkpoints["rejected"] = m.checkpoints.get("rejected", 0) + 1
-        elif ev == "run_started":
+        elif ev == Event.RUN_STARTED:
             max_restarts, window = e.get("max_restarts"), e.get("restart_window_s")
             m.info = {k: str(e.get(k)) for k in ("engine", "backend", "world_size")}
-        elif ev == "straggler_detected" and isinstance(r, int):
+        elif ev == Event.STRAGGLER_DETECTED and isinstance(r, int):
             n, _ = m.stragglers.get((r, str(e.get("host") or "")), (0, 0.0))
             m.stragglers[(r, str(e.get("host") or ""))] = (n + 1, float(e.get("slowdown") or 0.0))
-        elif ev == "standby_ready" and e.get("standby_pid") is not None:
+        elif ev == Event.STANDBY_READY and e.get("standby_pid") is not None:
             m.standbys[int(e["standby_pid"])] = str(e.get("warmth") or "imported")
-        elif ev == "standby_fallback":
+        elif ev == Event.STANDBY_FALLBACK:
             m.standby_fallbacks += 1
-        if ev == "rank_replaced" and e.get("standby"):
+        if ev == Event.RANK_REPLACED and e.get("standby"):
             m.standbys.pop(int(e.get("new_pid") or -1), None)
-        if ev in ("workers_started", "rank_replaced") and e.get("restarts_left") is not None:
+        if ev in (Event.WORKERS_STARTED, Event.RANK_REPLACED) and e.get("restarts_left") is not None:
             m.budget["launcher"] = float(e["restarts_left"])
     incidents = acc.incidents
     if max_restarts is not None:
@@ -84,7 +85,7 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
             i for i in incidents if i.mode == "in_process" and (window is None or t - i.start <= window)
         ]
         m.budget["in_process"] = float(max(0, int(max_restarts) - len(recent)))
-    failed_at = max((e["ts"] for e in events if e.get("event") == "run_failed"), default=None)
+    failed_at = max((e["ts"] for e in events if e.get("event") == Event.RUN_FAILED), default=None)
     stepped_at = max((ts for _s, ts in m.steps.values()), default=0.0)
     if failed_at is not None and failed_at >= stepped_at:  # (a rank that gave up, and no step since)
         m.state = "failed"
@@ -98,4 +99,4 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
 
 
 def _ended(events: list[dict[str, Any]]) -> bool:
-    return any(e.get("event") in ("run_finished", "run_preempted") for e in events)
+    return any(e.get("event") in (Event.RUN_FINISHED, Event.RUN_PREEMPTED) for e in events)

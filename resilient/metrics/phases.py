@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from resilient.events import Event
+
 if TYPE_CHECKING:
     from resilient.metrics.accounting import Incident
 
@@ -81,8 +83,10 @@ def _num(e: dict[str, Any] | None, key: str) -> float | None:
 
 def _marks(own: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """One rank's instants from its records of the recovery (``own``: event name -> record)."""
-    det, agreed, rebuilt, restored = (own.get(k) for k in ("fault_detected", "restore_agreed",
-                                                           "group_rebuilt", "state_restored"))  # fmt: skip
+    det, agreed, rebuilt, restored = (
+        own.get(k)
+        for k in (Event.FAULT_DETECTED, Event.RESTORE_AGREED, Event.GROUP_REBUILT, Event.STATE_RESTORED)
+    )
     noticed = _num(det, "noticed_ts")
     if noticed is None and det is not None:  # (a log from before noticed_ts: the record itself)
         noticed = float(det["ts"])
@@ -94,8 +98,8 @@ def _marks(own: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     step = own.get("step")
     return {
         "noticed": noticed,
-        "left": _num(own.get("group_aborted"), "ts"),
-        "checked": _num(own.get("health_checked"), "ts"),
+        "left": _num(own.get(Event.GROUP_ABORTED), "ts"),
+        "checked": _num(own.get(Event.HEALTH_CHECKED), "ts"),
         "agreed": less(agreed, "prepare_s"),
         "prepared": _num(agreed, "ts"),
         "freed": less(rebuilt, "build_s"),
@@ -109,23 +113,27 @@ def _marks(own: dict[str, dict[str, Any]]) -> dict[str, float | None]:
 def _cpu_marks(own: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """One rank's main-thread CPU clock at the same instants as :func:`_marks` (None where a
     record predates the stamps)."""
-    agreed, rebuilt, restored = own.get("restore_agreed"), own.get("group_rebuilt"), own.get("state_restored")
+    agreed, rebuilt, restored = (
+        own.get(Event.RESTORE_AGREED),
+        own.get(Event.GROUP_REBUILT),
+        own.get(Event.STATE_RESTORED),
+    )
 
     def less(e: dict[str, Any] | None, part: str) -> float | None:
         cpu = _num(e, "cpu_s")
         return None if cpu is None else cpu - (_num(e, part) or 0.0)
 
     return {
-        "noticed": _num(own.get("fault_detected"), "cpu_s"),
-        "left": _num(own.get("group_aborted"), "cpu_s"),
-        "checked": _num(own.get("health_checked"), "cpu_s"),
+        "noticed": _num(own.get(Event.FAULT_DETECTED), "cpu_s"),
+        "left": _num(own.get(Event.GROUP_ABORTED), "cpu_s"),
+        "checked": _num(own.get(Event.HEALTH_CHECKED), "cpu_s"),
         "agreed": less(agreed, "prepare_cpu_s"),
         "prepared": _num(agreed, "cpu_s"),
         "freed": less(rebuilt, "build_cpu_s"),
         "rebuilt": _num(rebuilt, "cpu_s"),
         "entered": less(restored, "load_cpu_s"),
         "restored": _num(restored, "cpu_s"),
-        "resumed": _num(own.get("step_resumed"), "cpu_s"),
+        "resumed": _num(own.get(Event.STEP_RESUMED), "cpu_s"),
     }
 
 
@@ -160,14 +168,15 @@ def recovery_phases(events: Iterable[dict[str, Any]], generation: int, start: fl
     per: dict[int, dict[str, dict[str, Any]]] = {}
     for e in evs:
         ev, g, r = e.get("event"), e.get("generation"), e["rank"]
-        if ev in ("fault_detected", "group_aborted", "health_checked", "restore_agreed") and g == generation:
-            if ev == "fault_detected" or r in per:
+        leaving = (Event.FAULT_DETECTED, Event.GROUP_ABORTED, Event.HEALTH_CHECKED, Event.RESTORE_AGREED)
+        if ev in leaving and g == generation:
+            if ev == Event.FAULT_DETECTED or r in per:
                 per.setdefault(r, {}).setdefault(ev, e)
         elif g == generation + 1 and r in per:
-            name = "step" if ev in ("step_completed", "step_resumed") else ev
-            if name in ("group_rebuilt", "state_restored", "step"):
+            name = "step" if ev in (Event.STEP_COMPLETED, Event.STEP_RESUMED) else ev
+            if name in (Event.GROUP_REBUILT, Event.STATE_RESTORED, "step"):
                 per[r].setdefault(name, e)
-            if ev == "step_resumed":  # (the one with the CPU stamp: step_completed has none)
+            if ev == Event.STEP_RESUMED:  # (the one with the CPU stamp: step_completed has none)
                 per[r].setdefault(ev, e)
     if not per:
         return out
@@ -185,7 +194,7 @@ def recovery_phases(events: Iterable[dict[str, Any]], generation: int, start: fl
             out.seconds[phase] = sum(max(0.0, last[b][0] - last[a][0]) for a, b in spans)
             out.ranks[phase] = last[spans[-1][1]][1]
     if "prepared" in last:
-        rec = per[last["prepared"][1]].get("restore_agreed", {})
+        rec = per[last["prepared"][1]].get(Event.RESTORE_AGREED, {})
         out.agree_parts = {k: float(v) for k, v in rec.items() if k.endswith("_s") and k != "duration_s"
                            and isinstance(v, int | float)}  # fmt: skip
     if "resumed" in last:
@@ -197,8 +206,10 @@ def recovery_phases(events: Iterable[dict[str, Any]], generation: int, start: fl
 def incident_phases(records: list[dict[str, Any]], start: float) -> Phases | None:
     """The phases of an in-process recovery whose records (``Incident.records``) begin with the
     fault's first detection; None for one that was not in-process (no ``restore_agreed``)."""
-    first = next((e for e in records if e.get("event") == "fault_detected" and e.get("rank", -1) >= 0), None)
-    if first is None or not any(e.get("event") == "restore_agreed" for e in records):
+    first = next(
+        (e for e in records if e.get("event") == Event.FAULT_DETECTED and e.get("rank", -1) >= 0), None
+    )
+    if first is None or not any(e.get("event") == Event.RESTORE_AGREED for e in records):
         return None
     return recovery_phases(records, int(first["generation"]), start)
 
@@ -207,7 +218,9 @@ def fault_start(records: list[dict[str, Any]]) -> float | None:
     """When the fault of an incident's records happened, on its origin's clock: the first
     detection's ``origin_ts`` (else its own ts), less ``origin_latency_s`` (a hang's idle time, as
     the accounting's ``Incident.start``); None without a rank's ``fault_detected``."""
-    first = next((e for e in records if e.get("event") == "fault_detected" and e.get("rank", -1) >= 0), None)
+    first = next(
+        (e for e in records if e.get("event") == Event.FAULT_DETECTED and e.get("rank", -1) >= 0), None
+    )
     if first is None:
         return None
     return float(first.get("origin_ts") or first["ts"]) - float(first.get("origin_latency_s") or 0.0)

@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from resilient.events import Event
 from resilient.metrics.accounting import CAUSES, OTHER, Accounting, Incident, account
 from resilient.metrics.phases import PHASES, Phases, fmt, of_incident
 
@@ -45,7 +46,7 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
     """One human-readable block per fault: where, what, who noticed, how it ended, and what the
     faulty rank (or the agent, for a silent one) saw: its traceback or every thread's stack."""
     acc = acc or account(events)
-    reports = [e for e in events if e.get("event") == "fault_report"]
+    reports = [e for e in events if e.get("event") == Event.FAULT_REPORT]
     out = []
     for n, inc in enumerate(acc.incidents, 1):
         where = (
@@ -85,7 +86,7 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
                     lines += ["    " + ln for ln in str(rep[key]).rstrip().splitlines()]
         out.append("\n".join(lines))
     for e in events:  # a straggler is no fault of its own: reported, and maybe replaced
-        if e.get("event") == "straggler_detected":
+        if e.get("event") == Event.STRAGGLER_DETECTED:
             out.append(
                 f"straggler: rank {e.get('rank')} on {e.get('host')}, {e.get('slowdown')}x its peers' work "
                 f"per step for {e.get('for_s')} s, at {_clock(e['ts'])} (action: {e.get('action')})"
@@ -117,12 +118,12 @@ def _verdicts(inc: Incident, events: list[dict[str, Any]], until: float) -> list
         if not (inc.start - 1.0 <= e.get("ts", 0) < until):
             continue
         ev = e.get("event")
-        if ev == "sdc_detected":
+        if ev == Event.SDC_DETECTED:
             ranks = e.get("ranks") or []
             who = f"rank {', '.join(map(str, ranks))} corrupt" if ranks else "no rank named yet"
             line = f"  replicas   {who} ({e.get('how')}; after step {e.get('step')})"
-        elif ev in ("spike_accepted", "batch_skipped") and inc.kind in ("spike", "nonfinite"):
-            what = "applied: it came back on replay" if ev == "spike_accepted" else "its batch skipped"
+        elif ev in (Event.SPIKE_ACCEPTED, Event.BATCH_SKIPPED) and inc.kind in ("spike", "nonfinite"):
+            what = "applied: it came back on replay" if ev == Event.SPIKE_ACCEPTED else "its batch skipped"
             line = f"  on replay  step {e.get('step')} {what}"
         else:
             continue

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from resilient.events import Event, EventLog, read_events
@@ -70,3 +72,127 @@ def test_unwritable_log_does_not_raise(tmp_path: Path):
     log.close()
     assert rec["event"] == "run_failed"
     assert EventLog(None, rank=0).emit(Event.RUN_FINISHED, generation=0, step=2)["step"] == 2
+
+
+# ---- readers name events by the enum ---------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+EVENT_NAMES = {e.value for e in Event}
+# (path, literal) -> why a literal spelled as an event is no event's name there; none today
+ALLOWED: dict[tuple[str, str], str] = {}
+_DICT_LOOKUPS = {"get", "setdefault", "pop"}
+
+
+def _containers(node: ast.AST) -> Iterator[ast.AST]:
+    """``node`` and, where it is a literal collection of names (a tuple, list or set, or one
+    wrapped in ``frozenset()``/``set()``/``tuple()``, or either branch of a conditional), its
+    elements."""
+    if isinstance(node, ast.IfExp):
+        yield from _containers(node.body)
+        yield from _containers(node.orelse)
+        return
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("frozenset", "set", "tuple")
+        and len(node.args) == 1
+    ):
+        yield from _containers(node.args[0])
+        return
+    yield node
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        yield from node.elts
+
+
+def _event_literals(tree: ast.AST) -> Iterator[ast.Constant]:
+    """The string constants of ``tree`` used as an event's name: an operand of a comparison (or
+    an element of a collection that is one), an element of a collection bound to a name that is
+    tested with ``in``, or iterated over, a dict literal's key, a constant key looked up in a
+    mapping (``x[K]``, ``x.get(K)``, ``x.setdefault(K)``, ``x.pop(K)``), and the evidence a fault
+    kind is detected by (``Evidence(...)``, ``detection=``)."""
+    tested: set[str] = set()  # names used on the right of `in` / `not in`
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for op, right in zip(node.ops, node.comparators, strict=True):
+                if isinstance(op, ast.In | ast.NotIn) and isinstance(right, ast.Name | ast.Attribute):
+                    tested.add(ast.unparse(right))
+    uses: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            uses += [node.left, *node.comparators]
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(ast.unparse(t) in tested for t in targets):
+                uses.append(node.value)
+        elif isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
+            uses.append(node.iter)
+        elif isinstance(node, ast.Dict):
+            uses += [k for k in node.keys if k is not None]
+        elif isinstance(node, ast.Subscript):
+            uses.append(node.slice)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in _DICT_LOOKUPS and node.args:
+                uses.append(node.args[0])
+            if isinstance(func, ast.Name) and func.id == "Evidence":
+                uses += node.args
+            uses += [kw.value for kw in node.keywords if kw.arg == "detection"]
+    for use in uses:
+        for n in _containers(use):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in EVENT_NAMES:
+                yield n
+
+
+def _misspelled(source: str, path: str) -> list[str]:
+    lines = source.splitlines()
+    return sorted(
+        {
+            f"{path}:{c.lineno}: {c.value!r} (Event.{Event(c.value).name}): {lines[c.lineno - 1].strip()}"
+            for c in _event_literals(ast.parse(source, path))
+            if (path, c.value) not in ALLOWED
+        }
+    )
+
+
+def test_readers_name_events_by_the_enum():
+    """An event's name is spelled once, in :class:`Event`: a reader that compared records with a
+    string literal would silently stop matching when the event is renamed."""
+    files = sorted(p for d in ("resilient", "chaos") for p in (ROOT / d).rglob("*.py"))
+    assert len(files) > 50
+    found = []
+    for f in files:
+        rel = f.relative_to(ROOT).as_posix()
+        if rel != "resilient/events.py":
+            found += _misspelled(f.read_text(), rel)
+    assert not found, "name these events by resilient.events.Event:\n" + "\n".join(found)
+    assert all((ROOT / path).is_file() for path, _ in ALLOWED)  # (an entry outliving its file)
+
+
+def test_the_event_literal_check_sees_each_kind_of_use():
+    flagged = [
+        'e["event"] == "fault_detected"',
+        'e.get("event") != "run_failed"',
+        'ev in ("progress", "step_completed")',
+        'ev not in {"worker_died"}',
+        'ev in frozenset({"heartbeat_missed"})',
+        'KINDS = {"step_completed"} if exact else {"progress"}\nok = ev in KINDS',
+        '{"worker_died": 1}',
+        'own.get("restore_agreed")',
+        'own["group_rebuilt"]',
+        'per.setdefault("state_restored", e)',
+        'for k in ("fault_detected", "group_aborted"): pass',
+        'E = Evidence("fault", ("checkpoint_slow",), False)',
+        'Evidence("fault", detection=("sdc_detected",), restarts=True)',
+    ]
+    for src in flagged:
+        assert _misspelled(src, "x.py"), src
+    fine = [
+        'ev == Event.FAULT_DETECTED',
+        'name in (Event.GROUP_REBUILT, "step")',  # a phase's own name
+        'failed.append("standby_ready")',  # an SLO's name, spelled as the event
+        'getattr(t, "peer_wait", None)',  # an attribute
+        'x = ("progress",)',  # a tuple no one tests membership of
+        'print("progress")',
+    ]
+    for src in fine:
+        assert not _misspelled(src, "x.py"), src
+
