@@ -32,7 +32,8 @@ def tests(session: nox.Session) -> None:
     """Unit tests, then the multi-process gloo tests with real faults."""
     _install(session, "dev", "chaos", *STACKS)
     env = {"OMP_NUM_THREADS": "1"}
-    session.run("pytest", "tests/unit", "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
+    # (the unit tests start no jobs: two workers, one per core)
+    session.run("pytest", "tests/unit", "-q", "-p", "no:cacheprovider", "-n", "2", *session.posargs, env=env)
     session.run(
         "pytest",
         "tests/integration",
