@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -223,7 +224,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    results: dict[str, object] = {"machine": {"cpus": torch.get_num_threads(), "torch": torch.__version__}}
+    machine = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    results: dict[str, object] = {"machine": machine}
     table = Table(title="in-process recovery (gloo, CPU)")
     for col in ("ranks", "figure", "resilient", "NVRx inprocess", "ratio NVRx/ours", "target"):
         table.add_column(col)
