@@ -67,7 +67,10 @@ def test_an_exception_after_a_mid_epoch_validation_is_recovered_bit_exact(tmp_pa
     (fault,) = {(e["origin_rank"], e["origin_step"]) for e in run.of("fault_detected")}
     assert fault == (1, 4)
     restored = run.of("state_restored")
-    assert sorted((e["rank"], e["generation"], e["step"]) for e in restored) == [(0, 1, 4), (1, 1, 4)]
+    # both ranks resume at one step: 4, or 3 where rank 0 was interrupted before it completed step
+    # 3 (then step 3 and the validation after it run again, bit-exact too)
+    (step,) = {e["step"] for e in restored}
+    assert step in (3, 4) and sorted((e["rank"], e["generation"]) for e in restored) == [(0, 1), (1, 1)]
     assert [len(run.of("run_started"))] == [2], "a rank was started again: the recovery was not in-process"
     for r, (a, b) in enumerate(zip(_states(tmp_path / "ref"), _states(tmp_path / "run"), strict=True)):
         assert assert_bit_exact(a, b, f"rank{r}") > 0
