@@ -57,6 +57,8 @@ class Trial:
     detect_step: int | None = None  # the step the detection event names
     recover_s: float | None = None
     steps_lost: int | None = None
+    source: str | None = None  # where the restored state came from (state_restored): live | ring | shm
+    work_lost_s: float | None = None  # the restored step's start to the fault, the costliest rank's
     goodput: float | None = None
     bit_exact: bool | None = None
     previous_loaded: bool | None = None
@@ -119,6 +121,12 @@ def measure(
     if len(first_after) == nproc:
         out["recover_s"] = max(e["ts"] for e in first_after.values()) - injected_ts
         out["steps_lost"] = max(0, last_done + 1 - min(e["step"] for e in first_after.values()))
+    restores = [e for e in evs if e["event"] == Event.STATE_RESTORED and e["ts"] >= injected_ts]
+    if restores:  # (the first recovery's: what this fault cost)
+        first = [e for e in restores if e["generation"] == restores[0]["generation"]]
+        out["source"] = "+".join(sorted({str(e.get("source")) for e in first}))
+        lost = [e["work_lost_s"] for e in first if e.get("work_lost_s") is not None]
+        out["work_lost_s"] = max(lost) if lost else None
     if steps:
         distinct = len({e["step"] for e in steps})
         end = max(e["ts"] for e in evs if e["event"] in (Event.RUN_FINISHED, Event.STEP_COMPLETED))
@@ -207,6 +215,7 @@ def _run_trial(
     t.detected_rank, t.rate_back_s = m.get("detected_rank"), m.get("rate_back_s")
     t.named_ranks = m.get("named_ranks")
     t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
+    t.source, t.work_lost_s = m.get("source"), m.get("work_lost_s")
     if (ph := m.get("phases")) is not None:
         t.phases, t.phase_ranks, t.agree_parts, t.phase_cpu = ph.seconds, ph.ranks, ph.agree_parts, ph.cpu
     t.time_by_cause = {k: round(v, 4) for k, v in account(evs).seconds.items()}  # (as `resilient report`)

@@ -42,6 +42,8 @@ def summarize(cert: Certification, trials: list[Trial]) -> list[dict[str, Any]]:
             "recover_p50": _pct(recover, 0.5), "recover_p99": _pct(recover, 0.99),
             "recover_after_restore_p99": _pct([t.recover_after_restore_s for t in ts], 0.99),
             "steps_lost_max": max((t.steps_lost for t in ts if t.steps_lost is not None), default=None),
+            "work_lost_max_s": max((t.work_lost_s for t in ts if t.work_lost_s is not None), default=None),
+            "sources": sorted({t.source for t in ts if t.source is not None}),
             "goodput_min": min((t.goodput for t in ts if t.goodput is not None), default=None),
             "bit_exact": all(t.bit_exact for t in ts),
             "slo": c.slo.model_dump(exclude_none=True),
@@ -136,7 +138,9 @@ def table(rows: list[dict[str, Any]]) -> Any:
                 "" if r.get("recover_after_restore_p99") is None else
                 f"\n{f(r['recover_after_restore_p99'], slo.get('recover_after_restore_s'))} after the link")
             + "".join(f"\n{f(p50)} standby {w}" for w, p50 in r.get("recover_p50_by_standby", {}).items()),
-            "—" if r["steps_lost_max"] is None else str(r["steps_lost_max"]),
+            ("—" if r["steps_lost_max"] is None else str(r["steps_lost_max"]))
+            + "".join(f" {s}" for s in r.get("sources", []))
+            + ("" if r.get("work_lost_max_s") is None else f"\n{r['work_lost_max_s']:.2f} s of work"),
             "—" if r["goodput_min"] is None else f"{r['goodput_min']:.0%}",
             "✓" if r["bit_exact"] else "✗",
             "[green]PASS[/]" if not r["failed"] else f"[red]FAIL[/] {','.join(r['failed'])}",

@@ -93,6 +93,8 @@ def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "detect_s": p.get("origin_latency_s", 0.0),
                 "recover_s": (max(resumed) - p["origin_ts"]) if resumed else None,
                 "steps_rerun": restored.get("steps_rerun"),
+                "source": restored.get("source"),
+                "work_lost_s": restored.get("work_lost_s"),
                 "outcome": failed[0]["error"] if failed else ("recovered" if resumed else "not recovered"),
             }
         )
@@ -131,7 +133,8 @@ def cmd_events(args: argparse.Namespace) -> int:
             str(r["step"]),
             f"{r['detect_s']:.2f} s",
             "—" if r["recover_s"] is None else f"{r['recover_s']:.3f} s",
-            str(r["steps_rerun"] if r["steps_rerun"] is not None else "—"),
+            ("—" if r["steps_rerun"] is None else str(r["steps_rerun"]))
+            + ("" if r.get("source") is None else f" ({r['source']})"),
             r["outcome"][:60],
         )
     Console().print(t)

@@ -61,6 +61,18 @@ class SnapshotConfig(Section):
         "node's per-rank state survives it; 0 turns the replica off",
     )
 
+    live: bool = Field(
+        True,
+        description="a soft fault resumes at the step it hit, from the live model and optimizer, when "
+        "every rank vouches that the step changed neither (docs/recovery.md#live-resume); else the ring",
+    )
+    live_max_bytes: int = Field(
+        1 << 20,
+        ge=0,
+        description="live resume copies the small tracked objects (scheduler, data position, scaler) at "
+        "each step's start; one holding more tensor bytes than this makes a fault fall back to the ring",
+    )
+
     _positive = field_validator("interval")(classmethod(lambda cls, v: interval_or_auto(v)))
 
 

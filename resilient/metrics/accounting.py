@@ -79,6 +79,8 @@ class Incident:
     mode: str = "in_process"  # in_process | replacement | relaunch | failed
     agent_cause: bool = False  # the cause is the agent's record of a dead or silent worker
     steps_rerun: int | None = None
+    source: str | None = None  # where the restored state came from: live | ring | shm (state_restored)
+    work_lost_s: float | None = None  # the restored step's start to the fault: the work thrown away
     records: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -197,6 +199,9 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
                 open_.mode = "relaunch"
             elif ev == Event.STATE_RESTORED and e.get("steps_rerun") is not None:
                 open_.steps_rerun = max(open_.steps_rerun or 0, int(e["steps_rerun"]))
+                open_.source = open_.source or e.get("source")
+                if e.get("work_lost_s") is not None:
+                    open_.work_lost_s = max(open_.work_lost_s or 0.0, float(e["work_lost_s"]))
             elif ev == Event.STATE_RESTORED and open_.step is not None and isinstance(e.get("step"), int):
                 open_.steps_rerun = max(open_.steps_rerun or 0, open_.step - e["step"])
             elif ev == Event.RANK_REPLACED and open_.step is None:

@@ -60,6 +60,9 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
         )
         if inc.end is not None:
             rerun = f"; {inc.steps_rerun} steps re-run" if inc.steps_rerun is not None else ""
+            if inc.source is not None:  # (live: the faulted step alone; else the snapshot's steps since)
+                lost = f", {inc.work_lost_s:.3f} s of work lost" if inc.work_lost_s is not None else ""
+                rerun += f" (state from {inc.source}{lost})"
             lines.append(f"  recovered  {inc.mode.replace('_', '-')} in {inc.recover_s:.3f} s{rerun}")
         else:
             lines.append(f"  not recovered ({inc.mode})")

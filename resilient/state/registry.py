@@ -106,7 +106,7 @@ class Registry:
     def step_begins(self) -> None:
         self._steps_at_start = self._optimizer_steps
 
-    def _accumulating(self) -> bool:
+    def accumulating(self) -> bool:
         """The step just completed ran no tracked optimizer's step (its gradients are pending)."""
         return (
             self._steps_at_start is not None
@@ -120,7 +120,7 @@ class Registry:
     def capture(self) -> dict[str, Any]:
         """The current state of every tracked object plus the RNGs (tensors are not copied here)."""
         out: dict[str, Any] = {}
-        accumulating = self._accumulating()
+        accumulating = self.accumulating()
         for name, obj in self._objects.items():
             try:
                 if isinstance(obj, torch.Generator):
@@ -159,9 +159,9 @@ class Registry:
                 obj.set_state(state["generator"])
             else:
                 obj.load_state_dict(state)
-                if grads is not None:
+                if isinstance(obj, torch.nn.Module):  # (none pending: the failed step's are dropped)
                     for n, p in obj.named_parameters():
-                        g = grads.get(n)
+                        g = None if grads is None else grads.get(n)
                         p.grad = None if g is None else g.detach().clone().to(p.device)
         except Exception as e:
             raise StateRestoreError(

@@ -34,12 +34,15 @@ def _states(cwd: Path) -> list[dict[str, Any]]:
     return [torch.load(cwd / "state" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
-def _ranks(tmp: Path, name: str, argv: list[str], plan: str = "", every: int = 5) -> tuple[list[Any], Any]:
-    """``argv`` as 2 env:// ranks (snapshots every ``every`` steps), ``plan``'s faults fired in
-    their steps; the final tracked state of each rank, and the run."""
+def _ranks(
+    tmp: Path, name: str, argv: list[str], plan: str = "", every: int = 5, live: bool = True
+) -> tuple[list[Any], Any]:
+    """``argv`` as 2 env:// ranks (snapshots every ``every`` steps; ``live``: a soft fault resumes
+    at its own step), ``plan``'s faults fired in their steps; the final tracked state of each
+    rank, and the run."""
     cwd = tmp / name
     cwd.mkdir(parents=True)
-    (cwd / "every.yaml").write_text(f"snapshot:\n  interval: {every}\n")
+    (cwd / "every.yaml").write_text(f"snapshot:\n  interval: {every}\n  live: {str(live).lower()}\n")
     env = {"CHAOS_FINAL_STATE": str(cwd / "state"), "HF_HUB_OFFLINE": "1"}
     if plan:
         env["CHAOS_PLAN"] = plan
@@ -99,15 +102,19 @@ def test_a_sigkilled_trainer_rank_is_replaced_and_the_run_ends_bit_exact(
 
 
 def test_an_accelerate_loop_recovers_inside_an_accumulation_window_bit_exact(tmp_path: Path) -> None:
-    # 24 micro-batches an epoch, 2 per optimizer step, snapshots every 5: the exception at step 28
-    # restores step 25, one micro-batch into a window of the second epoch (its gradients, the
-    # Accelerator's step counter, the prepared loader's position and synchronized generator)
+    # 24 micro-batches an epoch, 2 per optimizer step, snapshots every 5: the exception as step 28
+    # begins resumes live at 28; from the ring it restores step 25, one micro-batch into a window
+    # of the second epoch (its gradients, the Accelerator's step counter, the prepared loader's
+    # position and synchronized generator)
     argv = [ACCELERATE, "--steps", "48", "--epochs", "2"]
     ref, _ = _ranks(tmp_path, "ref", argv)
-    hit, res = _ranks(tmp_path, "hit", argv, plan="exception@28:1")
-    assert _restored(res) == 25
-    assert hit[0]["loader"]["consumed"] == ref[0]["loader"]["consumed"]
-    assert assert_bit_exact(ref, hit) > 100
+    for live, step in ((True, 28), (False, 25)):
+        hit, res = _ranks(tmp_path, f"hit-{live}", argv, plan="exception@28:1", live=live)
+        assert _restored(res) == step and {e["source"] for e in res.of("state_restored")} == {
+            "live" if live else "ring"
+        }
+        assert hit[0]["loader"]["consumed"] == ref[0]["loader"]["consumed"]
+        assert assert_bit_exact(ref, hit) > 100
 
 
 @pytest.mark.slow

@@ -61,28 +61,32 @@ def test_fsdp2_transformer_recovers_bit_exact(tmp_path: Path) -> None:
     assert _same(ref, hit) > 60
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_dataloader_epoch_loop_resumes_mid_epoch_bit_exact(tmp_path: Path, workers: int) -> None:
-    # snapshots every 5 steps, 16 batches an epoch: the fault at step 23 restores step 20, the
-    # 5th batch of the 2nd epoch; dropout and the loader's worker RNGs must continue as they were
+@pytest.mark.parametrize(("workers", "live"), [(0, False), (2, True)], ids=["ring", "live-workers"])
+def test_dataloader_epoch_loop_resumes_mid_epoch_bit_exact(tmp_path: Path, workers: int, live: bool) -> None:
+    # snapshots every 5 steps, 16 batches an epoch: the fault as step 23 begins resumes there
+    # (live) or restores step 20 (the ring), the 5th batch of the 2nd epoch; dropout and the
+    # loader's worker RNGs must continue as they were
     cfg = tmp_path / "every5.yaml"
-    cfg.write_text("snapshot:\n  interval: 5\n")
+    cfg.write_text(f"snapshot:\n  interval: 5\n  live: {str(live).lower()}\n")
     argv = [EPOCHS, "--epochs", "2", "--num-workers", str(workers)]
     ref = _run(tmp_path, "ref", argv)
-    hit = _run(tmp_path, "hit", [*argv, "--config", str(cfg)], plan="exception@23:1", restored=20)
+    hit = _run(
+        tmp_path, "hit", [*argv, "--config", str(cfg)], plan="exception@23:1", restored=23 if live else 20
+    )
     assert _same(ref, hit) >= 8
 
 
 def test_a_stateful_dataloader_in_the_manual_loop_resumes_mid_epoch_bit_exact(tmp_path: Path) -> None:
     # torchdata's StatefulDataLoader + DistributedSampler + dropout, ctx.steps(n) with a new
     # iter(loader) at each epoch's start (the DDP tutorial's loop), no generator on the loader:
-    # the restored iterator must not draw its seeds from the restored RNG a second time
+    # the restored iterator must not draw its seeds from the restored RNG a second time (resumed
+    # live at step 23: the loader's state as that step began)
     pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
     cfg = tmp_path / "every5.yaml"
     cfg.write_text("snapshot:\n  interval: 5\n")
     argv = [EPOCHS, "--epochs", "2", "--loader", "stateful", "--loop", "manual"]
     ref = _run(tmp_path, "ref", argv)
-    hit = _run(tmp_path, "hit", [*argv, "--config", str(cfg)], plan="exception@23:1", restored=20)
+    hit = _run(tmp_path, "hit", [*argv, "--config", str(cfg)], plan="exception@23:1", restored=23)
     assert _same(ref, hit) >= 8
 
 
@@ -129,15 +133,15 @@ def test_a_stateful_dataloader_with_workers_outlives_a_sigkill_bit_exact(
 
 def test_fault_inside_an_accumulation_window_recovers_bit_exact(tmp_path: Path) -> None:
     # each micro-batch a step, the optimizer every 4th (no_sync between), fp16 autocast with a
-    # GradScaler, activation checkpointing over dropout: snapshots every 5 steps, so the fault at
-    # step 11 restores step 10, two micro-batches into a window, gradients and all. (Step 5, one
-    # micro-batch into its window, when the fault came before the neighbour's collective count
-    # for step 10 arrived: a snapshot not yet verified is dropped, by design.)
+    # GradScaler, activation checkpointing over dropout: the fault as step 11 begins, three
+    # micro-batches into a window, resumes there live, its pending gradients carried (the ring's
+    # restore inside a window: tests/integration/test_hf_trainer.py, tests/unit/test_live.py)
     cfg = tmp_path / "every5.yaml"
     cfg.write_text("snapshot:\n  interval: 5\n")
     argv = [ACCUM, "--epochs", "1", "--config", str(cfg)]
     ref = _run(tmp_path, "ref", argv)
-    hit = _run(tmp_path, "hit", argv, plan="exception@11:1", restored=(10, 5))
+    # (rank 0 may already have run its backward of step 11 under no_sync: then it cannot vouch)
+    hit = _run(tmp_path, "hit", argv, plan="exception@11:1", restored=(11, 10, 5))
     assert ref[0]["scaler"]["scale"] != 65536.0 or ref[0]["scaler"]["_growth_tracker"] > 0  # it ran
     assert _same(ref, hit) >= 10
 

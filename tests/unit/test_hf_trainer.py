@@ -103,10 +103,10 @@ def _copy(tree: Any) -> Any:
 
 
 def _trainer_run(
-    tmp: Path, fault: int | None, interval: int = 3, **args: Any
+    tmp: Path, fault: int | None, interval: int = 3, live: bool = True, **args: Any
 ) -> tuple[dict[str, Any], Fakes]:
     fakes = Fakes(tmp)
-    rt = _runtime(fakes, _cfg(snapshot={"interval": interval}), hooks=[FaultAt(fault)])
+    rt = _runtime(fakes, _cfg(snapshot={"interval": interval, "live": live}), hooks=[FaultAt(fault)])
 
     def fn(loop: StepLoop) -> dict[str, Any]:
         ctx = Context(loop)
@@ -127,16 +127,18 @@ def trainer_ref(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return got
 
 
+@pytest.mark.parametrize("live", [True, False], ids=["live", "ring"])
 @pytest.mark.parametrize(
     ("fault", "restored", "where"),
     [(8, 6, "epoch 1 at its first batch"), (5, 3, "epoch 0, 3 optimizer steps in")],
 )
 def test_a_fault_in_trainer_train_resumes_the_epoch_where_it_was_bit_exact(
-    tmp_path: Path, trainer_ref: dict[str, Any], fault: int, restored: int, where: str
+    tmp_path: Path, trainer_ref: dict[str, Any], fault: int, restored: int, where: str, live: bool
 ) -> None:
-    got, fakes = _trainer_run(tmp_path, fault)
+    # live: the faulted step itself (the fault comes as it begins); the ring: its snapshot's
+    got, fakes = _trainer_run(tmp_path, fault, live=live)
     (restore,) = fakes.events("state_restored")
-    assert restore["step"] == restored, where
+    assert (restore["step"], restore["source"]) == ((fault, "live") if live else (restored, "ring")), where
     assert sorted(restore["objects"]) == ["model", "optimizer", "scheduler", "trainer"]
     assert got["trainer"]["state"]["global_step"] == STEPS
     counter = [c["state"] for c in got["trainer"]["callbacks"] if c["name"] == "StepCounter"]
@@ -147,11 +149,14 @@ def test_a_fault_in_trainer_train_resumes_the_epoch_where_it_was_bit_exact(
     assert [e["step"] for e in logged] == list(range(2, STEPS + 1, 2))
 
 
-def test_evaluation_inside_a_step_and_a_restore_at_an_epoch_start_stay_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("live", [True, False], ids=["live", "ring"])
+def test_evaluation_inside_a_step_and_a_restore_at_an_epoch_start_stay_bit_exact(
+    tmp_path: Path, live: bool
+) -> None:
     # an evaluation draws from the global RNG (its loader's seed); it belongs to the step before
     ref, _ = _trainer_run(tmp_path / "ref", None, eval_strategy="steps", eval_steps=2)
-    got, fakes = _trainer_run(tmp_path / "hit", 7, eval_strategy="steps", eval_steps=2)
-    assert fakes.events("state_restored")[0]["step"] == 6
+    got, fakes = _trainer_run(tmp_path / "hit", 7, live=live, eval_strategy="steps", eval_steps=2)
+    assert fakes.events("state_restored")[0]["step"] == (7 if live else 6)
     assert assert_bit_exact(ref, got) > 20
     evals = [e["step"] for e in got["trainer"]["state"]["log_history"] if "eval_loss" in e]
     assert evals == list(range(2, STEPS + 1, 2))  # each once: neither lost nor run twice
@@ -193,12 +198,12 @@ def test_train_outside_a_resilient_function_says_what_to_do(tmp_path: Path) -> N
 
 
 # -- Accelerate --------------------------------------------------------------------------------------
-def _accelerate_run(tmp: Path, fault: int | None) -> tuple[dict[str, Any], Fakes]:
+def _accelerate_run(tmp: Path, fault: int | None, live: bool = True) -> tuple[dict[str, Any], Fakes]:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     fakes = Fakes(tmp)
-    rt = _runtime(fakes, _cfg(snapshot={"interval": 3}), hooks=[FaultAt(fault)])
+    rt = _runtime(fakes, _cfg(snapshot={"interval": 3, "live": live}), hooks=[FaultAt(fault)])
 
     def fn(loop: StepLoop) -> dict[str, Any]:
         ctx = Context(loop)
@@ -223,11 +228,17 @@ def _accelerate_run(tmp: Path, fault: int | None) -> tuple[dict[str, Any], Fakes
     return rt.run(fn), fakes
 
 
-def test_an_accelerate_loop_over_prepared_objects_recovers_inside_a_window_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("live", [True, False], ids=["live", "ring"])
+def test_an_accelerate_loop_over_prepared_objects_recovers_inside_a_window_bit_exact(
+    tmp_path: Path, live: bool
+) -> None:
+    # live: the step in the window's middle, its gradients carried (the fault comes before its backward)
     ref, _ = _accelerate_run(tmp_path / "ref", None)
-    got, fakes = _accelerate_run(tmp_path / "hit", 11)  # 8 batches an epoch: epoch 1, batch 1 of a window
+    got, fakes = _accelerate_run(
+        tmp_path / "hit", 11, live
+    )  # 8 batches an epoch: epoch 1, batch 1 of a window
     (restore,) = fakes.events("state_restored")
-    assert restore["step"] == 9
+    assert restore["step"] == (11 if live else 9)
     assert assert_bit_exact(ref, got) > 20
     assert got["accelerator"]["step"] == ref["accelerator"]["step"]
 

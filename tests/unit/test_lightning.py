@@ -166,6 +166,7 @@ def _fit(
     estimate: bool = True,
     mixed: str | None = None,
     every: int = 1,
+    live: bool = True,
     ckpt_path: Path | None = None,
     manual: bool = False,
     **trainer: Any,
@@ -173,15 +174,16 @@ def _fit(
     """One ``fit`` in ``tmp`` (its own working directory: Lightning's paths are relative to it);
     returns the final tracked state, the run's events and the trainer. ``mixed``: a precision
     plugin (``16-mixed`` with a ``GradScaler`` whose scale grows every 3 steps, or ``bf16-mixed``);
-    ``every``: the snapshot interval (a restore goes back to the newest multiple of it)."""
+    ``every``: the snapshot interval (a restore goes back to the newest multiple of it, unless
+    ``live``: the step the fault hit, when every rank vouches for it)."""
     tmp.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(tmp)
     pl = importlib.import_module(package)
     pl.seed_everything(0)
     faults = Faults(fault_at)
     strategy = ResilientDDPStrategy(
-        lightning=package, hooks=[faults], snapshot={"interval": every}, events={"dir": str(tmp / "runs")},
-        health={"checks": ["host_memory"]},
+        lightning=package, hooks=[faults], snapshot={"interval": every, "live": live},
+        events={"dir": str(tmp / "runs")}, health={"checks": ["host_memory"]},
     )  # fmt: skip
     options: dict[str, Any] = {"max_epochs": 2, "val_check_interval": 0.5, **trainer}
     if mixed is not None:
@@ -292,14 +294,15 @@ def test_a_fault_after_resuming_from_a_lightning_checkpoint_goes_back_to_the_res
     assert_bit_exact(ref, state)
 
 
+@pytest.mark.parametrize("live", [True, False], ids=["live", "ring"])
 @pytest.mark.parametrize("mixed", ["16-mixed", "bf16-mixed"])
 def test_mixed_precision_and_its_grad_scaler_resume_bit_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: Reference, mixed: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: Reference, mixed: str, live: bool
 ) -> None:
-    # the scaler's scale doubles every 3 steps: restored (to step 8) with the precision plugin's
-    # state, it goes on from the snapshot's, not from where the failed step 11 left it
-    state, events, _ = _fit(tmp_path, monkeypatch, fault_at=11, mixed=mixed, every=4)
-    assert _restored(events) == [8]
+    # the scaler's scale doubles every 3 steps: restored (to step 8, or live to 11) with the
+    # precision plugin's state, it goes on from that step's, not from where the failed step 11 left it
+    state, events, _ = _fit(tmp_path, monkeypatch, fault_at=11, mixed=mixed, every=4, live=live)
+    assert _restored(events) == [11 if live else 8]
     ref = reference(mixed=mixed)[0]
     if mixed == "16-mixed":
         assert ref["trainer"]["MixedPrecision"]["scale"] == 2.0**6 * 2 ** (2 * BATCHES // 3)

@@ -20,9 +20,11 @@ def restore_plan(payloads: list[str]) -> str:
     """The recovery barrier's reduction: the newest snapshot step every rank holds (``step``),
     the ranks that hold none (``empty``), and every rank's steps only when there is no common one
     (the error names them). A payload is a list of steps, or ``{"steps": [...], "layout": digest}``:
-    then ``layout_same`` says whether every rank's DDP bucket layouts are the same."""
+    then ``layout_same`` says whether every rank's DDP bucket layouts are the same; with a
+    ``"live"`` offer, :func:`live_plan` says whether they resume from the live state."""
     held: list[list[int]] = []
     layouts: list[object] = []
+    lives: list[Any] = []
     malformed = []
     for r, p in enumerate(payloads):
         try:
@@ -32,6 +34,7 @@ def restore_plan(payloads: list[str]) -> str:
         steps = got.get("steps") if isinstance(got, dict) else got
         if isinstance(got, dict):
             layouts.append(got.get("layout"))
+        lives.append(got.get("live") if isinstance(got, dict) else None)  # (by rank)
         if not isinstance(steps, list) or any(type(s) is not int or s < 0 for s in steps):
             malformed.append(r)  # (a peer's garbage: named, and no step is trusted from it)
             steps = []
@@ -45,7 +48,31 @@ def restore_plan(payloads: list[str]) -> str:
         plan["held"] = held
     if layouts:  # (every rank or none: the same code posts them)
         plan["layout_same"] = len(layouts) == len(payloads) and len({json.dumps(v) for v in layouts}) == 1
+    if any(lv is not None for lv in lives):
+        plan.update(live_plan(lives, plan["step"]))
     return json.dumps(plan)
+
+
+def live_plan(offers: list[Any], ring_step: int | None) -> dict[str, Any]:
+    """The live resume's part of the plan: ``live``, the step every rank vouched for after the same
+    number of collectives (runtime/steps/live.py), or ``live_refused``: why not, by rank."""
+    refused: dict[str, str] = {}
+    for r, o in enumerate(offers):
+        if not isinstance(o, dict) or type(o.get("step")) is not int:
+            refused[str(r)] = str(o.get("why")) if isinstance(o, dict) else "no live state offered"
+    if refused:
+        return {"live": None, "live_refused": refused}
+    steps = {o["step"] for o in offers}
+    seqs = {o.get("seq") for o in offers}
+    if len(steps) > 1:  # (a peer completed the step this rank faulted in)
+        return {"live": None, "live_refused": {str(r): f"at step {o['step']}" for r, o in enumerate(offers)}}
+    if len(seqs) > 1:  # (the same step, other collectives: a desync the live state would carry on)
+        why = {str(r): f"{o.get('seq')} collectives issued" for r, o in enumerate(offers)}
+        return {"live": None, "live_refused": why}
+    (step,) = steps
+    if ring_step is not None and step < ring_step:  # (never: a snapshot is of a completed step)
+        return {"live": None, "live_refused": {"all": f"step {step} is behind the snapshot of {ring_step}"}}
+    return {"live": step}
 
 
 REDUCE: dict[str, Callable[[list[str]], str]] = {

@@ -367,13 +367,18 @@ class Coordinator:
         self.node = None
 
     def recovery_barrier(
-        self, generation: int, snapshot_steps: list[int], layout: str | None = None
-    ) -> dict[str, Any]:
+        self, generation: int, snapshot_steps: list[int], layout: str | None = None,
+        live: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """Wait until every rank left generation ``generation``; return :func:`restore_plan` of
         every rank's snapshot steps (the newest step all hold, or who holds none). ``layout``: this
         rank's DDP bucket layouts' digest, agreed in the same barrier (``layout_same``) rather
-        than in a second one."""
-        posted = snapshot_steps if layout is None else {"steps": snapshot_steps, "layout": layout}
+        than in a second one; ``live``: this rank's live-resume offer (the plan's ``live``)."""
+        posted: Any = snapshot_steps
+        if layout is not None or live is not None:
+            posted = {"steps": snapshot_steps, "layout": layout}
+            if live is not None:
+                posted["live"] = live
         payload = json.dumps(posted)
         return dict(json.loads(self._barrier(generation, "recover", payload, restore_plan)))
 

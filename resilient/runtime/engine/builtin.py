@@ -195,7 +195,7 @@ class BuiltinRun:
         self.keeper = Mirrors(
             s, self.ring, c.coord, persist=c.persist, shm=c.shm, replica=c.replica, arm=self.hard_timer.arm
         )
-        self.loop = StepLoop(s, self.keeper, self.ring, liveness=self._stepped, count_via=c.coord)
+        self.loop = StepLoop(s, self.keeper, self.ring, liveness=self._stepped, count_via=c.coord, live=True)
         self.straggler = _straggler_watch(c, self.loop.detectors.get(Stragglers))
         self.detection = Detection(
             s, c.coord, self.loop, self.hard_timer, running=self._running, busy=lambda: self.keeper.in_save,

@@ -60,6 +60,7 @@ class Recovery:
         self.detection = detection
         self.hard_timer = detection.hard_timer
         self.policy = policy
+        self.replacing: int | None = None  # the generation a replacement joins (it has no live state)
 
     def recover(self, exc: BaseException | None) -> PendingRestore:
         s, loop = self.session, self.loop
@@ -93,7 +94,11 @@ class Recovery:
             group.destroy()
             loop.gen.group = None
         s.events.emit(
-            Event.GROUP_ABORTED, generation=gen, step=step, connections=n, duration_s=time.time() - t0,
+            Event.GROUP_ABORTED,
+            generation=gen,
+            step=step,
+            connections=n,
+            duration_s=time.time() - t0,
             cpu_s=time.thread_time(),
         )
         if rec is not None and rec.severity == Severity.HARD.value:
@@ -133,11 +138,18 @@ class Recovery:
             persist.settle(gen, step)
             lap("saves_s")
         loop.settle_before_restore()
+        if self.replacing is None:
+            offer = loop.live_offer(primary.kind)
+        else:
+            offer = {"why": f"a replacement: rank {s.rank}'s live state died with its predecessor"}
         lap("verify_s")
         own: BaseException | None = None
         try:
-            plan = self.coord.recovery_barrier(gen, self.keeper.held_steps(), layout := loop.layout_digest())
-            restore = plan_step(plan, primary)
+            plan = self.coord.recovery_barrier(
+                gen, self.keeper.held_steps(), layout := loop.layout_digest(), live=offer
+            )
+            live = plan.get("live")
+            restore = live if live is not None else plan_step(plan, primary)
         except SetupFailed as e:
             self._depart(gen)
             if exc is None or s.rank not in e.ranks or isinstance(exc, StepInterrupted):
@@ -163,10 +175,12 @@ class Recovery:
         # (DDP's layouts were agreed in the same barrier; another agreement only if they changed)
         same = agreed(layout, plan.get("layout_same"), self.coord.same)
         cpu0 = time.thread_time()
-        pending = loop.prepare_restore(gen, restore, step, fault_ts, same)
+        pending = loop.prepare_restore(gen, restore, step, fault_ts, same, live=live is not None)
         lap("prepare_s")  # (last: the phases put it in the restore, docs/recovery.md#phases)
         parts: dict[str, Any] = {"fault_step": step, "duration_s": lap.total(), **lap.laps,
-                                 **loop.prepare_parts}  # fmt: skip
+                                 **loop.prepare_parts, "source": pending.source}  # fmt: skip
+        if "live_refused" in plan:  # (why the step in flight was not enough: docs/recovery.md#live-resume)
+            parts["live_refused"] = plan["live_refused"]
         cpu = time.thread_time()  # (this thread's CPU time: the phases' cost, apart from waiting)
         s.events.emit(Event.RESTORE_AGREED, generation=gen, step=restore, cpu_s=cpu, prepare_cpu_s=cpu - cpu0,
                       **parts)  # fmt: skip
@@ -220,7 +234,11 @@ class Recovery:
             s.heartbeat.generation = gen
         self._await_predecessor()
         self.keeper.adopt_predecessor()
-        return self.recover(StepInterrupted(f"peer: rank {s.rank} replaced, joins generation {gen}"))
+        self.replacing = gen
+        try:
+            return self.recover(StepInterrupted(f"peer: rank {s.rank} replaced, joins generation {gen}"))
+        finally:
+            self.replacing = None
 
     def _await_predecessor(self) -> None:
         """On a machine with GPUs, the dead worker this process replaces may still be freeing its

@@ -30,6 +30,7 @@ class PendingRestore:
     loaded: set[str] = field(default_factory=set)  # the names tracked (and loaded) so far
     load_s: float = 0.0  # the time those loads took (the restore phase's part in the re-entry)
     load_cpu_s: float = 0.0  # ... of this thread's CPU time
+    source: str = "ring"  # where the state came from: live | ring | shm (docs/recovery.md#live-resume)
 
 
 class EpochPosition:

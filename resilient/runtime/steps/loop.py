@@ -20,18 +20,17 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
-from loguru import logger
+import torch
 
 from resilient.detectors import Detectors
 from resilient.detectors.collectives import (
     CollectiveCheck,
-    CollectiveCount,
-    CollectiveDesync,
     NodeLinkHolder,
     PeerWait,
+    issued_on_default_group,
 )
 from resilient.detectors.guard import StepGuard
-from resilient.detectors.replicas import ReplicaCheck, SilentCorruption
+from resilient.detectors.replicas import ReplicaCheck
 from resilient.errors import ResilienceError, StateRestoreError
 from resilient.events import Event
 from resilient.runtime.engine.session import Session
@@ -40,6 +39,8 @@ from resilient.runtime.steps.cost import Cost
 from resilient.runtime.steps.detector_run import DetectorRun
 from resilient.runtime.steps.generation import EpochPosition, Generation, PendingRestore
 from resilient.runtime.steps.keeper import Keeper
+from resilient.runtime.steps.live import LiveResume
+from resilient.runtime.steps.verdicts import Verdicts
 from resilient.state import SnapshotRing
 from resilient.state.digest import Leaf
 from resilient.state.loader import batches_consumed, finish_pass
@@ -61,6 +62,7 @@ class StepLoop:
         *,
         liveness: Callable[[int], None] = lambda step: None,
         count_via: NodeLinkHolder | None = None,
+        live: bool = False,
     ) -> None:
         self.session = session
         self.keeper = keeper
@@ -71,6 +73,7 @@ class StepLoop:
         self.prepare_parts: dict[str, float] = {}  # the last prepare_restore's parts
         self.gen = Generation(0, None, None, None, session.clock())  # (none built yet)
         self.step: int | None = None  # the step being run; across generations, the one a fault hit
+        self.began_at: dict[int, float] = {}  # when each recent step began (its first run)
         self.cost = Cost(session)
         self.detectors = Detectors.build(session.detectors, session.cfg, DetectorRun(self))
         guard = self.detectors.get(StepGuard)  # (ctx.observe reports to it)
@@ -79,6 +82,9 @@ class StepLoop:
         )
         self.sdc = self.detectors.get(ReplicaCheck)
         self.collectives = self.detectors.get(CollectiveCheck)
+        self.verdicts = Verdicts(ring, self.sdc, session.rank)
+        snap = session.cfg.snapshot  # (``live``: the engine resumes a soft fault from the live state)
+        self.live = LiveResume(live and snap.live, snap.live_max_bytes)
 
     # -- what Context reads (its identity is the session's) -------------------------------------
     @property
@@ -117,6 +123,7 @@ class StepLoop:
             count.on_wait_end = self._peer_wait_ended
         self.gen = Generation(number, group, count, restore, s.clock())
         self.detectors.each(lambda d: d.generation(number))  # (the failed generation's objects go)
+        self.live.generation()
         return self.gen
 
     def _peer_wait_ended(self, wait: PeerWait, waited_s: float) -> None:
@@ -133,23 +140,33 @@ class StepLoop:
         barrier, whose verdict :meth:`prepare_restore` applies)."""
         return self.buckets.ended(self.gen.registry.objects())
 
+    def live_offer(self, symptom: str | None) -> dict[str, Any]:
+        """The step this rank can resume at from its live state, or why it cannot (live.py)."""
+        return self.live.offer(symptom, self.gen.registry)
+
     def prepare_restore(
-        self, generation: int, step: int, fault_step: int | None, fault_ts: float | None, all_same: AllSame
-    ) -> PendingRestore:
-        """The agreed ``step``'s snapshot, to be loaded into each object as the function tracks
-        it in the next generation (``generation``: the one that ended)."""
+        self, generation: int, step: int, fault_step: int | None, fault_ts: float | None, all_same: AllSame,
+        live: bool = False,
+    ) -> PendingRestore:  # fmt: skip
+        """The agreed ``step``'s state (``live``: the live objects' at the step every rank vouched
+        for, else its snapshot), to be loaded into each object as the function tracks it in the
+        next generation (``generation``: the one that ended)."""
         t0 = time.monotonic()
         self.buckets.at_recovery(
             self.gen.registry.objects(), generation, step, all_same, self.session.t.barrier
         )
         t1 = time.monotonic()
-        state, owned = self.keeper.materialize(step)
+        if live:
+            state, owned, source = self.live.state(self.gen.registry), True, "live"
+        else:
+            state, owned = self.keeper.materialize(step)
+            source = "ring" if owned else "shm"
         t2 = time.monotonic()
         self.ring.drop_after(step)
         self.keeper.drop_after(step)
         # (the restore phase's parts, in the restore_agreed event: docs/recovery.md#phases)
         self.prepare_parts = {"layouts_s": t1 - t0, "materialize_s": t2 - t1, "drop_s": time.monotonic() - t2}
-        return PendingRestore(step, state, owned, fault_step, fault_ts)
+        return PendingRestore(step, state, owned, fault_step, fault_ts, source=source)
 
     def close(self) -> None:
         self.detectors.uninstall()
@@ -165,6 +182,7 @@ class StepLoop:
             gen.registry.add(name, obj)
             for d in self.detectors.all:
                 d.tracked(name, obj)
+            self.live.tracked(name, obj)  # (after the detectors: see live.py)
             r = gen.restore
             if r is not None:
                 if name not in r.state:
@@ -174,6 +192,9 @@ class StepLoop:
                     )
                 t0, cpu0 = time.monotonic(), time.thread_time()
                 gen.registry.load(name, r.state[name], owned=r.owned)
+                if r.source == "live" and isinstance(obj, torch.nn.Module | torch.optim.Optimizer):
+                    r.state[name] = None  # (the failed generation's tensors go once loaded; the small
+                    # objects' states stay: the next capture copies them, see live.py)
                 r.load_s += time.monotonic() - t0
                 r.load_cpu_s += time.thread_time() - cpu0
                 r.loaded.add(name)
@@ -271,17 +292,27 @@ class StepLoop:
     def _begin_steps(self, total: int | None) -> int:
         self.buckets.release()  # (every tracked DDP is built by now)
         gen = self.gen
+        loaded = None
         if gen.restore is None:
             fresh = self.session.generation == 0 and self.step is None
             start, restored = self.keeper.first_step(gen, total, fresh)
             if restored:
                 gen.restored_step = start
-            return start
-        return self._resume_restored(gen.restore)
+        else:
+            loaded = gen.restore.state
+            start = self._resume_restored(gen.restore)
+        self._capture_live(start, False, loaded)
+        return start
+
+    def _capture_live(self, step: int, accumulating: bool, loaded: dict[str, Any] | None = None) -> None:
+        counts = self.collectives is not None and self.collectives.counts
+        seq = issued_on_default_group() if counts else -1
+        self.live.capture(step, self.gen.registry, accumulating, seq, loaded)
 
     def _resume_restored(self, r: PendingRestore) -> int:
         """At ``ctx.steps`` after a restart: every object of the snapshot was tracked again and
         loaded; the RNGs are restored last, and the step to resume at is returned."""
+        began = self.began_at.get(r.step)
         missing = [n for n in r.state if n != RNG and n not in r.loaded]
         if missing:
             raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
@@ -298,6 +329,9 @@ class StepLoop:
             # (a fault between a step's snapshot and the next step's start restores a step ahead of
             # the loop's count: nothing is re-run, not -1)
             steps_rerun=max(0, (r.fault_step if r.fault_step is not None else r.step) - r.step),
+            source=r.source,
+            # (the restored step's start to the fault: the work the fault threw away, replayed now)
+            work_lost_s=None if began is None or r.fault_ts is None else max(0.0, r.fault_ts - began),
             since_fault_s=time.time() - (r.fault_ts or time.time()),
             snapshot_interval=self.session.schedule.interval,
             load_s=r.load_s,
@@ -310,6 +344,9 @@ class StepLoop:
 
     def _step_begins(self, step: int) -> None:
         self.step = step
+        self.began_at[step] = time.time()
+        if len(self.began_at) > 4096:  # (beyond any snapshot interval a restore goes back)
+            del self.began_at[next(iter(self.began_at))]
         gen, hooks = self.gen, self.session.hooks
         gen.registry.step_begins()
         if self.session.heartbeat is not None:  # the step a hard fault hits, exactly, for the agent
@@ -335,7 +372,7 @@ class StepLoop:
         sums: dict[str, Leaf] | None = None
         count, sdc = gen.count, self.sdc
         if count is not None and count.pending is not None:  # the last kept snapshot, verified now
-            self._settle(count, False)
+            self.verdicts.settle(count, False)
         leaves = self.keeper.due(nxt, total) or nxt == total  # (the last: returned to the caller)
         ring_due = s.schedule.due(nxt, total)
         if self.keeper.stopping():
@@ -352,11 +389,11 @@ class StepLoop:
                 digests, sums = sdc.digests(step, state, objects)
             if count is not None:  # every rank issued the same collectives, or nothing is kept
                 if count.pending is not None:  # (a window still open from a step that kept no state)
-                    self._settle(count, True)
+                    self.verdicts.settle(count, True)
                 # state that leaves the process is verified first; the ring's, at the next step
                 count.close_window(step, digests)
                 if leaves:
-                    self._settle(count, True)
+                    self.verdicts.settle(count, True)
             self.buckets.observe(gen.registry.objects())
             if ring_due:
                 self.ring.capture(nxt, state, sums)
@@ -367,6 +404,8 @@ class StepLoop:
         for h in s.hooks:
             h.after_step(s.generation, step, step_s)
         self.keeper.keep(gen, nxt, total, state, step_s, sums)
+        if nxt != total:
+            self._capture_live(nxt, gen.registry.accumulating())
         self.cost.add(step, now, s.clock() - now, capture_s is not None)
         if gen.resume_pending:
             gen.resume_pending = False
@@ -378,51 +417,16 @@ class StepLoop:
                 cpu_s=time.thread_time(),
             )
 
-    # -- the collective check's verdicts ---------------------------------------------------------------
-    def _verified(self, compare: Callable[[Any], Any], arg: Any) -> None:
-        """Run a comparison of collective counts (and digests); on a desync (or replicas that
-        differ), the snapshot kept after the window that differs is dropped before the fault is
-        raised."""
-        try:
-            compare(arg)
-        except (CollectiveDesync, SilentCorruption) as e:
-            self.ring.drop_after(e.window_end)
-            raise
-
-    def _settle(self, count: CollectiveCount, block: bool) -> None:
-        """Compare the pending window; once its digests agreed, a replay awaited there decides."""
-        end = count.pending
-        self._verified(count.settle, block)
-        if self.sdc is not None and end is not None and count.pending is None:
-            self.sdc.agreed(end)
-
+    # -- the collective check's verdicts (verdicts.py) -------------------------------------------------
     def settle_at_end(self) -> None:
         """The function returned (perhaps leaving ``ctx.steps`` early): no unverified state may
         stand as its result."""
         count = self.gen.count
         if count is not None and count.pending is not None:
-            self._settle(count, True)
+            self.verdicts.settle(count, True)
 
     def settle_before_restore(self) -> None:
-        """A fault came while the newest snapshot was unverified: compare now if the neighbour's
-        count is there, else drop that snapshot (nothing proves it good). With ``sdc``, a
-        snapshot whose copy no longer matches its digests is dropped too."""
-        if self.sdc is not None:
-            for step, why in self.ring.drop_corrupt():
-                rank = self.session.rank
-                logger.error("rank {}: snapshot of step {} corrupt, not restored: {}", rank, step, why)
-        count = self.gen.count
-        if count is None or count.pending is None:
-            return
-        end = count.pending
-        try:
-            if count.settle(block=False, running=False):  # (in a recovery: nobody posts now)
-                return
-        except (CollectiveDesync, SilentCorruption):
-            pass
-        except Exception as e:  # the store may be what failed: no proof either way
-            logger.debug("rank {}: collective count not compared: {}", self.session.rank, e)
-        self.ring.drop_after(end)
+        self.verdicts.before_restore(self.gen.count)
 
     # -- the end -----------------------------------------------------------------------------------------
     def finished(self, **detail: Any) -> None:
