@@ -40,6 +40,19 @@ def test_exception_on_rank1(tmp_path, reference):
     assert load_states(tmp_path, 2)[1]["fired"] == {"exception@9:1": 1}
 
 
+def test_a_peer_still_in_its_steps_tail_finishes_it_and_every_rank_resumes_live(tmp_path, reference):
+    # steps padded after the optimizer's step: as rank 1 raises at step 9's start, rank 0 is often
+    # still in step 8's tail; it finishes that step (its successor's state captured) and leaves,
+    # so both vouch for step 9 and nothing is re-run
+    # (or already in step 9, blocked in its all-reduce: live either way; the tail's own rule is
+    # unit-tested in tests/unit/test_live.py)
+    res = run_example(tmp_path, 2, "--fault", "exception@9:1", "--step-ms", "40")
+    _check_recovered(res, reference, 2, tmp_path)
+    restored = res.of("state_restored")
+    assert {(e["step"], e["source"], e["steps_rerun"]) for e in restored} == {(9, "live", 0)}, restored
+    assert {e["rank"]: e["step"] for e in res.of("fault_detected")}[0] in (8, 9)
+
+
 def test_ddp_at_3_ranks_recovers_bit_exact(tmp_path, reference):
     # with 3 ranks the ring adds the ranks' gradients in an order that depends on where each sits in
     # DDP's bucket: the rebuilt DDP must start with the buckets the interrupted one had rebuilt

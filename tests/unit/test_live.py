@@ -285,3 +285,33 @@ def test_a_stateful_dataloader_resumes_live_from_the_state_its_step_began_with(t
     _equal(ref, got)
     (restored,) = fakes.events("state_restored")
     assert (restored["step"], restored["source"]) == (23, "live")
+
+
+def test_a_rank_past_its_optimizers_update_leaves_at_the_steps_end() -> None:
+    from resilient.errors import StepInterrupted
+
+    live = LiveResume(True, 1024)
+    registry = Registry()
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    registry.add("model", model)
+    registry.add("optimizer", opt)
+    live.tracked("optimizer", opt)
+    live.capture(4, registry, False, 3)
+    assert not live.past_update() and not live.leave_at_step_end(0, 0, "peer")  # (before the update)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert live.past_update()
+    assert not live.leave_at_step_end(0, 1, "peer")  # (another generation runs: nothing deferred)
+    assert live.leave_at_step_end(0, 0, "peer: rank 1 faulted")
+    live.capture(5, registry, False, 4)  # (the step's end: its successor's state captured first)
+    with pytest.raises(StepInterrupted, match="rank 1 faulted"):
+        live.leave_if_asked(0)
+    assert live.offer("exception", registry) == {"step": 5, "seq": 4}
+    assert not live.take_leaving(0)  # (left already: the grace timer interrupts nothing)
+    # a tail that does not end in time is interrupted where it is, and vouches for nothing
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert live.leave_at_step_end(0, 0, "peer") and live.take_leaving(0)
+    live.leave_if_asked(0)  # (taken: nothing raised here)
+    assert "optimizer step ran" in live.offer("exception", registry)["why"]

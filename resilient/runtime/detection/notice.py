@@ -33,7 +33,14 @@ from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom
 from resilient.runtime.detection.stacks import all_stacks, main_thread_where
 from resilient.runtime.detection.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
 from resilient.runtime.engine.session import Session
+from resilient.runtime.steps.live import DOUBTS
 from resilient.runtime.steps.loop import StepLoop
+
+# how long a rank past its optimizer's update may take to finish its step after a peer's fault
+# (its state is then kept for a live resume); a tail that blocks or runs on is interrupted
+TAIL_GRACE_S = 0.5
+# faults after which no rank resumes live (a dead rank's state died with it; runtime/steps/live.py)
+NOT_LIVE = {Symptom.DIED.value, *DOUBTS}
 
 
 class Detection:
@@ -144,9 +151,18 @@ class Detection:
                 return
             self._remote_handled.add(generation)
         self._abort_group(generation)
-        self.interrupter.interrupt(
-            generation, f"peer: rank {fault.rank} faulted at step {fault.step}: {fault.signature}"
-        )
+        reason = f"peer: rank {fault.rank} faulted at step {fault.step}: {fault.signature}"
+        live = self.loop.live
+        if fault.kind not in NOT_LIVE and live.leave_at_step_end(generation, self.loop.gen.number, reason):
+            timer = threading.Timer(TAIL_GRACE_S, self._tail_expired, (generation, reason))
+            timer.daemon = True
+            timer.start()
+            return
+        self.interrupter.interrupt(generation, reason)
+
+    def _tail_expired(self, generation: int, reason: str) -> None:
+        if self.loop.live.take_leaving(generation):  # (the step did not end in time: interrupted where it is)
+            self.interrupter.interrupt(generation, reason)
 
     def main_thread_where(self) -> tuple[str, bool]:
         return main_thread_where()

@@ -28,6 +28,7 @@ vouch, and why.
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from resilient.errors import StepInterrupted
 from resilient.state import dtensor
 from resilient.state.registry import GRAD, RNG, Registry, capture_rng
 from resilient.state.snapshot import Frozen
@@ -90,6 +92,9 @@ class LiveResume:
         self.cap: _Capture | None = None
         self.began = 0
         self.ended = 0
+        self._in_step = False  # between a tracked optimizer's pre- and post-hook
+        self._leaving: tuple[int, str] | None = None  # a peer's fault this rank leaves at its step's end
+        self._leave_lock = threading.Lock()
         self._handles: list[Any] = []
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._tensors: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any], set[int]]] = {}
@@ -100,6 +105,7 @@ class LiveResume:
             h.remove()
         self._handles.clear()
         self._hooked = weakref.WeakSet()
+        self._in_step = False
         self.cap = None
         self._tensors.clear()
 
@@ -114,10 +120,42 @@ class LiveResume:
             obj.register_step_post_hook(self._ended),
         ]
 
+    def past_update(self) -> bool:
+        """A tracked optimizer's update ran in the step being run and none is running now: the
+        step's tail (the scheduler, logging), which the rank may finish before it leaves, so
+        that the state it leaves is the next step's start, captured."""
+        return self.enabled and self.cap is not None and self.ended > self.cap.ended and not self._in_step
+
+    def leave_at_step_end(self, generation: int, running: int, reason: str) -> bool:
+        """A peer faulted (the listener's thread): a rank past its optimizer's update finishes
+        the step and leaves at its end, its state captured (True), instead of being interrupted
+        where it is. ``running``: the generation the main thread is in."""
+        with self._leave_lock:
+            if not self.past_update() or running != generation:
+                return False
+            self._leaving = (generation, reason)
+            return True
+
+    def take_leaving(self, generation: int) -> bool:
+        """The grace is over: whether the rank had not left yet (it is interrupted where it is)."""
+        with self._leave_lock:
+            if self._leaving is None or self._leaving[0] != generation:
+                return False
+            self._leaving = None
+            return True
+
+    def leave_if_asked(self, running: int) -> None:
+        """At the end of a step, once its successor's state is captured."""
+        with self._leave_lock:
+            leaving, self._leaving = self._leaving, None
+        if leaving is not None and leaving[0] == running:
+            raise StepInterrupted(leaving[1])
+
     def _began(self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A step's update begins now, or, with a closure (Lightning's automatic optimization,
         LBFGS), once its closure returned: a fault in the forward and backward it runs leaves
         the parameters as they were."""
+        self._in_step = True
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is None:
             self.began += 1
@@ -134,6 +172,7 @@ class LiveResume:
 
     def _ended(self, *_: Any) -> None:
         self.ended += 1
+        self._in_step = False
 
     def capture(
         self,
@@ -195,7 +234,7 @@ class LiveResume:
             copies = {k: t.detach().clone() for k, t in tensors.items() if id(t) not in params}
         for key, value in extra.items():
             copies[key] = copy.deepcopy(value)
-        grads = [p.grad for p in m.parameters() if p.grad is not None]
+        grads = [p.grad for p in kept if p.grad is not None]
         if grads and (accumulating or self.cap is None):  # (a generation's start: what a restore put back)
             return _Kept(
                 kept + grads, _versions(kept + grads), buffers=copies, grads=frozenset(map(id, grads))

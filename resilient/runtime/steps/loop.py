@@ -406,6 +406,7 @@ class StepLoop:
         self.keeper.keep(gen, nxt, total, state, step_s, sums)
         if nxt != total:
             self._capture_live(nxt, gen.registry.accumulating())
+        self.live.leave_if_asked(gen.number)
         self.cost.add(step, now, s.clock() - now, capture_s is not None)
         if gen.resume_pending:
             gen.resume_pending = False
