@@ -315,3 +315,30 @@ def test_a_rank_past_its_optimizers_update_leaves_at_the_steps_end() -> None:
     assert live.leave_at_step_end(0, 0, "peer") and live.take_leaving(0)
     live.leave_if_asked(0)  # (taken: nothing raised here)
     assert "optimizer step ran" in live.offer("exception", registry)["why"]
+
+
+class Counted(torch.nn.Linear):
+    """A module with extra state (``get_extra_state``) that its forward changes."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+    def get_extra_state(self) -> Any:
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.calls = state["calls"]
+
+
+def test_a_modules_extra_state_is_read_at_every_capture() -> None:
+    live, registry, m = LiveResume(True, 1024), Registry(), Counted()
+    registry.add("model", m)
+    for step in range(3):
+        live.capture(step, registry, False, 0)
+        m(torch.ones(1, 2))
+    assert live.state(registry)["model"]["_extra_state"] == {"calls": 2}  # (as step 2 began)

@@ -97,7 +97,7 @@ class LiveResume:
         self._leave_lock = threading.Lock()
         self._handles: list[Any] = []
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._tensors: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any], set[int]]] = {}
+        self._tensors: dict[str, _ModuleTensors] = {}
 
     # -- the loop's fixed points ---------------------------------------------------------------------
     def generation(self) -> None:
@@ -214,26 +214,24 @@ class LiveResume:
                 objects[name] = kept
         self.cap = _Capture(step, objects, capture_rng(), seq, self.began, self.ended, refused)
 
-    def _cached(
-        self, name: str, m: torch.nn.Module
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], set[int]]:
+    def _cached(self, name: str, m: torch.nn.Module) -> _ModuleTensors:
         cached = self._tensors.get(name)
         if cached is None:  # (once a generation: a model's tensors keep their identity while it trains)
-            cached = self._tensors[name] = _module_tensors(m)
+            cached = self._tensors[name] = _ModuleTensors.of(m)
         return cached
 
     def _buffer_bytes(self, name: str, m: torch.nn.Module) -> int:
-        tensors, _, params = self._cached(name, m)
-        return sum(t.numel() * t.element_size() for t in tensors.values() if id(t) not in params)
+        return self._cached(name, m).buffer_bytes
 
     def _module(self, name: str, m: torch.nn.Module, accumulating: bool, copy_buffers: bool) -> _Kept:
-        tensors, extra, params = self._cached(name, m)
-        kept = [t for t in tensors.values() if id(t) in params]
+        mt = self._cached(name, m)
+        kept = mt.params
         copies: dict[str, Any] = {}
         if copy_buffers:
-            copies = {k: t.detach().clone() for k, t in tensors.items() if id(t) not in params}
-        for key, value in extra.items():
-            copies[key] = copy.deepcopy(value)
+            copies = {k: t.detach().clone() for k, t in mt.buffers.items()}
+        if mt.extra:  # (extra state changes as it likes: read afresh, only where a module has some)
+            now = m.state_dict()
+            copies.update({k: copy.deepcopy(now[k]) for k in mt.extra})
         grads = [p.grad for p in kept if p.grad is not None]
         if grads and (accumulating or self.cap is None):  # (a generation's start: what a restore put back)
             return _Kept(
@@ -278,7 +276,7 @@ class LiveResume:
             if kept is None or kept.state is not None:
                 continue
             if isinstance(obj, torch.nn.Module):
-                then, now = self._tensors[name][0], _module_tensors(obj)[0]
+                then, now = self._tensors[name].tensors, _ModuleTensors.of(obj).tensors
                 if then.keys() != now.keys() or any(now[k] is not t for k, t in then.items()):
                     return f"{name!r}: a parameter or buffer was replaced after step {cap.step} began"
                 grads = frozenset(id(p.grad) for p in obj.parameters() if p.grad is not None)
@@ -314,16 +312,29 @@ class LiveResume:
         return out
 
 
-def _module_tensors(m: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any], set[int]]:
-    """A module's state_dict entries: its tensors by key (parameters and persistent buffers, the
-    live ones), what is not a tensor (extra state), and which tensors are parameters."""
-    tensors, extra = {}, {}
-    for key, value in m.state_dict(keep_vars=True).items():
-        if isinstance(value, torch.Tensor):
-            tensors[key] = value
-        else:
-            extra[key] = value
-    return tensors, extra, {id(p) for p in m.parameters()}
+@dataclass
+class _ModuleTensors:
+    """A module's state_dict entries as a generation's first capture found them: its tensors by
+    key (the live parameters and persistent buffers), the parameters among them, the buffers, and
+    the keys of what is not a tensor (extra state)."""
+
+    tensors: dict[str, torch.Tensor]
+    params: list[torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    extra: list[str]
+    buffer_bytes: int
+
+    @classmethod
+    def of(cls, m: torch.nn.Module) -> _ModuleTensors:
+        entries = m.state_dict(keep_vars=True)
+        tensors = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+        ids = {id(p) for p in m.parameters()}
+        buffers = {k: t for k, t in tensors.items() if id(t) not in ids}
+        params = [t for t in tensors.values() if id(t) in ids]
+        extra = [k for k in entries if k not in tensors]
+        return cls(
+            tensors, params, buffers, extra, sum(t.numel() * t.element_size() for t in buffers.values())
+        )
 
 
 def _small(obj: Any) -> Any:
