@@ -33,14 +33,15 @@ from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom
 from resilient.runtime.detection.stacks import all_stacks, main_thread_where
 from resilient.runtime.detection.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
 from resilient.runtime.engine.session import Session
-from resilient.runtime.steps.live import DOUBTS
 from resilient.runtime.steps.loop import StepLoop
 
 # how long a rank past its optimizer's update may take to finish its step after a peer's fault
 # (its state is then kept for a live resume); a tail that blocks or runs on is interrupted
 TAIL_GRACE_S = 0.5
-# faults after which no rank resumes live (a dead rank's state died with it; runtime/steps/live.py)
-NOT_LIVE = {Symptom.DIED.value, *DOUBTS}
+# the faults a rank finishes its step's tail for: raised in a peer's step, that peer alive and in
+# its recovery. Not a failed collective or a death (a dead peer's saves and counts never come: the
+# tail would wait out its grace in them), nor a fault that casts doubt on the state (live.py)
+TAIL_KINDS = {Symptom.EXCEPTION.value, Symptom.OOM.value, Symptom.HANG.value, "nonfinite", "spike"}
 
 
 class Detection:
@@ -153,7 +154,7 @@ class Detection:
         self._abort_group(generation)
         reason = f"peer: rank {fault.rank} faulted at step {fault.step}: {fault.signature}"
         live = self.loop.live
-        if fault.kind not in NOT_LIVE and live.leave_at_step_end(generation, self.loop.gen.number, reason):
+        if fault.kind in TAIL_KINDS and live.leave_at_step_end(generation, self.loop.gen.number, reason):
             timer = threading.Timer(TAIL_GRACE_S, self._tail_expired, (generation, reason))
             timer.daemon = True
             timer.start()
