@@ -108,11 +108,12 @@ def test_an_accelerate_loop_recovers_inside_an_accumulation_window_bit_exact(tmp
     # position and synchronized generator)
     argv = [ACCELERATE, "--steps", "48", "--epochs", "2"]
     ref, _ = _ranks(tmp_path, "ref", argv)
-    for live, step in ((True, 28), (False, 25)):
+    # (live: rank 0 may already have run its backward of step 28 under no_sync, accumulating into
+    # the window's gradients: it cannot vouch then, and both restore 25 from the ring)
+    for live, allowed in ((True, {(28, "live"), (25, "ring")}), (False, {(25, "ring")})):
         hit, res = _ranks(tmp_path, f"hit-{live}", argv, plan="exception@28:1", live=live)
-        assert _restored(res) == step and {e["source"] for e in res.of("state_restored")} == {
-            "live" if live else "ring"
-        }
+        got = {(e["step"], e["source"]) for e in res.of("state_restored")}
+        assert len(got) == 1 and got <= allowed, got
         assert hit[0]["loader"]["consumed"] == ref[0]["loader"]["consumed"]
         assert assert_bit_exact(ref, hit) > 100
 
