@@ -82,6 +82,11 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--step-ms", type=float, default=0.0, help="pad each step to this duration (compute stand-in)"
     )
+    p.add_argument(
+        "--pad-at", default="tail", choices=["tail", "forward"],
+        help="where the padding sleeps: after the optimizer step, or before the backward (where a real "
+        "step spends its time)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write final model+optimizer state here (per rank)")
     p.add_argument("--dim", type=int, default=32, help="model width (benchmarks use a wider model)")
     p.add_argument("--seq", type=int, default=16)
@@ -185,13 +190,15 @@ def main() -> None:
             logits = model(x)  # dropout draws from the (tracked) torch RNG
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             injector.maybe_fire(rank, step, "before_collective")
+            if args.step_ms and args.pad_at == "forward":
+                time.sleep(max(0.0, args.step_ms / 1e3 - (time.perf_counter() - t0)))
             opt.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduce
             opt.step()
             sched.step()
             if rank == 0 and not args.report and (step % 10 == 0 or step == args.steps - 1):
                 print(f"step {step:4d} loss {loss.item():.4f} gen {ctx.generation}", flush=True)
-            if args.step_ms:
+            if args.step_ms and args.pad_at == "tail":
                 time.sleep(max(0.0, args.step_ms / 1e3 - (time.perf_counter() - t0)))
             if args.progress is not None:
                 append_line(args.progress, {"t": time.time(), "step": step, "rank": rank, "pid": os.getpid(),

@@ -72,7 +72,37 @@ def live_plan(offers: list[Any], ring_step: int | None) -> dict[str, Any]:
     (step,) = steps
     if ring_step is not None and step < ring_step:  # (never: a snapshot is of a completed step)
         return {"live": None, "live_refused": {"all": f"step {step} is behind the snapshot of {ring_step}"}}
-    return {"live": step}
+    found, refused = donors(offers)  # (a replacement's large state: a survivor's equal copy)
+    if refused:
+        return {"live": None, "live_refused": refused}
+    return {"live": step, **({"live_donors": found} if found else {})}
+
+
+def donors(offers: list[Any]) -> tuple[dict[str, int], dict[str, str]]:
+    """For each replacement's offer (``mirrored``), the lowest survivor whose posted fingerprints
+    of a common snapshot step equal its predecessor's, at a step after that survivor's state was
+    last set from elsewhere; and why not, by rank, for those that have none."""
+    found: dict[str, int] = {}
+    refused: dict[str, str] = {}
+    for r, o in enumerate(offers):
+        if not isinstance(o, dict) or not isinstance(o.get("mirrored"), dict):
+            continue
+        want = o["mirrored"].get("prints") or {}
+        for q, v in enumerate(offers):
+            vouch = v.get("vouch") if isinstance(v, dict) else None
+            if not isinstance(vouch, dict) or not isinstance(vouch.get("since"), int):
+                continue
+            have = vouch.get("prints") or {}
+            if any(int(k) > vouch["since"] and have.get(k) == p for k, p in want.items()):
+                found[str(r)] = q
+                break
+        else:
+            steps = sorted(want, key=int)
+            refused[str(r)] = (
+                f"no survivor posted fingerprints equal to its predecessor's (snapshot steps {steps}) "
+                "at a step after its state was set: not a replica"
+            )
+    return found, refused
 
 
 REDUCE: dict[str, Callable[[list[str]], str]] = {

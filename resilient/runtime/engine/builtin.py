@@ -56,6 +56,7 @@ from resilient.runtime.keeping.persist import Persistence
 from resilient.runtime.recovery.policy import RestartPolicy
 from resilient.runtime.recovery.recovery import Recovery
 from resilient.runtime.steps.generation import PendingRestore
+from resilient.runtime.steps.handover import Handover, LiveMirror
 from resilient.runtime.steps.loop import StepLoop
 from resilient.state import SnapshotRing
 
@@ -196,6 +197,8 @@ class BuiltinRun:
             s, self.ring, c.coord, persist=c.persist, shm=c.shm, replica=c.replica, arm=self.hard_timer.arm
         )
         self.loop = StepLoop(s, self.keeper, self.ring, liveness=self._stepped, count_via=c.coord, live=True)
+        if c.shm is not None and c.replica is not None and s.world_size > 1:  # (handover.py)
+            self.loop.handover = Handover(s.rank, LiveMirror(c.shm.dir), c.replica)
         self.straggler = _straggler_watch(c, self.loop.detectors.get(Stragglers))
         self.detection = Detection(
             s, c.coord, self.loop, self.hard_timer, running=self._running, busy=lambda: self.keeper.in_save,

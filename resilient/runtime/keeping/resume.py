@@ -88,6 +88,37 @@ def fingerprint(obj: Any) -> str:
     return h.hexdigest()
 
 
+# ---- moving a packed subtree between two ranks ---------------------------------------------------
+def send_tree(tree: dict[str, Any] | None, dst: int, group: Any = None, device: str = "cpu") -> None:
+    """Send ``tree`` to rank ``dst`` (``None``: this rank has nothing to send, and says so, so
+    that the receiver does not wait for bytes that will never come). ``device``: where the
+    group's backend takes its tensors from (``cuda`` for NCCL)."""
+    if tree is None:
+        dist.send(torch.tensor([-1, 0], dtype=torch.int64, device=device), dst, group=group)
+        return
+    header, buf = pack(tree)
+    head = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+    dist.send(torch.tensor([head.numel(), buf.numel()], dtype=torch.int64, device=device), dst, group=group)
+    dist.send(head.to(device), dst, group=group)
+    if buf.numel():
+        dist.send(buf.to(device), dst, group=group)
+
+
+def recv_tree(src: int, group: Any = None, device: str = "cpu") -> dict[str, Any]:
+    """What :func:`send_tree` on rank ``src`` sent (its layout checked before it is unpacked)."""
+    sizes = torch.empty(2, dtype=torch.int64, device=device)
+    dist.recv(sizes, src, group=group)
+    n_head, n_buf = (int(x) for x in sizes)
+    if n_head < 0:
+        raise CheckpointError(f"rank {src} could not load the state it was to send")
+    head = torch.empty(n_head, dtype=torch.uint8, device=device)
+    dist.recv(head, src, group=group)
+    buf = torch.empty(n_buf, dtype=torch.uint8, device=device)
+    if n_buf:
+        dist.recv(buf, src, group=group)
+    return dict(unpack(json.loads(head.cpu().numpy().tobytes()), buf.cpu()))
+
+
 # ---- the store replica of small per-rank state ---------------------------------------------------
 class StoreReplica:
     """Each snapshot's small objects, posted by every rank to the job's store (which the launcher's
@@ -99,7 +130,7 @@ class StoreReplica:
         # to read it back at each post, nor in a recovery's roll-back
         self._index: list[int] | None = None
 
-    def _own_index(self) -> list[int]:
+    def own_steps(self) -> list[int]:
         if self._index is None:  # (a predecessor's, for a relaunched or replacement worker)
             index = f"{self.prefix}/r{self.rank}/index"
             self._index = json.loads(self.store.get(index)) if self.store.check([index]) else []
@@ -125,7 +156,7 @@ class StoreReplica:
         head = {"step": step, "world": world, "fingerprints": prints, **header}
         blob = json.dumps(head).encode() + b"\n" + buf.numpy().tobytes()
         self.store.set(self.key(self.rank, step), blob)  # type: ignore[arg-type]  # bytes work
-        old = self._own_index()
+        old = self.own_steps()
         keep = sorted({*old, step})[-2:]  # the two newest, like the shared-memory slots
         self._index = None  # (unknown until the write succeeds)
         self.store.set(f"{self.prefix}/r{self.rank}/index", json.dumps(keep))
@@ -137,7 +168,7 @@ class StoreReplica:
         """Forget this rank's posts of steps after ``step`` (see ``ShmSnapshot.drop_after``)."""
         if self.max_bytes <= 0:
             return
-        old = self._own_index()
+        old = self.own_steps()
         keep = [s for s in old if s <= step]
         if keep != old:
             self._index = None
@@ -147,10 +178,10 @@ class StoreReplica:
                 self.store.delete_key(self.key(self.rank, s))
 
     def fetch(self, rank: int, step: int) -> tuple[list[str], Any] | None:
-        got = self._read(rank, step)
+        got = self.read(rank, step)
         return (sorted(got[0]), got[0]) if got is not None else None
 
-    def _read(self, rank: int, step: int) -> tuple[dict[str, Any], dict[str, str]] | None:
+    def read(self, rank: int, step: int) -> tuple[dict[str, Any], dict[str, str]] | None:
         """(the small objects, the fingerprints of the others) rank ``rank`` posted for ``step``."""
         key = self.key(rank, step)
         if not self.store.check([key]):
@@ -177,7 +208,7 @@ class StoreReplica:
 
     def fingerprints(self, rank: int, step: int) -> dict[str, str]:
         """The fingerprints rank ``rank`` posted for ``step`` of its objects too large to post."""
-        got = self._read(rank, step)
+        got = self.read(rank, step)
         return got[1] if got is not None else {}
 
 
@@ -340,30 +371,10 @@ class _Resume:
         return self._group
 
     def _send(self, tree: dict[str, Any] | None, dst: int) -> None:
-        group = self._transfer_group()
-        if tree is None:  # the receiver must not wait for bytes that will never come
-            dist.send(torch.tensor([-1, 0], dtype=torch.int64), dst, group=group)
-            return
-        header, buf = pack(tree)
-        head = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-        dist.send(torch.tensor([head.numel(), buf.numel()], dtype=torch.int64), dst, group=group)
-        dist.send(head, dst, group=group)
-        if buf.numel():
-            dist.send(buf, dst, group=group)
+        send_tree(tree, dst, self._transfer_group())
 
     def _recv(self, src: int) -> dict[str, Any]:
-        group = self._transfer_group()
-        sizes = torch.empty(2, dtype=torch.int64)
-        dist.recv(sizes, src, group=group)
-        n_head, n_buf = (int(x) for x in sizes)
-        if n_head < 0:
-            raise CheckpointError(f"rank {src} could not load the snapshot it was to send")
-        head = torch.empty(n_head, dtype=torch.uint8)
-        dist.recv(head, src, group=group)
-        buf = torch.empty(n_buf, dtype=torch.uint8)
-        if n_buf:
-            dist.recv(buf, src, group=group)
-        return dict(unpack(json.loads(head.numpy().tobytes()), buf))
+        return recv_tree(src, self._transfer_group())
 
     def _execute(self, p: _Plan) -> Restored | None:
         rank, step = self.rank, p.step

@@ -140,8 +140,8 @@ class Recovery:
         loop.settle_before_restore()
         if self.replacing is None:
             offer = loop.live_offer(primary.kind)
-        else:
-            offer = {"why": f"a replacement: rank {s.rank}'s live state died with its predecessor"}
+        else:  # (its predecessor's capture, for the survivors' live state: handover.py)
+            offer = loop.handover.replacement_offer(self.replacing, s.launch.predecessor_pid)
         lap("verify_s")
         own: BaseException | None = None
         try:
@@ -175,7 +175,9 @@ class Recovery:
         # (DDP's layouts were agreed in the same barrier; another agreement only if they changed)
         same = agreed(layout, plan.get("layout_same"), self.coord.same)
         cpu0 = time.thread_time()
-        pending = loop.prepare_restore(gen, restore, step, fault_ts, same, live=live is not None)
+        pending = loop.prepare_restore(
+            gen, restore, step, fault_ts, same, live=live is not None, donors=plan.get("live_donors")
+        )
         lap("prepare_s")  # (last: the phases put it in the restore, docs/recovery.md#phases)
         parts: dict[str, Any] = {"fault_step": step, "duration_s": lap.total(), **lap.laps,
                                  **loop.prepare_parts, "source": pending.source}  # fmt: skip

@@ -10,12 +10,18 @@ the schedule, the event log) belongs to the run.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from resilient.detectors.collectives import CollectiveCount
+from resilient.errors import StateRestoreError
 from resilient.runtime.coordination.pg import Group
 from resilient.state import Registry
+from resilient.state.registry import RNG
 
 
 @dataclass
@@ -30,7 +36,25 @@ class PendingRestore:
     loaded: set[str] = field(default_factory=set)  # the names tracked (and loaded) so far
     load_s: float = 0.0  # the time those loads took (the restore phase's part in the re-entry)
     load_cpu_s: float = 0.0  # ... of this thread's CPU time
-    source: str = "ring"  # where the state came from: live | ring | shm (docs/recovery.md#live-resume)
+    source: str = "ring"  # where the state came from: live | peer | ring | shm (docs/recovery.md#live-resume)
+    send_to: list[int] = field(default_factory=list)  # replacements this rank's live state goes to
+
+    def load(self, registry: Registry, name: str, obj: Any, value: Callable[..., Any]) -> None:
+        """Load ``name``'s part (``value(name, obj, self)``: the part as this rank takes it) into
+        the object just tracked under it."""
+        if name not in self.state:
+            raise StateRestoreError(
+                f"{name!r} is tracked now but was not in the snapshot of step {self.step} "
+                f"(snapshot holds {sorted(k for k in self.state if k != RNG)})"
+            )
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        registry.load(name, value(name, obj, self), owned=self.owned)
+        if self.source in ("live", "peer") and isinstance(obj, torch.nn.Module | torch.optim.Optimizer):
+            self.state[name] = None  # (the failed generation's tensors go once loaded; the small
+            # objects' states stay: the next capture copies them, see live.py)
+        self.load_s += time.monotonic() - t0
+        self.load_cpu_s += time.thread_time() - cpu0
+        self.loaded.add(name)
 
 
 class EpochPosition:

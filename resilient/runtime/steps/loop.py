@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
-import torch
-
 from resilient.detectors import Detectors
 from resilient.detectors.collectives import (
     CollectiveCheck,
@@ -38,6 +36,7 @@ from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
 from resilient.runtime.steps.cost import Cost
 from resilient.runtime.steps.detector_run import DetectorRun
 from resilient.runtime.steps.generation import EpochPosition, Generation, PendingRestore
+from resilient.runtime.steps.handover import Handover
 from resilient.runtime.steps.keeper import Keeper
 from resilient.runtime.steps.live import LiveResume
 from resilient.runtime.steps.verdicts import Verdicts
@@ -85,6 +84,7 @@ class StepLoop:
         self.verdicts = Verdicts(ring, self.sdc, session.rank)
         snap = session.cfg.snapshot  # (``live``: the engine resumes a soft fault from the live state)
         self.live = LiveResume(live and snap.live, snap.live_max_bytes)
+        self.handover = Handover(session.rank)  # (across a hard fault: the engine's, handover.py)
 
     # -- what Context reads (its identity is the session's) -------------------------------------
     @property
@@ -142,22 +142,26 @@ class StepLoop:
 
     def live_offer(self, symptom: str | None) -> dict[str, Any]:
         """The step this rank can resume at from its live state, or why it cannot (live.py)."""
-        return self.live.offer(symptom, self.gen.registry)
+        return self.handover.vouch(self.live.offer(symptom, self.gen.registry), symptom, self.gen.registry)
 
     def prepare_restore(
         self, generation: int, step: int, fault_step: int | None, fault_ts: float | None, all_same: AllSame,
-        live: bool = False,
+        live: bool = False, donors: dict[str, int] | None = None,
     ) -> PendingRestore:  # fmt: skip
         """The agreed ``step``'s state (``live``: the live objects' at the step every rank vouched
-        for, else its snapshot), to be loaded into each object as the function tracks it in the
-        next generation (``generation``: the one that ended)."""
+        for, ``donors``' for a replacement, else its snapshot), to be loaded into each object as
+        the function tracks it in the next generation (``generation``: the one that ended)."""
         t0 = time.monotonic()
         self.buckets.at_recovery(
             self.gen.registry.objects(), generation, step, all_same, self.session.t.barrier
         )
         t1 = time.monotonic()
-        if live:
+        donors, send_to, rank = donors or {}, [], self.session.rank
+        if live and str(rank) in donors:  # (a replacement: handover.py)
+            state, owned, source = self.handover.replacement_state(donors[str(rank)]), True, "peer"
+        elif live:
             state, owned, source = self.live.state(self.gen.registry), True, "live"
+            send_to = sorted(int(r) for r, q in donors.items() if q == rank)
         else:
             state, owned = self.keeper.materialize(step)
             source = "ring" if owned else "shm"
@@ -166,7 +170,7 @@ class StepLoop:
         self.keeper.drop_after(step)
         # (the restore phase's parts, in the restore_agreed event: docs/recovery.md#phases)
         self.prepare_parts = {"layouts_s": t1 - t0, "materialize_s": t2 - t1, "drop_s": time.monotonic() - t2}
-        return PendingRestore(step, state, owned, fault_step, fault_ts, source=source)
+        return PendingRestore(step, state, owned, fault_step, fault_ts, source=source, send_to=send_to)
 
     def close(self) -> None:
         self.detectors.uninstall()
@@ -183,21 +187,8 @@ class StepLoop:
             for d in self.detectors.all:
                 d.tracked(name, obj)
             self.live.tracked(name, obj)  # (after the detectors: see live.py)
-            r = gen.restore
-            if r is not None:
-                if name not in r.state:
-                    raise StateRestoreError(
-                        f"{name!r} is tracked now but was not in the snapshot of step {r.step} "
-                        f"(snapshot holds {sorted(k for k in r.state if k != RNG)})"
-                    )
-                t0, cpu0 = time.monotonic(), time.thread_time()
-                gen.registry.load(name, r.state[name], owned=r.owned)
-                if r.source == "live" and isinstance(obj, torch.nn.Module | torch.optim.Optimizer):
-                    r.state[name] = None  # (the failed generation's tensors go once loaded; the small
-                    # objects' states stay: the next capture copies them, see live.py)
-                r.load_s += time.monotonic() - t0
-                r.load_cpu_s += time.thread_time() - cpu0
-                r.loaded.add(name)
+            if gen.restore is not None:
+                gen.restore.load(gen.registry, name, obj, self.handover.value)
 
     def observe(self, loss: Any) -> None:
         """``ctx.observe(loss=...)``: held to the guard's rules before the step is applied."""
@@ -296,6 +287,7 @@ class StepLoop:
         if gen.restore is None:
             fresh = self.session.generation == 0 and self.step is None
             start, restored = self.keeper.first_step(gen, total, fresh)
+            self.handover.started(start)
             if restored:
                 gen.restored_step = start
         else:
@@ -308,6 +300,7 @@ class StepLoop:
         counts = self.collectives is not None and self.collectives.counts
         seq = issued_on_default_group() if counts else -1
         self.live.capture(step, self.gen.registry, accumulating, seq, loaded)
+        self.handover.captured(self.live, self.session.generation)
 
     def _resume_restored(self, r: PendingRestore) -> int:
         """At ``ctx.steps`` after a restart: every object of the snapshot was tracked again and
