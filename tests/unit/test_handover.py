@@ -1,0 +1,144 @@
+"""A live resume across a hard fault (runtime/steps/handover.py): the step-start capture a rank
+mirrors to shared memory reads back as it was; a replacement takes a survivor's live state only
+where their posted fingerprints show the two were replicas, and loads it under its predecessor's
+own buffers and hyperparameters. (The whole path, under ``resilient launch`` with a real SIGKILL:
+tests/integration/test_replace.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilient.runtime.coordination.agreement import restore_plan
+from resilient.runtime.keeping.resume import StoreReplica
+from resilient.runtime.steps.handover import FromPeer, Handover, LiveMirror, Mirrored
+from resilient.runtime.steps.live import LiveResume, _Capture, _Kept, _Later
+from resilient.state.registry import RNG, Registry
+
+
+def _rank_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Registry]:
+    torch.manual_seed(0)  # (replicas start alike)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    torch.manual_seed(seed)  # (their data differ: so do their BatchNorm statistics)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)  # (as a step leaves them; gradients pending are the rank's own)
+    registry = Registry()
+    registry.add("model", model)
+    registry.add("optimizer", opt)
+    registry.add("gen", torch.Generator().manual_seed(seed))
+    return model, opt, registry
+
+
+def _captured(registry: Registry, step: int = 6, seq: int = 11) -> LiveResume:
+    live = LiveResume(True, 1 << 20)
+    live.capture(step, registry, False, seq)
+    return live
+
+
+def test_the_mirrored_capture_reads_back_as_it_was_taken(tmp_path: Path) -> None:
+    model, _, registry = _rank_state(1)
+    live = _captured(registry)
+    LiveMirror(tmp_path).write(live.cap, 3)
+    got = LiveMirror(tmp_path).read()
+    assert isinstance(got, Mirrored), got
+    assert (got.step, got.seq, got.generation, got.pid) == (6, 11, 3, os.getpid())
+    assert got.large == ["model", "optimizer"] and list(got.small) == ["gen"]
+    assert torch.equal(got.buffers["model"]["1.running_mean"], model[1].running_mean)
+    assert got.groups["optimizer"][0]["lr"] == 0.1
+    assert torch.equal(got.rng["torch"], torch.get_rng_state())
+    assert torch.equal(got.small["gen"]["generator"], registry.capture()["gen"]["generator"])
+
+
+def test_a_capture_that_is_not_enough_is_mirrored_with_the_reason(tmp_path: Path) -> None:
+    mirror = LiveMirror(tmp_path)
+    assert "left no live capture" in str(mirror.read())
+
+    def cap(**kept: _Kept) -> _Capture:
+        return _Capture(5, kept, {}, 0, 0, 0, None)
+
+    mirror.write(cap(scaler=_Kept([], 0, state=_Later(dict))), 0)
+    assert "device GradScaler" in str(mirror.read())
+    model = torch.nn.Linear(2, 2)
+    mirror.write(cap(model=_Kept([model.weight], 0, grads=frozenset({1}))), 0)
+    assert "accumulated gradients" in str(mirror.read())
+    mirror.write(_Capture(5, {}, {}, 0, 0, 0, "tracked object 'big' holds 9 tensor bytes"), 0)
+    assert "'big'" in str(mirror.read())
+    mirror.path.write_bytes(b"{not json\n")
+    assert "does not parse" in str(mirror.read())
+
+
+def _posting(store: dist.Store, rank: int, registry: Registry, max_bytes: int) -> StoreReplica:
+    """Rank ``rank``'s store replica, its snapshots of steps 4 and 6 posted (``max_bytes``: 64
+    posts the model's and the optimizer's fingerprints, 1 MiB their state)."""
+    rep = StoreReplica(store, "t/replica", rank, max_bytes)
+    for step in (4, 6):
+        rep.publish(step, 2, registry.capture())
+    return rep
+
+
+def _survivor(store: dist.Store, registry: Registry, max_bytes: int = 64, since: int = 0) -> dict[str, Any]:
+    """Rank 0's live offer (its state set at step ``since``)."""
+    keep = Handover(0, LiveMirror(Path("/nonexistent")), _posting(store, 0, registry, max_bytes))
+    keep.started(since)
+    return keep.vouch(_captured(registry).offer("collective", registry), "collective", registry)
+
+
+def _joining(store: dist.Store, dead: Registry, where: Path, max_bytes: int = 64) -> Handover:
+    """Rank 1's replacement: its predecessor posted its snapshots, then ran a forward of its own
+    batch (its BatchNorm statistics move), then mirrored its capture."""
+    replica = _posting(store, 1, dead, max_bytes)
+    model = dead.objects()[0]
+    model(torch.randn(5, 3, generator=torch.Generator().manual_seed(9)))
+    mirror = LiveMirror(where)
+    mirror.write(_captured(dead).cap, 2)
+    return Handover(1, mirror, replica)
+
+
+def _plan(offers: list[Any]) -> dict[str, Any]:
+    return json.loads(restore_plan([json.dumps({"steps": [4], "layout": None, "live": o}) for o in offers]))
+
+
+def test_a_replacement_takes_a_survivor_whose_posted_fingerprints_equal_its_predecessors(
+    tmp_path: Path,
+) -> None:
+    for max_bytes in (64, 1 << 20):  # fingerprints posted, or the state itself
+        _, _, survivor = _rank_state(1)
+        dead_model, _, dead = _rank_state(1)  # a replica (the same updates)
+        store = dist.HashStore()
+        offer = _survivor(store, survivor, max_bytes)
+        joining = _joining(store, dead, tmp_path, max_bytes)
+        joined = joining.replacement_offer(2, os.getpid())
+        assert set(joined["mirrored"]["prints"]) == {"4", "6"}, joined
+        plan = _plan([offer, joined])
+        assert plan["live"] == 6 and plan["live_donors"] == {"1": 0}, plan
+    # what the replacement loads: the donor's model and optimizer under its own buffers, its RNG
+    state = joining.replacement_state(0)
+    assert isinstance(state["model"], FromPeer) and state["model"].donor == 0
+    donor = _captured(survivor).state(survivor)
+    model = state["model"].under_own(donor["model"])
+    assert torch.equal(model["1.running_mean"], dead_model[1].running_mean)
+    assert not torch.equal(model["1.running_mean"], donor["model"]["1.running_mean"])
+    assert torch.equal(model["0.weight"], donor["model"]["0.weight"])
+    assert state["optimizer"].under_own(donor["optimizer"])["param_groups"][0]["lr"] == 0.1
+    assert torch.equal(state[RNG]["torch"], torch.get_rng_state()) and joining.since == 6
+
+
+def test_no_donor_where_the_copies_are_not_shown_to_be_replicas(tmp_path: Path) -> None:
+    _, _, survivor = _rank_state(1)
+    _, _, other = _rank_state(2)  # trained on other data, no all-reduce: not a replica
+    for dead, since in [(other, 0), (survivor, 6)]:  # (equal, but only since its state was set at 6)
+        store = dist.HashStore()
+        offer = _survivor(store, survivor, since=since)
+        joining = _joining(store, dead, tmp_path)
+        plan = _plan([offer, joining.replacement_offer(2, None)])
+        assert plan["live"] is None and "not a replica" in plan["live_refused"]["1"], plan
+    # a capture of another generation, or by another process, is not the predecessor's last
+    assert "generation 2, not 3" in joining.replacement_offer(3, None)["why"]
+    assert "not 1" in joining.replacement_offer(2, 1)["why"]
