@@ -1,7 +1,10 @@
 """What live resume's per-step capture costs a fault-free step, measured inside one run: blocks of
 steps with the capture on and blocks with it off, alternated (ABBA) in the same processes, same
 model, same group (resilient/runtime/steps/live.py: every RNG, the scheduler, a tracked generator,
-the modules' buffers and the optimizers' hyperparameters copied; the tensors' versions summed).
+the modules' buffers and the optimizers' hyperparameters copied; the tensors' versions summed),
+and its mirror to a file in /dev/shm, which ``resilient launch`` adds for a replacement to resume
+from (resilient/runtime/steps/handover.py), timed on its own (``mirror_ms``); the ABBA ratio is
+what the step pays for both.
 
     python benchmarks/live_overhead.py [--pairs 30] [--block 20] [--dim 160]
 
@@ -27,6 +30,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 def worker(pairs: int, block: int, dim: int) -> None:
     """One rank: warm up, then ABBA blocks; rank 0 prints one JSON line."""
+    import atexit
+    import shutil
     import time
 
     import torch
@@ -36,6 +41,7 @@ def worker(pairs: int, block: int, dim: int) -> None:
     from train_tiny import TinyLM
 
     import resilient
+    from resilient.runtime.steps.handover import LiveMirror
 
     @resilient.wrap()
     def train(ctx: resilient.Context) -> dict[str, list[float]]:
@@ -59,6 +65,23 @@ def worker(pairs: int, block: int, dim: int) -> None:
                 spent["n"] += 1
 
         live.capture = timed
+        # the mirror resilient launch writes (a node's shared memory), timed on its own
+        mirror_dir = Path(tempfile.mkdtemp(prefix="resilient-bench-", dir="/dev/shm"))
+        atexit.register(shutil.rmtree, mirror_dir, True)  # (gone even if a step fails)
+        handover = ctx._rt.handover  # type: ignore[attr-defined]
+        handover.mirror = mirror = LiveMirror(mirror_dir)
+        mirrored = {"s": 0.0, "n": 0}
+        write = mirror.write
+
+        def timed_mirror(*a, **k):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            try:
+                return write(*a, **k)
+            finally:
+                mirrored["s"] += time.perf_counter() - t0
+                mirrored["n"] += 1
+
+        mirror.write = timed_mirror
 
         def step() -> None:
             tokens = torch.randint(0, vocab, (8, seq + 1), generator=gen)
@@ -73,6 +96,7 @@ def worker(pairs: int, block: int, dim: int) -> None:
             step()
         out: dict[str, list[float]] = {"off": [], "on": [], "off_steps": [], "on_steps": []}
         spent.update(s=0.0, n=0)
+        mirrored.update(s=0.0, n=0)
         for arm in (["off", "on", "on", "off"] * ((pairs + 1) // 2))[: 2 * pairs]:
             live.enabled = arm == "on"
             starts = []
@@ -85,6 +109,8 @@ def worker(pairs: int, block: int, dim: int) -> None:
             out[f"{arm}_steps"] += each
         live.enabled = True
         out["capture_ms"] = [1e3 * spent["s"] / max(1, spent["n"])]
+        out["mirror_ms"] = [1e3 * mirrored["s"] / max(1, mirrored["n"])]
+        out["mirror_bytes"] = [(mirror_dir / "live-capture.bin").stat().st_size]
         out["tensors"] = [sum(1 for _ in model.parameters())]
         return out
 
@@ -127,6 +153,9 @@ def main() -> None:
         "cost_pct_iqr": [100 * q[0], 100 * q[2]],
         "capture_ms": ab["capture_ms"][0],
         "capture_pct_of_step": 100 * ab["capture_ms"][0] / off_ms,
+        "mirror_ms": ab["mirror_ms"][0],
+        "mirror_bytes": ab["mirror_bytes"][0],
+        "capture_and_mirror_pct_of_step": 100 * (ab["capture_ms"][0] + ab["mirror_ms"][0]) / off_ms,
     }
     for k, v in result.items():
         print(f"{k:28s} {v if not isinstance(v, float) else round(v, 3)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def test_the_mirrored_capture_reads_back_as_it_was_taken(tmp_path: Path) -> None
     assert got.large == ["model", "optimizer"] and list(got.small) == ["gen"]
     assert torch.equal(got.buffers["model"]["1.running_mean"], model[1].running_mean)
     assert got.groups["optimizer"][0]["lr"] == 0.1
-    assert torch.equal(got.rng["torch"], torch.get_rng_state())
+    assert torch.equal(got.rng["torch"], torch.get_rng_state()) and got.rng["python"] == random.getstate()
     assert torch.equal(got.small["gen"]["generator"], registry.capture()["gen"]["generator"])
 
 

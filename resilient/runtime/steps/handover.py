@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from loguru import logger
@@ -122,7 +123,7 @@ class LiveMirror:
             tree = unpack(meta, body, str(self.path))
             return Mirrored(
                 int(meta["step"]), int(meta["seq"]), int(meta["generation"]), int(meta["pid"]),
-                list(meta["large"]), tree["small"], tree["buffers"], tree["groups"], tree["rng"],
+                list(meta["large"]), tree["small"], tree["buffers"], tree["groups"], _native_rng(tree["rng"]),
             )  # fmt: skip
         except (CheckpointError, ValueError, KeyError, TypeError, RecursionError) as e:
             return f"its predecessor's live capture does not parse: {e}"
@@ -151,7 +152,19 @@ def _record(cap: _Capture) -> tuple[list[str], dict[str, Any]] | str:
                 return f"{name!r}: its buffers live on the device (not read back at each step)"
             buffers[name] = kept.buffers
             large.append(name)
-    return large, {"small": small, "buffers": buffers, "groups": groups, "rng": cap.rng}
+    return large, {"small": small, "buffers": buffers, "groups": groups, "rng": _packable_rng(cap.rng)}
+
+
+def _packable_rng(rng: dict[str, Any]) -> dict[str, Any]:
+    """Python's generator state with its 625 words in one array: the codec walks a tuple of ints
+    word by word, at every step."""
+    version, words, gauss = rng["python"].value
+    return {**rng, "python": [version, np.asarray(words, dtype=np.int64), gauss]}
+
+
+def _native_rng(rng: dict[str, Any]) -> dict[str, Any]:
+    version, words, gauss = rng["python"]
+    return {**rng, "python": (version, tuple(int(w) for w in words), gauss)}
 
 
 class Handover:
@@ -168,7 +181,7 @@ class Handover:
         self.joined: Mirrored | None = None  # a replacement's predecessor's capture, once offered
 
     def captured(self, live: LiveResume, generation: int) -> None:
-        if self.mirror is not None and live.cap is not None:
+        if self.mirror is not None and live.enabled and live.cap is not None:
             self.mirror.write(live.cap, generation)
 
     def started(self, step: int) -> None:
