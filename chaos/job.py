@@ -50,7 +50,7 @@ class Job:
         cwd.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
         command = j.command or [
-            str(EXAMPLE), "--steps", str(j.steps), "--step-ms", str(j.step_ms),
+            str(EXAMPLE), "--steps", str(j.steps), "--step-ms", str(j.step_ms), "--pad-at", j.pad_at,
             "--hang-timeout", str(j.hang_timeout), "--ckpt-dir", j.checkpoint_dir,
             "--ckpt-every", str(j.checkpoint_every), "--backend", j.backend,
         ]  # fmt: skip

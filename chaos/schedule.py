@@ -122,6 +122,10 @@ class Job(_Model):
     backend: Literal["gloo", "nccl", "auto"] = "gloo"  # the bundled example's; nccl: one GPU per rank
     steps: int = Field(40, ge=4)
     step_ms: float = Field(50.0, ge=0)
+    pad_at: Literal["tail", "forward"] = Field(
+        "tail", description="where the bundled example spends step_ms: after its optimizer step, or "
+        "before its backward (where a real step spends its time)",
+    )  # fmt: skip
     hang_timeout: float = Field(2.0, gt=0)
     heartbeat_timeout: float = Field(3.0, gt=0)
     checkpoint_every: int = Field(5, ge=1)
