@@ -181,6 +181,7 @@ class Stream(_Model):
     args: dict[str, float] = Field(default_factory=dict, description="per kind, as FaultClass.arg")
     duration_s: float = Field(3.0, gt=0, description="link_drop and slow_disk last this long")
     checkpoint_every: int = Field(100, ge=1)
+    job: dict[str, Any] = Field(default_factory=dict, description="job fields for the stream's run")
     slo: SLO = Field(default_factory=lambda: SLO(goodput_min=0.9))
 
     @model_validator(mode="after")

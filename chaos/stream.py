@@ -74,9 +74,10 @@ def run_schedule(
     steps = steps or cert.job.steps
     timeout = 3 * steps * probe_step_s + 30 * len(faults) + 120
     ck_every = cert.stream.checkpoint_every if cert.stream is not None else cert.job.checkpoint_every
-    update = {"steps": steps, "checkpoint_every": ck_every, "timeout_s": timeout,
+    update = {**(cert.stream.job if cert.stream is not None else {}),
+              "steps": steps, "checkpoint_every": ck_every, "timeout_s": timeout,
               "max_restarts": 10 * len(faults) + 3}  # fmt: skip
-    long = cert.model_copy(update={"job": cert.job.model_copy(update=update)})
+    long = cert.model_copy(update={"job": type(cert.job).model_validate({**cert.job.model_dump(), **update})})
     ref, ref_step_s = reference(long, out / "reference")
     cwd = fresh(out / "run")
     rc: int | None = None
