@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Protocol
 
@@ -103,6 +103,7 @@ class CollectiveCheck(Detector):
         if not (self.counts or digests):
             return None
         return CollectiveCount(store, prefix, rank, world, via, counts=self.counts)
+
 
 _ABSENT = "\x00absent"  # never a count: what a read of a key not posted yet returns
 
@@ -214,6 +215,16 @@ class CollectiveCount:
         self.step = step
         if self._since is None:
             self._since = step
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Leave what is issued inside out of the window: collectives of this rank alone, such as
+        a handover's transfer to a replacement, which the other ranks never issue."""
+        seq = issued_on_default_group()
+        try:
+            yield
+        finally:
+            self._base += issued_on_default_group() - seq
 
     def issued(self) -> int:
         """Collectives this rank issued in the open window."""

@@ -74,24 +74,29 @@ def test_a_dead_rank_is_replaced_and_its_survivor_stays_bit_exact(
     _bit_exact(reference[2], _final_states(tmp_path))
 
 
+@pytest.mark.parametrize("nproc", [2, 3])
 def test_a_replacement_resumes_the_step_its_predecessor_died_in_from_a_survivors_live_state(
-    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+    tmp_path: Path, nproc: int, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
-    # killed in a step's forward (where the padding sleeps): the survivor waits in the backward's
-    # all-reduce, its model and optimizer as the step found them; the replacement takes them, and
-    # its predecessor's own step-start capture from shared memory (runtime/steps/handover.py)
+    # killed in a step's forward (where the padding sleeps): the survivors wait in the backward's
+    # all-reduce, their models and optimizers as the step found them; the replacement takes rank
+    # 0's, and its predecessor's own step-start capture from shared memory (runtime/steps/handover.py)
+    victim = nproc - 1
     run = _example(
-        tmp_path, "--step-ms", "250", "--pad-at", "forward", replace="rank", launch=("--standby", "1")
-    )
-    _signal_after_checkpoint(run, 1, standby=True)
-    _replaced_alone(run, 1)
+        tmp_path, "--step-ms", "250", "--pad-at", "forward", nproc=nproc, replace="rank",
+        launch=("--standby", "1"),
+    )  # fmt: skip
+    _signal_after_checkpoint(run, victim, standby=True)
+    _replaced_alone(run, victim, nproc)
     events = run.events()
     agreed = {e["rank"]: e for e in events if e["event"] == "restore_agreed"}
-    assert (agreed[0]["source"], agreed[1]["source"]) == ("live", "peer"), agreed
-    assert agreed[0]["step"] == agreed[1]["step"] == agreed[0]["fault_step"], agreed  # nothing re-run
+    sources = {r: "peer" if r == victim else "live" for r in range(nproc)}
+    assert {r: e["source"] for r, e in agreed.items()} == sources, agreed
+    assert len({e["step"] for e in agreed.values()}) == 1 and agreed[0]["step"] == agreed[0]["fault_step"]
     restored = {e["rank"]: e for e in events if e["event"] == "state_restored"}
-    assert {r: e["source"] for r, e in restored.items()} == {0: "live", 1: "peer"}, restored
-    _bit_exact(reference[2], _final_states(tmp_path))
+    assert {r: e["source"] for r, e in restored.items()} == sources, restored
+    assert all(e["steps_rerun"] == 0 for e in restored.values()), restored  # nothing re-run
+    _bit_exact(reference[nproc], _final_states(tmp_path, nproc))
 
 
 def _replaced_alone(run: Launch, victim_rank: int, nproc: int = 2) -> dict[str, Any]:

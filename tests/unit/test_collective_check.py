@@ -151,3 +151,17 @@ def test_a_fast_rank_keeps_the_window_a_slow_predecessor_has_yet_to_compare(seq:
     assert r1.settle(block=False), "rank 2's count of window 0 is gone before rank 1 read it"
     r1.close_window(1)
     assert r1.settle(block=False) and r0.settle(block=False)
+
+
+def test_what_one_rank_issues_uncounted_is_left_out_of_its_window(seq: _Seq) -> None:
+    """A handover's transfer (a donor and its replacement only) must not read as a desync."""
+    store = dist.HashStore()
+    a = CollectiveCount(store, "fp", 0, 2)
+    with a.uncounted():
+        seq.value += 3  # rank 0 alone sent three tensors to a replacement
+    b = CollectiveCount(store, "fp", 1, 2)  # (one counter plays both: rank 1's never saw those)
+    a.begin(0)
+    b.begin(0)
+    seq.value += 2  # and both issued the step's two
+    _both_check(a, b, 0)
+    assert a.checks == b.checks == 1

@@ -16,6 +16,7 @@ engine's hard-hang timer, pinging NVRx's progress watchdog) is ``liveness``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
@@ -187,8 +188,9 @@ class StepLoop:
             for d in self.detectors.all:
                 d.tracked(name, obj)
             self.live.tracked(name, obj)  # (after the detectors: see live.py)
-            if gen.restore is not None:
-                gen.restore.load(gen.registry, name, obj, self.handover.value)
+            if gen.restore is not None:  # (a handover's transfer is two ranks' alone: uncounted)
+                with gen.count.uncounted() if gen.count is not None else contextlib.nullcontext():
+                    gen.restore.load(gen.registry, name, obj, self.handover.value)
 
     def observe(self, loss: Any) -> None:
         """``ctx.observe(loss=...)``: held to the guard's rules before the step is applied."""
