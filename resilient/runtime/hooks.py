@@ -56,7 +56,9 @@ class StepHook(Protocol):
         """At the start of ``step``, with the objects the function tracks (model, optimizer…)."""
 
     def after_step(self, generation: int, step: int, step_s: float | None) -> None:
-        """``step`` completed (``step_s``: since the previous one completed; None for the first)."""
+        """``step`` completed (``step_s``: since the previous one completed; None for the first).
+        The next step's start is already captured for a live resume: a hook that changed
+        tracked state or drew from an RNG here would not be undone by one (it observes)."""
 
     def on_finish(self, final_state: Callable[[], Mapping[str, Any]]) -> None:
         """The function returned on every rank; ``final_state()`` captures what it tracked."""

@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from resilient.runtime.coordination.agreement import restore_plan
 from resilient.runtime.keeping.resume import StoreReplica
-from resilient.runtime.steps.handover import FromPeer, Handover, LiveMirror, Mirrored
+from resilient.runtime.steps.handover import FromPeer, Handover
 from resilient.runtime.steps.live import LiveResume, _Capture, _Kept, _Later
+from resilient.runtime.steps.mirror import LiveMirror, Mirrored
 from resilient.state.registry import RNG, Registry
 
 
@@ -71,8 +72,48 @@ def test_a_capture_that_is_not_enough_is_mirrored_with_the_reason(tmp_path: Path
     assert "accumulated gradients" in str(mirror.read())
     mirror.write(_Capture(5, {}, {}, 0, 0, 0, "tracked object 'big' holds 9 tensor bytes"), 0)
     assert "'big'" in str(mirror.read())
-    mirror.path.write_bytes(b"{not json\n")
+    for path in mirror.paths:
+        path.write_bytes(b"{not a capture\n")
     assert "does not parse" in str(mirror.read())
+
+
+def test_a_write_torn_by_a_death_leaves_the_previous_capture(tmp_path: Path) -> None:
+    # the two files are written in turn: a record cut short fails its checksum, the other is read
+    _, _, registry = _rank_state(1)
+    mirror = LiveMirror(tmp_path)
+    mirror.write(_captured(registry, step=6).cap, 2)
+    mirror.write(_captured(registry, step=7).cap, 2)
+    got = LiveMirror(tmp_path).read()
+    assert isinstance(got, Mirrored) and got.step == 7, got
+    newest = mirror.paths[1]  # (the second write's)
+    newest.write_bytes(newest.read_bytes()[:-9])
+    got = LiveMirror(tmp_path).read()
+    assert isinstance(got, Mirrored) and got.step == 6, got
+
+
+def test_small_state_that_is_not_plain_values_goes_through_the_codec(tmp_path: Path) -> None:
+    # a tracked object whose state holds tensors, arrays and an OrderedDict reads back equal
+    import collections
+
+    import numpy as np
+
+    state = collections.OrderedDict(w=torch.arange(3.0), a=np.arange(4), n=(1, 2.5, None, "x"))
+
+    class Holder:
+        def state_dict(self) -> dict:
+            return state
+
+        def load_state_dict(self, sd: dict) -> None: ...
+
+    registry = Registry()
+    registry.add("holder", Holder())
+    mirror = LiveMirror(tmp_path)
+    mirror.write(_captured(registry).cap, 0)
+    got = mirror.read()
+    assert isinstance(got, Mirrored), got
+    back = got.small["holder"]
+    assert torch.equal(back["w"], state["w"]) and np.array_equal(back["a"], state["a"])
+    assert back["n"] == (1, 2.5, None, "x") and list(back) == ["w", "a", "n"]
 
 
 def _posting(store: dist.Store, rank: int, registry: Registry, max_bytes: int) -> StoreReplica:

@@ -56,8 +56,9 @@ from resilient.runtime.keeping.persist import Persistence
 from resilient.runtime.recovery.policy import RestartPolicy
 from resilient.runtime.recovery.recovery import Recovery
 from resilient.runtime.steps.generation import PendingRestore
-from resilient.runtime.steps.handover import Handover, LiveMirror
+from resilient.runtime.steps.handover import Handover
 from resilient.runtime.steps.loop import StepLoop
+from resilient.runtime.steps.mirror import LiveMirror
 from resilient.state import SnapshotRing
 
 

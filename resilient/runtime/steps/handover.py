@@ -24,39 +24,18 @@ says why.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from loguru import logger
 
-from resilient.errors import CheckpointError
-from resilient.runtime.keeping.resume import StoreReplica, fingerprint, pack, recv_tree, send_tree, unpack
+from resilient.runtime.keeping.resume import StoreReplica, fingerprint, recv_tree, send_tree
 from resilient.runtime.steps.generation import PendingRestore
-from resilient.runtime.steps.live import LiveResume, _Capture, _Later
+from resilient.runtime.steps.live import LiveResume
+from resilient.runtime.steps.mirror import LiveMirror, Mirrored
 from resilient.state.registry import RNG, Registry
-
-FILE = "live-capture.bin"
-
-
-@dataclass
-class Mirrored:
-    """A dead rank's last step-start capture, as its mirror file holds it."""
-
-    step: int
-    seq: int
-    generation: int
-    pid: int  # the process that wrote it
-    large: list[str]  # the models and optimizers, whose state a survivor sends
-    small: dict[str, Any]  # the other tracked objects' states
-    buffers: dict[str, dict[str, Any]]  # each model's own buffers (and extra state)
-    groups: dict[str, list[dict[str, Any]]]  # each optimizer's own hyperparameters
-    rng: dict[str, Any]
 
 
 @dataclass
@@ -73,98 +52,6 @@ class FromPeer:
             groups = [dict(g, **h) for g, h in zip(got["param_groups"], self.groups, strict=True)]
             return {**got, "param_groups": groups}
         return {**got, **(self.buffers or {})}
-
-
-class LiveMirror:
-    """This rank's step-start captures, written to ``directory`` (a file replaced whole)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / FILE
-        self._tmp = directory / f".{FILE}.tmp"
-        self._warned = False
-
-    def write(self, cap: _Capture, generation: int) -> None:
-        record = _record(cap)
-        meta: dict[str, Any] = {"step": cap.step, "seq": cap.seq, "generation": generation}
-        meta["pid"] = os.getpid()
-        body = b""
-        if isinstance(record, str):
-            meta["refused"] = record
-        else:
-            large, tree = record
-            try:
-                header, buf = pack(tree)
-            except CheckpointError as e:  # (an object the codec does not take: a module's extra state)
-                meta["refused"] = f"not mirrored: {e}"
-            else:
-                meta.update(large=large, **header)
-                body = buf.numpy().tobytes()
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self._tmp, "wb") as f:
-                f.write(json.dumps(meta).encode() + b"\n" + body)
-            os.replace(self._tmp, self.path)
-        except OSError as e:  # (a second line of defence: training goes on without it)
-            if not self._warned:
-                self._warned = True
-                logger.warning(f"the live capture is not mirrored to {self.path}: {e}")
-
-    def read(self) -> Mirrored | str:
-        """The capture, or why there is none to offer."""
-        try:
-            raw = self.path.read_bytes()
-        except OSError:
-            return f"its predecessor left no live capture in {self.path.parent}"
-        head, _, body = raw.partition(b"\n")
-        try:
-            meta = json.loads(head)
-            if "refused" in meta:
-                return f"its predecessor's capture of step {meta['step']}: {meta['refused']}"
-            tree = unpack(meta, body, str(self.path))
-            return Mirrored(
-                int(meta["step"]), int(meta["seq"]), int(meta["generation"]), int(meta["pid"]),
-                list(meta["large"]), tree["small"], tree["buffers"], tree["groups"], _native_rng(tree["rng"]),
-            )  # fmt: skip
-        except (CheckpointError, ValueError, KeyError, TypeError, RecursionError) as e:
-            return f"its predecessor's live capture does not parse: {e}"
-
-
-def _record(cap: _Capture) -> tuple[list[str], dict[str, Any]] | str:
-    """The small part of a capture (and the names of the large objects), or why it is not enough."""
-    if cap.refused:
-        return cap.refused
-    small: dict[str, Any] = {}
-    buffers: dict[str, Any] = {}
-    groups: dict[str, Any] = {}
-    large: list[str] = []
-    for name, kept in cap.objects.items():
-        if kept.state is not None:
-            if isinstance(kept.state, _Later):  # (read back from the device only at a restore)
-                return f"{name!r}: a device GradScaler is not mirrored at each step"
-            small[name] = kept.state
-        elif kept.groups is not None:
-            groups[name] = kept.groups
-            large.append(name)
-        else:
-            if kept.grads is not None:
-                return f"{name!r}: its pending accumulated gradients are the rank's own"
-            if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in kept.buffers.values()):
-                return f"{name!r}: its buffers live on the device (not read back at each step)"
-            buffers[name] = kept.buffers
-            large.append(name)
-    return large, {"small": small, "buffers": buffers, "groups": groups, "rng": _packable_rng(cap.rng)}
-
-
-def _packable_rng(rng: dict[str, Any]) -> dict[str, Any]:
-    """Python's generator state with its 625 words in one array: the codec walks a tuple of ints
-    word by word, at every step."""
-    version, words, gauss = rng["python"].value
-    return {**rng, "python": [version, np.asarray(words, dtype=np.int64), gauss]}
-
-
-def _native_rng(rng: dict[str, Any]) -> dict[str, Any]:
-    version, words, gauss = rng["python"]
-    return {**rng, "python": (version, tuple(int(w) for w in words), gauss)}
 
 
 class Handover:

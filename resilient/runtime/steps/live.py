@@ -214,6 +214,12 @@ class LiveResume:
                 objects[name] = kept
         self.cap = _Capture(step, objects, capture_rng(), seq, self.began, self.ended, refused)
 
+    def withdraw(self, why: str) -> None:
+        """The capture just taken is not a step's start after all (a detector refused the step
+        that ended): a fault now falls back, saying ``why``."""
+        if self.cap is not None:
+            self.cap.refused = why
+
     def _cached(self, name: str, m: torch.nn.Module) -> _ModuleTensors:
         cached = self._tensors.get(name)
         if cached is None:  # (once a generation: a model's tensors keep their identity while it trains)
@@ -371,10 +377,15 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
+_IMMUTABLE = (Frozen, int, float, str, bool, type(None))
+
+
 def _copy_leaf(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return v.detach().clone()
-    return v if isinstance(v, Frozen | int | float | str | bool | None) else copy.deepcopy(v)
+    if isinstance(v, _IMMUTABLE) or (type(v) is tuple and all(isinstance(x, _IMMUTABLE) for x in v)):
+        return v  # (an optimizer's betas: a tuple of numbers is its own copy)
+    return copy.deepcopy(v)
 
 
 def _tensor_bytes(state: Any) -> int:

@@ -358,10 +358,19 @@ class StepLoop:
         now = s.clock()
         step_s = now - gen.progress if gen.stepped else None
         gen.progress, gen.stepped = now, True
-        self.liveness(step)
-        for d in self.detectors.all:
-            d.step_done(step)
         nxt = step + 1
+        if nxt != total:
+            # the next step's start, captured (and mirrored) before anything else: a rank that
+            # dies from here on left the state a replacement resumes at (handover.py)
+            self._capture_live(nxt, gen.registry.accumulating())
+        self.liveness(step)
+        try:
+            for d in self.detectors.all:
+                d.step_done(step)
+        except Exception as e:  # a detector refused the step that ended: its successor is no start
+            self.live.withdraw(f"step {step}'s end was refused ({type(e).__name__})")
+            self.handover.captured(self.live, self.session.generation)
+            raise
         capture_s = None
         state: dict[str, Any] | None = None
         sums: dict[str, Leaf] | None = None
@@ -399,8 +408,6 @@ class StepLoop:
         for h in s.hooks:
             h.after_step(s.generation, step, step_s)
         self.keeper.keep(gen, nxt, total, state, step_s, sums)
-        if nxt != total:
-            self._capture_live(nxt, gen.registry.accumulating())
         self.live.leave_if_asked(gen.number)
         self.cost.add(step, now, s.clock() - now, capture_s is not None)
         if gen.resume_pending:
