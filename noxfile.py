@@ -1,4 +1,5 @@
-"""Sessions: `tests` (CI), `certify` (the main job: the recovery certificate), `soak`, `demo`, `lint`."""
+"""Sessions: `tests` (CI), `certify` (the main job: the recovery certificate), `soak`, `demo`, `lint`,
+`slurm` (a real Slurm cluster on this machine)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def tests(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         "-m",
-        "not slow",
+        "not slow and not slurm",  # (slurm: its own session, below)
         "--durations=12",  # (the suite's time budget: where it goes)
         *session.posargs,
         env=env,
@@ -81,6 +82,16 @@ def slow(session: nox.Session) -> None:
     _install(session, "dev", "chaos", *STACKS)
     args = ["tests/integration", "-q", "-p", "no:cacheprovider", "-m", "slow", *session.posargs]
     session.run("pytest", *args, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(python=PY)
+def slurm(session: nox.Session) -> None:
+    """`resilient launch` under a real Slurm: slurmctld, slurmdbd (MariaDB) and two slurmd on this
+    machine (tests/integration/slurm_cluster.py installs Debian's slurm-wlm, munge and MariaDB
+    where they are missing, as root; without root the tests skip, saying why). Not in CI."""
+    _install(session, "dev", "chaos")
+    args = ["tests/integration", "-q", "-p", "no:cacheprovider", "-m", "slurm", "-rs", "--durations=0"]
+    session.run("pytest", *args, *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session(python=PY)
@@ -180,6 +191,17 @@ def certify_stacks(session: nox.Session) -> None:
     for cfg, out in jobs:
         out = f"chaos_{out}"
         session.run("chaos", "certify", f"configs/chaos/{cfg}.yaml", "--out", out, *trials, env=env)
+
+
+@nox.session(name="certify-live", python=PY)
+def certify_live(session: nox.Session) -> None:
+    """Live resume across the stacks (configs/chaos/live.yaml): exception, OOM, hang and a stalled
+    collective on DDP at 2 and 3 ranks, FSDP2, a transformers GPT-2 and Lightning, and a SIGKILL
+    with a standby parked, each held to 0 steps lost and bit-exact (chaos_live/). About 30 min."""
+    _install(session, "dev", "chaos", *STACKS)
+    trials = session.posargs or ["--trials", "1"]
+    session.run("chaos", "certify", "configs/chaos/live.yaml", "--out", "chaos_live", *trials,
+                env={"OMP_NUM_THREADS": "1"})  # fmt: skip
 
 
 @nox.session(python=PY)
