@@ -9,6 +9,8 @@ from typing import Any, Protocol, TypeVar, overload
 
 import torch
 
+from resilient.state.carry import Carried
+
 T = TypeVar("T")
 
 
@@ -48,6 +50,8 @@ class Loop(Protocol):
     step: int | None
 
     def track(self, objects: dict[str, Any]) -> None: ...
+
+    def carry(self, carried: Carried) -> None: ...
 
     def steps(self, total: int) -> Iterator[int]: ...
 
@@ -132,6 +136,25 @@ class Context:
         After a restart, the objects passed here are loaded from the snapshot immediately.
         """
         self._rt.track(objects)
+
+    def carry(self, **initial: Any) -> Carried:
+        """Values the loop carries from one step to the next outside any tracked object (a batch
+        prefetched for the next step, a best loss, an EMA, a counter), kept and restored with the
+        tracked state. Returns an object whose fields are read and set as attributes; after a
+        fault it holds the values of the step the run resumes at, not ``initial``::
+
+            carry = ctx.carry(batch=get_batch("train"), best_val_loss=1e9)
+            for step in ctx.steps(n):
+                x, y = carry.batch
+                ...
+                carry.batch = get_batch("train")  # the next step's, drawn in this one
+
+        A field holds tensors, arrays, numbers, strings, bytes, ``None``, or dicts, lists and
+        tuples of those. Call it once per entry of the function, before ``ctx.steps``.
+        """
+        carried = Carried(**initial)
+        self._rt.carry(carried)
+        return carried
 
     def observe(self, **values: Any) -> None:
         """Report this step's ``loss`` (a tensor or a number) to the step guard: a non-finite

@@ -38,6 +38,7 @@ import torch
 
 from resilient.errors import StepInterrupted
 from resilient.state import dtensor
+from resilient.state.carry import Carried, tensors_of
 from resilient.state.registry import GRAD, RNG, Registry, capture_rng
 from resilient.state.snapshot import Frozen
 from resilient.state.tree import map_leaves
@@ -200,6 +201,11 @@ class LiveResume:
                 kept = self._module(name, obj, accumulating, n <= budget)
             elif isinstance(obj, torch.optim.Optimizer):
                 n, kept = 0, self._optimizer(obj)
+            elif isinstance(obj, Carried):  # (its tensors by reference: a carried value is replaced)
+                refs = obj.state_dict()
+                tensors = [t for v in refs.values() for t in tensors_of(v)]
+                n = sum(t.numel() * t.element_size() for t in tensors)
+                kept = _Kept(tensors, _versions(tensors), state=refs) if n <= budget else None
             else:
                 state = _small(obj) if loaded is None or loaded.get(name) is None else _copied(loaded[name])
                 n = _tensor_bytes(state)
@@ -279,7 +285,7 @@ class LiveResume:
             kept = cap.objects.get(name)
             if kept is None and isinstance(obj, torch.nn.Module | torch.optim.Optimizer):
                 return f"{name!r} was tracked after step {cap.step} began"
-            if kept is None or kept.state is not None:
+            if kept is None or (kept.state is not None and not kept.tensors):
                 continue
             if isinstance(obj, torch.nn.Module):
                 then, now = self._tensors[name].tensors, _ModuleTensors.of(obj).tensors

@@ -42,6 +42,7 @@ from resilient.runtime.steps.keeper import Keeper
 from resilient.runtime.steps.live import LiveResume
 from resilient.runtime.steps.verdicts import Verdicts
 from resilient.state import SnapshotRing
+from resilient.state.carry import CARRY, Carried
 from resilient.state.digest import Leaf
 from resilient.state.loader import batches_consumed, finish_pass
 from resilient.state.registry import EPOCHS, RNG, restore_rng
@@ -191,6 +192,15 @@ class StepLoop:
             if gen.restore is not None:  # (a handover's transfer is two ranks' alone: uncounted)
                 with gen.count.uncounted() if gen.count is not None else contextlib.nullcontext():
                     gen.restore.load(gen.registry, name, obj, self.handover.value)
+
+    def carry(self, carried: Carried) -> None:
+        """``ctx.carry``: tracked under its own name, once per entry."""
+        if CARRY in self.gen.registry:
+            raise ResilienceError(
+                f"ctx.carry() was called twice in this entry, or {CARRY!r} is tracked already: "
+                "carry every value in one call (fields can be added later as attributes)"
+            )
+        self.track({CARRY: carried})
 
     def observe(self, loss: Any) -> None:
         """``ctx.observe(loss=...)``: held to the guard's rules before the step is applied."""

@@ -151,6 +151,8 @@ def _record(cap: _Capture) -> tuple[list[str], dict[str, Any]] | str:
         if kept.state is not None:
             if isinstance(kept.state, _Later):  # (read back from the device only at a restore)
                 return f"{name!r}: a device GradScaler is not mirrored at each step"
+            if any(t.device.type != "cpu" for t in kept.tensors):
+                return f"{name!r}: a carried tensor lives on the device (not read back at each step)"
             small[name] = kept.state
         elif kept.groups is not None:
             groups[name] = kept.groups
