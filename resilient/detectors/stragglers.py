@@ -229,5 +229,3 @@ class WorkMeter:
         self._handles, self._hooked, self._open, self._pending = [], set(), {}, []
         self._acc = 0.0
         self._fwd_end = self._last_grad = None
-
-

@@ -84,6 +84,7 @@ def dump_stacks(pid: int, timeout_s: float = 3.0, *, native: bool = False) -> st
             return out.stdout[-16000:]
     return None
 
+
 def _stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped (SIGSTOP: state ``T`` in ``/proc/<pid>/stat``)."""
     try:

@@ -11,6 +11,7 @@ import torch
 
 from chaos.compare import assert_bit_exact  # noqa: F401 - re-exported for the tests
 from chaos.harness import RunResult, run_ranks
+from tests.integration.slurm_cluster import slurm_cluster  # noqa: F401 - the fixture (test_slurm.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
