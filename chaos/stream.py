@@ -15,9 +15,11 @@ the same context a certificate's trial runs in; a fault this machine cannot do i
 named in ``skipped``.
 
 Reported: faults planned / injected (what fired, from ``injections.jsonl``) / detected /
-recovered, per kind; goodput; committed checkpoints that no longer load (must be 0); the final
-state vs a fault-free run of the same length (must be identical); and whether the harness had to
-kill a run that never ended (must not).
+recovered, per kind; goodput (productive time over the running job's wall time: its first
+start, which a job that runs for days pays once, is left out; ``goodput_with_start`` keeps it);
+committed checkpoints that no longer load (must be 0); the final state vs a fault-free run of the
+same length (must be identical); and whether the harness had to kill a run that never ended
+(must not).
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ def _report(
         except AssertionError:
             exact = False
     acc = account(evs)  # the same accounting as `resilient report` and the metrics endpoint
+    # the job's first start is no fault's cost: a job that runs for days pays it once
+    running = acc.wall_s - acc.seconds["startup"]
     accounting = {
         "seconds": {k: round(v, 4) for k, v in acc.seconds.items()}, "wall_s": acc.wall_s,
         "goodput": acc.goodput,
@@ -157,7 +161,10 @@ def _report(
         "undetected_overlapped": sum(not p["detected"] and p["overlapped"] for p in per_fault),
         "recovered": sum(p["recovered"] for p in per_fault),
         "finished": rc == 0, "harness_hangs": int(hung),
-        "goodput": distinct * ref_step_s / wall if wall > 0 else None, "steps": j.steps,
+        "goodput": acc.seconds["productive"] / running if running > 0 else None,
+        "goodput_with_start": acc.goodput,
+        # the steps' pace against the fault-free reference run's (a machine's load moves it both ways)
+        "pace_vs_reference": distinct * ref_step_s / wall if wall > 0 else None, "steps": j.steps,
         "lost_committed_checkpoints": lost, "bit_exact": exact, "by_kind": by_kind, "wall_s": wall,
         "skipped": skipped, "faults": per_fault, "accounting": accounting,
     }  # fmt: skip

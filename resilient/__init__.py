@@ -19,6 +19,7 @@ from resilient.errors import (
     HealthCheckFailed,
     PeerAborted,
     Preempted,
+    ReplayDiverged,
     ResilienceError,
     RestartBudgetExhausted,
     StateRestoreError,
@@ -29,10 +30,12 @@ from resilient.health import CheckResult, HealthInput
 from resilient.runtime.context import Context
 from resilient.runtime.hooks import Hook, RunInfo, StepHook
 from resilient.runtime.wrapper import current, wrap
+from resilient.state.carry import Carried
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Carried",
     "CheckResult",
     "CheckpointError",
     "Checkpointer",
@@ -51,6 +54,7 @@ __all__ = [
     "OnBusy",
     "PeerAborted",
     "Preempted",
+    "ReplayDiverged",
     "ResilienceError",
     "RestartBudgetExhausted",
     "RunInfo",

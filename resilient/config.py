@@ -214,6 +214,12 @@ class Config(Section):
         description="a node's ranks reach the job's store through a store of their node (control-plane.md);"
         " auto: when the job spans more than one node",
     )
+    verify_replay: Literal["warn", "stop", "off"] = Field(
+        "warn",
+        description="after a restore, compare each replayed step's digests with the run it replays "
+        "(docs/recovery.md#replay-verification): warn names the first step and objects that differ, "
+        "stop also ends the run (exit 3), off takes no digests",
+    )
     restart: RestartConfig = Field(default_factory=RestartConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)

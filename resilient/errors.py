@@ -136,6 +136,14 @@ class NoValidCheckpoint(CheckpointError):
         self.steps = steps or []  # the steps that failed
 
 
+class ReplayDiverged(ResilienceError):
+    """``verify_replay: stop``: a step replayed after a restore differs from the step it replays
+    (the message names the step, the objects and the likely causes). Replaying again would not
+    make it equal, so it is fatal."""
+
+    exit_code = ExitCode.FATAL
+
+
 class Preempted(ResilienceError):
     """A preemption signal arrived; the final checkpoint is committed. Exit so the job is requeued."""
 

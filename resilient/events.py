@@ -66,6 +66,11 @@ class Event(str, enum.Enum):
     PEER_WAIT = "peer_wait"
     SDC_DETECTED = "sdc_detected"  # replicas differed: who was corrupt (detectors/replicas.py), or who may be
     STRAGGLER_DETECTED = "straggler_detected"  # rank: the one slower than its peers
+    # a replay after a restore (runtime/steps/replay.py): its digests equal the run it replays up to
+    # the faulted step; or the first step that differs, and what; or why nothing could be compared
+    REPLAY_VERIFIED = "replay_verified"
+    REPLAY_DIVERGED = "replay_diverged"
+    REPLAY_UNCHECKED = "replay_unchecked"
 
 
 class EventLog:

@@ -14,6 +14,7 @@ import torch
 
 from resilient.errors import ResilienceError
 from resilient.runtime.context import Context
+from resilient.runtime.steps import replay
 from resilient.runtime.steps.loop import StepLoop
 from resilient.state.carry import Carried
 from tests.unit.test_core import Fakes, _cfg, _runtime
@@ -72,6 +73,11 @@ def _train(fault_at: Callable[[int, int], bool], carried: bool) -> Callable[[Ste
     return fn
 
 
+@pytest.fixture(autouse=True)
+def _digest_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replay, "BUDGET", 1.0)  # (microsecond steps here: a digest at every one)
+
+
 @pytest.mark.parametrize("live", [True, False], ids=["live", "ring"])
 def test_a_carried_prefetch_is_restored_and_the_run_ends_bit_exact(tmp_path: Path, live: bool) -> None:
     cfg = _cfg(snapshot={"interval": 4, "live": live})
@@ -84,6 +90,12 @@ def test_a_carried_prefetch_is_restored_and_the_run_ends_bit_exact(tmp_path: Pat
     (restored,) = fakes.events("state_restored")
     assert "carry" in restored["objects"]
     assert (restored["step"], restored["source"]) == ((6, "live") if live else (4, "ring")), restored
+    # the replay from the ring is checked step by step; a live resume replays nothing
+    (said,) = [e for e in fakes.events() if e["event"].startswith("replay_")]
+    if live:
+        assert said["event"] == "replay_unchecked" and "resumed live" in said["why"], said
+    else:
+        assert said["event"] == "replay_verified" and (said["first"], said["last"]) == (5, 6), said
 
 
 def test_the_same_prefetch_kept_in_a_local_is_not_restored(tmp_path: Path) -> None:
@@ -92,9 +104,13 @@ def test_the_same_prefetch_kept_in_a_local_is_not_restored(tmp_path: Path) -> No
     cfg = _cfg(snapshot={"interval": 4, "live": False})
     ref_rt = _runtime(Fakes(tmp_path / "ref"), cfg)
     ref = ref_rt.run(_train(lambda g, s: False, carried=False))
-    rt = _runtime(Fakes(tmp_path / "hit"), cfg)
-    got = rt.run(_train(lambda g, s: g == 0 and s == 6, carried=False))
+    fakes = Fakes(tmp_path / "hit")
+    got = _runtime(fakes, cfg).run(_train(lambda g, s: g == 0 and s == 6, carried=False))
     assert not all(torch.equal(ref[k], got[k]) for k in ref if k != "best")
+    # and the runtime says so: the replay of step 4 (the first after the restore) differs
+    (said,) = [e for e in fakes.events() if e["event"].startswith("replay_")]
+    assert said["event"] == "replay_diverged" and said["first_step"] == 5, said
+    assert set(said["objects"]) == {"model"} and any("ctx.carry" in c for c in said["causes"])
 
 
 def _ema_train(fault: bool) -> Callable[[StepLoop], dict[str, Any]]:

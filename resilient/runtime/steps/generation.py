@@ -21,7 +21,7 @@ from resilient.detectors.collectives import CollectiveCount
 from resilient.errors import StateRestoreError
 from resilient.runtime.coordination.pg import Group
 from resilient.state import Registry
-from resilient.state.registry import RNG
+from resilient.state.registry import RNG, restore_rng
 
 
 @dataclass
@@ -55,6 +55,36 @@ class PendingRestore:
         self.load_s += time.monotonic() - t0
         self.load_cpu_s += time.thread_time() - cpu0
         self.loaded.add(name)
+
+    def finish(self) -> None:
+        """Every object of the snapshot was tracked again and loaded: the RNGs are restored last."""
+        missing = [n for n in self.state if n != RNG and n not in self.loaded]
+        if missing:
+            raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        restore_rng(self.state[RNG])
+        self.load_s += time.monotonic() - t0
+        self.load_cpu_s += time.thread_time() - cpu0
+
+    def described(self, began: float | None) -> dict[str, Any]:
+        """The ``state_restored`` event's fields (``began``: when the restored step first began)."""
+        return {
+            "objects": sorted(self.loaded),
+            # (a fault between a step's snapshot and the next step's start restores a step ahead
+            # of the loop's count: nothing is re-run, not -1)
+            "steps_rerun": max(
+                0, (self.fault_step if self.fault_step is not None else self.step) - self.step
+            ),
+            "source": self.source,
+            # (the restored step's start to the fault: the work the fault threw away, replayed now)
+            "work_lost_s": None
+            if began is None or self.fault_ts is None
+            else max(0.0, self.fault_ts - began),
+            "since_fault_s": time.time() - (self.fault_ts or time.time()),
+            "load_s": self.load_s,
+            "cpu_s": time.thread_time(),
+            "load_cpu_s": self.load_cpu_s,
+        }
 
 
 class EpochPosition:

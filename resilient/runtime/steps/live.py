@@ -87,8 +87,9 @@ class LiveResume:
     objects. ``max_bytes``: what is copied at each step (the small objects, the modules' buffers)
     holds at most this many tensor bytes; where more, a fault there falls back, naming the object."""
 
-    def __init__(self, enabled: bool, max_bytes: int) -> None:
+    def __init__(self, enabled: bool, max_bytes: int, capture: bool = False) -> None:
         self.enabled = enabled
+        self.capturing = enabled or capture  # (replay verification digests the capture too)
         self.max_bytes = max_bytes
         self.cap: _Capture | None = None
         self.began = 0
@@ -189,7 +190,7 @@ class LiveResume:
         it: asking a loader that has not begun its pass for its ``state_dict`` may begin one
         (torchdata's ``StatefulDataLoader`` starts its iterator, drawing its seeds, earlier than
         the function would)."""
-        if not self.enabled:
+        if not self.capturing:
             return
         objects: dict[str, _Kept] = {}
         refused = None

@@ -30,7 +30,7 @@ from resilient.detectors.collectives import (
 )
 from resilient.detectors.guard import StepGuard
 from resilient.detectors.replicas import ReplicaCheck
-from resilient.errors import ResilienceError, StateRestoreError
+from resilient.errors import ResilienceError
 from resilient.events import Event
 from resilient.runtime.engine.session import Session
 from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
@@ -40,12 +40,13 @@ from resilient.runtime.steps.generation import EpochPosition, Generation, Pendin
 from resilient.runtime.steps.handover import Handover
 from resilient.runtime.steps.keeper import Keeper
 from resilient.runtime.steps.live import LiveResume
+from resilient.runtime.steps.replay import ReplayCheck
 from resilient.runtime.steps.verdicts import Verdicts
 from resilient.state import SnapshotRing
 from resilient.state.carry import CARRY, Carried
 from resilient.state.digest import Leaf
 from resilient.state.loader import batches_consumed, finish_pass
-from resilient.state.registry import EPOCHS, RNG, restore_rng
+from resilient.state.registry import EPOCHS, RNG
 
 
 class StepLoop:
@@ -85,7 +86,8 @@ class StepLoop:
         self.collectives = self.detectors.get(CollectiveCheck)
         self.verdicts = Verdicts(ring, self.sdc, session.rank)
         snap = session.cfg.snapshot  # (``live``: the engine resumes a soft fault from the live state)
-        self.live = LiveResume(live and snap.live, snap.live_max_bytes)
+        self.replay = ReplayCheck(session.cfg.verify_replay, session.events.emit)
+        self.live = LiveResume(live and snap.live, snap.live_max_bytes, capture=self.replay.enabled)
         self.handover = Handover(session.rank)  # (across a hard fault: the engine's, handover.py)
 
     # -- what Context reads (its identity is the session's) -------------------------------------
@@ -126,6 +128,7 @@ class StepLoop:
         self.gen = Generation(number, group, count, restore, s.clock())
         self.detectors.each(lambda d: d.generation(number))  # (the failed generation's objects go)
         self.live.generation()
+        self.replay.generation()
         return self.gen
 
     def _peer_wait_ended(self, wait: PeerWait, waited_s: float) -> None:
@@ -311,38 +314,23 @@ class StepLoop:
     def _capture_live(self, step: int, accumulating: bool, loaded: dict[str, Any] | None = None) -> None:
         counts = self.collectives is not None and self.collectives.counts
         seq = issued_on_default_group() if counts else -1
-        self.live.capture(step, self.gen.registry, accumulating, seq, loaded)
+        registry = self.gen.registry
+        self.live.capture(step, registry, accumulating, seq, loaded)
         self.handover.captured(self.live, self.session.generation)
+        if self.replay.enabled:
+            objects = dict(zip(registry.names(), registry.objects(), strict=True))
+            self.replay.at_start(step, self.live.cap, objects, self.live)
 
     def _resume_restored(self, r: PendingRestore) -> int:
         """At ``ctx.steps`` after a restart: every object of the snapshot was tracked again and
         loaded; the RNGs are restored last, and the step to resume at is returned."""
-        began = self.began_at.get(r.step)
-        missing = [n for n in r.state if n != RNG and n not in r.loaded]
-        if missing:
-            raise StateRestoreError(f"tracked before the fault but not after the restart: {missing}")
-        t0, cpu0 = time.monotonic(), time.thread_time()
-        restore_rng(r.state[RNG])
-        r.load_s += time.monotonic() - t0
-        r.load_cpu_s += time.thread_time() - cpu0
+        r.finish()
         self.detectors.each(lambda d: d.restored(r.step))
         self.session.events.emit(
-            Event.STATE_RESTORED,
-            generation=self.session.generation,
-            step=r.step,
-            objects=sorted(r.loaded),
-            # (a fault between a step's snapshot and the next step's start restores a step ahead of
-            # the loop's count: nothing is re-run, not -1)
-            steps_rerun=max(0, (r.fault_step if r.fault_step is not None else r.step) - r.step),
-            source=r.source,
-            # (the restored step's start to the fault: the work the fault threw away, replayed now)
-            work_lost_s=None if began is None or r.fault_ts is None else max(0.0, r.fault_ts - began),
-            since_fault_s=time.time() - (r.fault_ts or time.time()),
-            snapshot_interval=self.session.schedule.interval,
-            load_s=r.load_s,
-            cpu_s=time.thread_time(),
-            load_cpu_s=r.load_cpu_s,
-        )
+            Event.STATE_RESTORED, generation=self.session.generation, step=r.step,
+            snapshot_interval=self.session.schedule.interval, **r.described(self.began_at.get(r.step)),
+        )  # fmt: skip
+        self.replay.restored(r.step, r.fault_step, r.source, self.session.generation)
         self.gen.restore = None
         self.step = r.step
         return r.step
@@ -412,6 +400,7 @@ class StepLoop:
             if ring_due:
                 self.ring.capture(nxt, state, sums)
                 capture_s = s.clock() - now
+                self.replay.prune(min(self.ring.steps(), default=None))
         s.schedule.observe(nxt, step_s, capture_s)
         if s.cfg.events.steps:
             s.events.emit(Event.STEP_COMPLETED, generation=s.generation, step=step, step_s=step_s, log=False)
