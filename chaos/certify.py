@@ -37,7 +37,8 @@ import torch
 from chaos.arranged import Unavailable, arranged_job
 from chaos.compare import assert_bit_exact
 from chaos.faults import CRASH, REGISTRY
-from chaos.job import Job, events, fresh, jsonl
+from chaos.hooks import first_divergence
+from chaos.job import Job, checkpoints, events, fresh, jsonl, own_checkpoints
 from chaos.runner import standby_at
 from chaos.schedule import Certification, Planned
 from resilient.events import Event
@@ -61,6 +62,13 @@ class Trial:
     work_lost_s: float | None = None  # the restored step's start to the fault, the costliest rank's
     goodput: float | None = None
     bit_exact: bool | None = None
+    # where a trial is not bit-exact: the first step whose start differs from the fault-free run's,
+    # the objects that differ and on which ranks (chaos.hooks.StepDigests)
+    divergence: dict[str, Any] | None = None
+    # the runtime's own check of its replays (runtime/steps/replay.py): verified | diverged |
+    # unchecked, with what it said
+    replay: str | None = None
+    replay_note: str = ""
     previous_loaded: bool | None = None
     recover_after_restore_s: float | None = None  # link faults: link back → first step after
     detected_rank: int | None = None  # the rank the detection event names
@@ -162,8 +170,9 @@ def _finals(cwd: Path, nproc: int) -> list[dict[str, Any]] | None:
 # ---- certify -------------------------------------------------------------------------------------------
 def reference(cert: Certification, cwd: Path) -> tuple[list[dict[str, Any]], float]:
     """A fault-free run of the same job: its final state and median step time."""
-    job = Job(cert, fresh(cwd))
-    rc = job.stop(cert.job.timeout_s)
+    with own_checkpoints(cert, fresh(cwd)):
+        job = Job(cert, cwd)
+        rc = job.stop(cert.job.timeout_s)
     finals = _finals(cwd, cert.job.nproc)
     if rc != 0 or finals is None:
         raise SystemExit(f"the fault-free reference run failed (rc={rc}); see {cwd / 'launch.log'}")
@@ -171,8 +180,32 @@ def reference(cert: Certification, cwd: Path) -> tuple[list[dict[str, Any]], flo
     return finals, statistics.median(durations) if durations else cert.job.step_ms / 1e3
 
 
+def replay_verdict(evs: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """What the runtime said of its replays in a job: ``diverged`` (any rank), else ``verified``,
+    else ``unchecked`` (and why), else None (no restore)."""
+    said = [
+        e for e in evs if e["event"] in (Event.REPLAY_VERIFIED, Event.REPLAY_DIVERGED, Event.REPLAY_UNCHECKED)
+    ]
+    diverged = [e for e in said if e["event"] == Event.REPLAY_DIVERGED]
+    if diverged:
+        e = min(diverged, key=lambda e: e["first_step"])
+        return "diverged", f"step {e['first_step']}: {', '.join(sorted(e['objects']))} (rank {e['rank']})"
+    verified = [e for e in said if e["event"] == Event.REPLAY_VERIFIED]
+    if verified:
+        return "verified", f"{max(e['steps_checked'] for e in verified)} steps"
+    if said:
+        return "unchecked", said[0]["why"]
+    return None, ""
+
+
 def _run_trial(
-    cert: Certification, name: str, trial: int, cwd: Path, ref: list[dict[str, Any]], ref_step_s: float
+    cert: Certification,
+    name: str,
+    trial: int,
+    cwd: Path,
+    ref: list[dict[str, Any]],
+    ref_step_s: float,
+    ref_dir: Path | None = None,
 ) -> Trial:
     cert = cert.for_class(name)
     c, j = cert.classes[name], cert.job
@@ -224,7 +257,7 @@ def _run_trial(
     done = [e for e in evs if e["event"] == Event.STEP_COMPLETED]
     t.restarts = len({(e["rank"], e["pid"], e["generation"]) for e in done}) - len({e["rank"] for e in done})
     corrupted = {i["step"] for i in injections if REGISTRY[i["kind"]].breaks_checkpoint}  # by design
-    t.lost_checkpoints = unloadable_checkpoints(cwd / j.checkpoint_dir, j.nproc, skip=corrupted)
+    t.lost_checkpoints = unloadable_checkpoints(checkpoints(cert, cwd), j.nproc, skip=corrupted)
     if kind.breaks_checkpoint:
         loaded = [e for e in evs if e["event"] == Event.CHECKPOINT_LOADED]
         t.previous_loaded = bool(loaded) and all(e["step"] < inj["step"] for e in loaded)
@@ -235,6 +268,9 @@ def _run_trial(
             t.bit_exact = True
         except AssertionError:
             t.bit_exact = False
+    if t.bit_exact is False and ref_dir is not None:
+        t.divergence = first_divergence(ref_dir / "digests", cwd / "digests")
+    t.replay, t.replay_note = replay_verdict(evs)
     t.timeline = {
         "injected": inj["ts"], "detected": m.get("detect_ts"), "restored": restored,
         "lasting": kind.lasting,
@@ -245,9 +281,16 @@ def _run_trial(
 
 
 def run_trial(
-    cert: Certification, name: str, trial: int, cwd: Path, ref: list[dict[str, Any]], ref_step_s: float
+    cert: Certification,
+    name: str,
+    trial: int,
+    cwd: Path,
+    ref: list[dict[str, Any]],
+    ref_step_s: float,
+    ref_dir: Path | None = None,
 ) -> Trial:
-    t = _run_trial(cert, name, trial, fresh(cwd), ref, ref_step_s)
+    with own_checkpoints(cert, fresh(cwd)):
+        t = _run_trial(cert, name, trial, cwd, ref, ref_step_s, ref_dir)
     if t.error and not t.skipped and not t.failed_slos:  # no figures at all: that is a failure too
         t.failed_slos = ["ran"]
     return t
@@ -319,15 +362,16 @@ def certify(cert: Certification, out: Path, only: list[str] | None = None) -> li
     trials: list[Trial] = []
     with Progress(transient=True) as bar:
         task = bar.add_task("reference run", total=total)
-        refs = {cert.job.model_dump_json(): reference(cert, out / "reference")}
+        refs = {cert.job.model_dump_json(): (*reference(cert, out / "reference"), out / "reference")}
         bar.advance(task)
         for name in names:
             job = cert.for_class(name).job.model_dump_json()  # a class with a job of its own: its reference
             if job not in refs:
-                refs[job] = reference(cert.for_class(name), out / f"reference-{name}")
-            ref, ref_step_s = refs[job]
+                where = out / f"reference-{name}"
+                refs[job] = (*reference(cert.for_class(name), where), where)
+            ref, ref_step_s, ref_dir = refs[job]
             for k in range(cert.trials_of(name)):
                 bar.update(task, description=f"{name} trial {k + 1}/{cert.trials_of(name)}")
-                trials.append(run_trial(cert, name, k, out / f"{name}-{k}", ref, ref_step_s))
+                trials.append(run_trial(cert, name, k, out / f"{name}-{k}", ref, ref_step_s, ref_dir))
                 bar.advance(task)
     return trials

@@ -100,14 +100,22 @@ def _kinds() -> None:
         print(f"{name:<19} {k.where.value:<18} {k.summary.replace('`', '')}{needs}")
 
 
+def _with_command(cert: Any, command: list[str]) -> Any:
+    """The training command after ``--`` replaces the config's, and runs where chaos was run (its
+    relative paths as the user wrote them), not in the trial's directory."""
+    if not command:
+        return cert
+    job = cert.job.model_copy(update={"command": list(command), "workdir": str(Path.cwd())})
+    return cert.model_copy(update={"job": job})
+
+
 def _certify(args: Any) -> int:
     from rich.console import Console
 
     from chaos import certify, report, schedule
 
     cert = schedule.load(args.config)
-    if args.command:
-        cert = cert.model_copy(update={"job": cert.job.model_copy(update={"command": list(args.command)})})
+    cert = _with_command(cert, args.command)
     only = [c for c in args.classes.split(",") if c]
     unknown = [c for c in only if c not in cert.classes]
     if unknown:
@@ -191,8 +199,7 @@ def _run(args: Any) -> int:
     cert = schedule.load(args.config)
     if not cert.schedule:
         raise BadInput(f"{args.config}: no `schedule:` list of faults")
-    if args.command:
-        cert = cert.model_copy(update={"job": cert.job.model_copy(update={"command": list(args.command)})})
+    cert = _with_command(cert, args.command)
     report = stream.run_schedule(cert, args.out, list(cert.schedule))
     report["failed"] = stream.verdict(report, None, True)  # the final state must equal the reference
     (args.out / "run.json").write_text(json.dumps(report, indent=1))

@@ -13,17 +13,53 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from chaos.hooks import Var, enable
 from chaos.netns import ENV as NETNS_ENV
 from chaos.netns import VethLink
-from chaos.schedule import Certification
+from chaos.schedule import BadInput, Certification
 from resilient.events import Event, read_events, read_run_events
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_tiny.py"
+
+
+def workdir(cert: Certification, cwd: Path) -> Path:
+    """Where the job's command runs: ``job.workdir``, else the trial's directory ``cwd``."""
+    return Path(cert.job.workdir).resolve() if cert.job.workdir else cwd.resolve()
+
+
+def checkpoints(cert: Certification, cwd: Path) -> Path:
+    """The directory the job's command checkpoints to (``job.checkpoint_dir`` where it runs)."""
+    return workdir(cert, cwd) / cert.job.checkpoint_dir
+
+
+@contextlib.contextmanager
+def own_checkpoints(cert: Certification, cwd: Path) -> Iterator[None]:
+    """A job that runs outside its trial's directory checkpoints into the user's: it must find
+    that directory empty (a trial would resume from what is there), and what it writes there is
+    removed when the trial is over, nothing else."""
+    if cert.job.workdir is None:
+        yield
+        return
+    ck = checkpoints(cert, cwd)
+    if ck.exists() and any(ck.iterdir()):
+        raise BadInput(
+            f"{ck} (job.checkpoint_dir where the command runs) is not empty: a trial would resume "
+            "from what is there. Move it away, or give the script another checkpoint directory"
+        )
+    existed = ck.exists()
+    try:
+        yield
+    finally:
+        if existed:
+            for entry in ck.iterdir():
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(ck, ignore_errors=True)
 
 
 def fresh(cwd: Path) -> Path:
@@ -61,13 +97,16 @@ class Job:
             command += ["--config", str(cwd / "runtime.yaml")]
         if command[0] in ("python", "python3", sys.executable):  # `resilient launch` runs python itself
             command = command[1:]
-        if j.command and not os.path.isabs(command[0]) and Path(command[0]).exists():
+        runs_in = workdir(cert, cwd)
+        if j.command and not os.path.isabs(command[0]) and (runs_in / command[0]).exists():
+            command = [str((runs_in / command[0]).resolve()), *command[1:]]
+        elif j.command and not os.path.isabs(command[0]) and Path(command[0]).exists():
             command = [str(Path(command[0]).resolve()), *command[1:]]  # the job runs in its own directory
         argv = [
             sys.executable, "-m", "resilient.cli", "launch", "--standalone",
             "--nproc-per-node", str(j.nproc), "--max-restarts", str(j.max_restarts),
             "--monitor-interval", "0.1", "--heartbeat-timeout", str(j.heartbeat_timeout),
-            "--startup-timeout", "60", "--backoff-initial", "0",
+            "--startup-timeout", "60", "--backoff-initial", "0", "--events-dir", str(cwd / "resilient_runs"),
             *(["-m", "chaos.netns"] if link else []), *command,
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -78,6 +117,7 @@ class Job:
         env[Var.INJECTIONS] = str(cwd / "injections.jsonl")
         env[Var.STEP_EVENTS] = "1"
         env[Var.FINAL_STATE] = str(cwd / "state")
+        env[Var.DIGESTS] = str(cwd / "digests")
         if plan:  # attempt None: every launch fires the plan's faults it reaches
             env[Var.PLAN] = plan
             if attempt is not None:
@@ -87,7 +127,7 @@ class Job:
         if link is not None:  # every rank starts through chaos.netns; the target one enters the netns
             env[NETNS_ENV] = link.env()
         self.log = open(cwd / "launch.log", "a")  # noqa: SIM115 - closed in stop()
-        self.p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        self.p = subprocess.Popen(argv, cwd=runs_in, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                   start_new_session=True)  # fmt: skip
 
     def stop(self, timeout: float) -> int | None:

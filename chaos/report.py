@@ -46,6 +46,10 @@ def summarize(cert: Certification, trials: list[Trial]) -> list[dict[str, Any]]:
             "sources": sorted({t.source for t in ts if t.source is not None}),
             "goodput_min": min((t.goodput for t in ts if t.goodput is not None), default=None),
             "bit_exact": all(t.bit_exact for t in ts),
+            # where not: the first step and objects that differ, per trial that differed
+            "divergences": [t.divergence for t in ts if t.divergence is not None],
+            "replay": sorted({t.replay for t in ts if t.replay is not None}),
+            "replay_notes": sorted({f"{t.replay}: {t.replay_note}" for t in ts if t.replay is not None}),
             "slo": c.slo.model_dump(exclude_none=True),
             "failed": failed,
             "errors": [t.error for t in ts if t.error],
@@ -124,11 +128,11 @@ def table(rows: list[dict[str, Any]]) -> Any:
 
     tb = Table(title="resilient recovery certificate")
     for col in ("class", "trials", "detect p50/p99 s", "recover p50/p99 s", "steps lost", "goodput",
-                "bit-exact", "SLO"):  # fmt: skip
+                "bit-exact", "replay verified", "SLO"):  # fmt: skip
         tb.add_column(col)
     for r in rows:
         if r.get("skipped"):
-            tb.add_row(r["class"], "0", "—", "—", "—", "—", "—", f"[yellow]SKIPPED[/] {r['skipped']}")
+            tb.add_row(r["class"], "0", "—", "—", "—", "—", "—", "—", f"[yellow]SKIPPED[/] {r['skipped']}")
             continue
         slo = r["slo"]
         tb.add_row(
@@ -142,7 +146,9 @@ def table(rows: list[dict[str, Any]]) -> Any:
             + "".join(f" {s}" for s in r.get("sources", []))
             + ("" if r.get("work_lost_max_s") is None else f"\n{r['work_lost_max_s']:.2f} s of work"),
             "—" if r["goodput_min"] is None else f"{r['goodput_min']:.0%}",
-            "✓" if r["bit_exact"] else "✗",
+            "✓" if r["bit_exact"] else "✗" + "".join(
+                f"\nfrom step {d['step']}: {', '.join(d['objects'])}" for d in r.get("divergences", [])[:2]),
+            _replay_cell(r.get("replay", [])),
             "[green]PASS[/]" if not r["failed"] else f"[red]FAIL[/] {','.join(r['failed'])}",
         )  # fmt: skip
     if not any(r.get("phases_trials") for r in rows):
@@ -150,6 +156,16 @@ def table(rows: list[dict[str, Any]]) -> Any:
     from rich.console import Group
 
     return Group(tb, phase_table(rows))  # (the phases under the verdicts: what to look at when one fails)
+
+
+def _replay_cell(said: list[str]) -> str:
+    """``✓`` every replay compared equal; ``✗`` one diverged; ``—`` nothing replayed (a live resume)
+    or nothing kept to compare with."""
+    if "diverged" in said:
+        return "[red]✗[/]"
+    if "verified" in said:
+        return "✓" + (" (some —)" if "unchecked" in said else "")
+    return "—"
 
 
 def timeline_png(trials: list[Trial], path: Path) -> None:

@@ -117,7 +117,15 @@ class Job(_Model):
         description="the training script and its arguments, run under `resilient launch` in the "
         "trial's directory; None: the bundled example (examples/train_tiny.py) with the fields below",
     )
-    checkpoint_dir: str = Field("ck", description="where the command checkpoints, relative to the trial dir")
+    workdir: str | None = Field(
+        None,
+        description="where the command runs (its relative paths: a config file, a data directory); "
+        "None: the trial's own directory. `chaos certify ... -- train.py` runs it where chaos was "
+        "run; the trial's events, injections and final states stay in the trial's directory",
+    )
+    checkpoint_dir: str = Field(
+        "ck", description="where the command checkpoints, relative to the directory it runs in"
+    )
     nproc: int = Field(2, ge=1, le=8)
     backend: Literal["gloo", "nccl", "auto"] = "gloo"  # the bundled example's; nccl: one GPU per rank
     steps: int = Field(40, ge=4)

@@ -33,7 +33,7 @@ from chaos.arranged import arranged_job
 from chaos.certify import _finals, measure, reference, unloadable_checkpoints
 from chaos.compare import assert_bit_exact
 from chaos.faults import REGISTRY
-from chaos.job import events, fresh, jsonl
+from chaos.job import checkpoints, events, fresh, jsonl, own_checkpoints
 from chaos.schedule import Certification, Planned
 from resilient.events import Event
 from resilient.metrics import account
@@ -83,13 +83,14 @@ def run_schedule(
     ref, ref_step_s = reference(long, out / "reference")
     cwd = fresh(out / "run")
     rc: int | None = None
-    with arranged_job(long, cwd, placed, time.monotonic() + timeout) as arranged:
-        runner = arranged.runner
-        for step, f in arranged.placed:
-            runner.fire(step, f)
-        rc = runner.job.stop(max(1.0, runner.deadline - time.monotonic()))
-    skipped = arranged.skipped + runner.skipped
-    return _report(long, cwd, ref, ref_step_s, rc, rc is None, len(arranged.placed), skipped)
+    with own_checkpoints(long, cwd):
+        with arranged_job(long, cwd, placed, time.monotonic() + timeout) as arranged:
+            runner = arranged.runner
+            for step, f in arranged.placed:
+                runner.fire(step, f)
+            rc = runner.job.stop(max(1.0, runner.deadline - time.monotonic()))
+        skipped = arranged.skipped + runner.skipped
+        return _report(long, cwd, ref, ref_step_s, rc, rc is None, len(arranged.placed), skipped)
 
 
 def _report(
@@ -136,7 +137,7 @@ def _report(
     end = max((e["ts"] for e in evs if e["event"] in (Event.RUN_FINISHED, Event.STEP_COMPLETED)), default=0.0)
     wall = end - steps_ev[0]["ts"] + ref_step_s if steps_ev else 0.0
     corrupted = {i["step"] for i in injected if REGISTRY[i["kind"]].breaks_checkpoint}
-    lost = unloadable_checkpoints(cwd / j.checkpoint_dir, j.nproc, skip=corrupted)
+    lost = unloadable_checkpoints(checkpoints(cert, cwd), j.nproc, skip=corrupted)
     finals = _finals(cwd, j.nproc)
     exact = False
     if finals is not None and rc == 0:

@@ -141,6 +141,34 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fault_table(rows: list[dict[str, Any]]) -> Any:
+    """What each fault cost: detection, recovery, where the state came from, the steps re-run and
+    the work they stood for, and whether the replay matched the run it replayed."""
+    from rich.table import Table
+
+    t = Table(title="what each fault cost")
+    for col in (
+        "kind",
+        "rank",
+        "step",
+        "detect s",
+        "recover s",
+        "state from",
+        "re-run",
+        "work lost s",
+        "replay",
+    ):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            r["kind"], str(r["rank"]), str(r["step"]), f"{r['detect_s']:.3f}",
+            "—" if r["recover_s"] is None else f"{r['recover_s']:.3f}", r["source"] or "—",
+            "—" if r["steps_rerun"] is None else str(r["steps_rerun"]),
+            "—" if r["work_lost_s"] is None else f"{r['work_lost_s']:.3f}", r["replay"] or "—",
+        )  # fmt: skip
+    return t
+
+
 def _log_or_exit(cmd: str, path: str) -> Path | None:
     from resilient.metrics.report import find_log
 
@@ -156,7 +184,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from resilient.metrics import account
-    from resilient.metrics.report import fault_blocks, write_png
+    from resilient.metrics.report import fault_blocks, fault_rows, write_png
 
     log = _log_or_exit("report", args.path)
     if log is None:
@@ -165,9 +193,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     acc = account(events)
     if args.json:
         faults = [
-            {k: getattr(i, k) for k in ("kind", "rank", "step", "mode", "detect_s", "recover_s",
-                                        "steps_rerun", "noticed_by", "signature")}
-            for i in acc.incidents
+            {**{k: getattr(i, k) for k in ("kind", "rank", "step", "mode", "detect_s", "recover_s",
+                                           "steps_rerun", "noticed_by", "signature")}, **row}
+            for i, row in zip(acc.incidents, fault_rows(events, acc), strict=True)
         ]  # fmt: skip
         print(json.dumps({"log": str(log), "wall_s": acc.wall_s, "goodput": acc.goodput, "steps": acc.steps,
                           "exact_steps": acc.exact_steps, "seconds": acc.seconds, "faults": faults},
@@ -181,6 +209,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         for cause, sec, share in acc.table():
             t.add_row(cause, f"{sec:.3f}", f"{share:.2%}")
         Console().print(t)
+        if acc.incidents:
+            Console().print(_fault_table(fault_rows(events, acc)))
         if not acc.exact_steps:
             print("steps: from progress records (events.steps: true gives every step)")
         for block in fault_blocks(events, acc) if args.faults else []:

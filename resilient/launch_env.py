@@ -46,6 +46,8 @@ class Var(str, enum.Enum):
     HOOKS = "RESILIENT_HOOKS"
     # "1": torch's store sockets keep their reverse DNS lookup (resilient/native/names.py)
     STORE_NAME_LOOKUPS = "RESILIENT_STORE_NAME_LOOKUPS"
+    # `resilient launch --events-dir`: the workers' event logs go there too (not events.dir)
+    EVENTS_DIR = "RESILIENT_EVENTS_DIR"
 
     def __str__(self) -> str:
         return self.value
@@ -81,6 +83,7 @@ class LaunchEnv:
     predecessor_pid: int | None = None  # ... and the pid of the worker it replaces, perhaps still exiting
     hooks: tuple[str, ...] = ()  # step-hook factories ("module:factory") this process loads
     store_name_lookups: bool = False  # torch's store sockets ask the resolver for their peers' names
+    events_dir: Path | None = None  # `resilient launch --events-dir`: overrides the config's events.dir
 
     @property
     def under_launcher(self) -> bool:
@@ -147,4 +150,5 @@ class LaunchEnv:
             predecessor_pid=predecessor_pid,
             hooks=tuple(h.strip() for h in (get(Var.HOOKS) or "").split(",") if h.strip()),
             store_name_lookups=get(Var.STORE_NAME_LOOKUPS) == "1",
+            events_dir=Path(events) if (events := get(Var.EVENTS_DIR)) else None,
         )

@@ -30,9 +30,10 @@ class CorruptCheckpoint(ByHarness):
     breaks_checkpoint = True
 
     def by_harness(self, run: Runner, f: Planned, done: int, pid: int) -> float | None:
+        from chaos.job import checkpoints
         from resilient.checkpoint.manifest import committed_steps
 
-        ck = run.cwd / run.cert.job.checkpoint_dir
+        ck = checkpoints(run.cert, run.cwd)
         while time.monotonic() < run.deadline and run.job.p.poll() is None:
             if ck.exists() and len(committed_steps(ck)) >= 2:
                 break
@@ -69,7 +70,9 @@ class SlowDisk(ByHarness):
     def by_harness(self, run: Runner, f: Planned, done: int, pid: int) -> float | None:
         import psutil
 
-        ck = run.cwd / run.cert.job.checkpoint_dir
+        from chaos.job import checkpoints
+
+        ck = checkpoints(run.cert, run.cwd)
         ck.mkdir(parents=True, exist_ok=True)
         bps = int((f.arg or self.default_arg or 0) * 1024)
         cg, why = blkio_cgroup(ck, bps)  # (the device is known once the directory exists)

@@ -120,7 +120,11 @@ def parser() -> Any:
         "waits for its ranks' snapshots to reach checkpoint.dir before the shared memory goes",
     )
     p.add_argument(
-        "--events-dir", type=Path, default=Path("resilient_runs"), help="<dir>/<run_id>/events.jsonl"
+        "--events-dir",
+        type=Path,
+        default=None,
+        help="<dir>/<run_id>/events.jsonl, the agent's and the workers' (default: resilient_runs, the "
+        "workers' as their config's events.dir says)",
     )
     p.add_argument(
         "--metrics-port",
@@ -214,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[Var.LAUNCHER_PID] = str(os.getpid())  # workers die with the launcher (PDEATHSIG)
     os.environ[Var.HEARTBEAT_INTERVAL] = str(max(0.05, min(1.0, args.heartbeat_timeout / 5)))
     os.environ[Var.RUN_ID] = config.run_id
+    if args.events_dir is not None:  # the workers' logs beside the agent's
+        os.environ[Var.EVENTS_DIR] = str(args.events_dir.resolve())
+    else:
+        args.events_dir = Path("resilient_runs")
     os.environ[Var.PREEMPT_SIGNALS] = "SIGUSR1"  # SIGTERM from the agent means "stop now"
     shm_name = f"{config.run_id}-{os.getpid()}"
     os.environ[Var.SHM_NAME] = shm_name  # workers snapshot there; kept across relaunches

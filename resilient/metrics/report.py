@@ -66,12 +66,15 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
             lines.append(f"  recovered  {inc.mode.replace('_', '-')} in {inc.recover_s:.3f} s{rerun}")
         else:
             lines.append(f"  not recovered ({inc.mode})")
+        later = min((i.start for i in acc.incidents if i.start > inc.start), default=float("inf"))
+        replay = replay_of(events, inc.start, later)
+        if replay is not None:
+            lines.append(f"  replay     {replay}")
         phases = of_incident(inc)
         if phases is not None:
             lines.append(f"  phases     {fmt(phases)}; {_last_ranks(phases)}")
         lines.append(f"  cause      {inc.signature}")
-        later = [i.start for i in acc.incidents if i.start > inc.start]
-        lines += _verdicts(inc, events, min(later, default=float("inf")))
+        lines += _verdicts(inc, events, later)
         rep = _report_for(inc, reports)
         if rep is not None:
             pid = rep.get("pid")
@@ -95,6 +98,42 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
                 f"per step for {e.get('for_s')} s, at {_clock(e['ts'])} (action: {e.get('action')})"
             )
     return out
+
+
+REPLAY_EVENTS = (Event.REPLAY_VERIFIED, Event.REPLAY_DIVERGED, Event.REPLAY_UNCHECKED)
+
+
+def replay_of(events: list[dict[str, Any]], start: float, until: float = float("inf")) -> str | None:
+    """What the replay after the fault at ``start`` (until the next one's) was found to be, by
+    every rank (runtime/steps/replay.py): ``diverged at step N (model: 4 leaves)``, ``verified
+    (N steps)``, ``unchecked: why``; None: no verdict (no restore, or a run from before them)."""
+    said = [e for e in events if e.get("event") in REPLAY_EVENTS and start <= e["ts"] < until]
+    diverged = [e for e in said if e["event"] == Event.REPLAY_DIVERGED]
+    if diverged:
+        e = min(diverged, key=lambda e: e["first_step"])
+        what = ", ".join(f"{k}: {len(v)} leaves" for k, v in sorted(e["objects"].items()))
+        return f"diverged at step {e['first_step']} ({what}; rank {e['rank']})"
+    verified = [e for e in said if e["event"] == Event.REPLAY_VERIFIED]
+    if verified:
+        e = verified[0]
+        return f"verified ({e['steps_checked']} steps, {e['first']}..{e['last']}, on {len(verified)} ranks)"
+    return f"unchecked: {said[0]['why']}" if said else None
+
+
+def fault_rows(events: list[dict[str, Any]], acc: Accounting | None = None) -> list[dict[str, Any]]:
+    """One row per fault: what it cost (detection, recovery, the steps re-run and the work they
+    stood for) and what the replay was found to be."""
+    acc = acc or account(events)
+    rows = []
+    for inc in acc.incidents:
+        later = min((i.start for i in acc.incidents if i.start > inc.start), default=float("inf"))
+        rows.append({
+            "kind": inc.kind, "rank": inc.rank, "step": inc.step, "mode": inc.mode,
+            "detect_s": inc.detect_s, "recover_s": inc.recover_s, "source": inc.source,
+            "steps_rerun": inc.steps_rerun, "work_lost_s": inc.work_lost_s,
+            "replay": replay_of(events, inc.start, later),
+        })  # fmt: skip
+    return rows
 
 
 def _last_ranks(p: Phases) -> str:

@@ -48,12 +48,21 @@ class RunInfo:
     run_dir: Path
 
 
+class Tracked(list[object]):
+    """The objects a function tracks, in the order it tracked them, with their ``names``."""
+
+    def __init__(self, objects: Sequence[object], names: Sequence[str]) -> None:
+        super().__init__(objects)
+        self.names = list(names)
+
+
 @runtime_checkable
 class StepHook(Protocol):
     def on_start(self, run: RunInfo) -> None: ...
 
     def before_step(self, step: int, objects: Sequence[object]) -> None:
-        """At the start of ``step``, with the objects the function tracks (model, optimizer…)."""
+        """At the start of ``step``, with the objects the function tracks (model, optimizer…): a
+        list whose ``names`` are the names they were tracked under (:class:`Tracked`)."""
 
     def after_step(self, generation: int, step: int, step_s: float | None) -> None:
         """``step`` completed (``step_s``: since the previous one completed; None for the first).

@@ -113,7 +113,9 @@ def wire(setup: Setup) -> Wiring:
         store=store,
         side_store=lambda timeout: coord_mod.client(ep.host, port, timeout),
         run_id=run_id,
-        events=EventLog(cfg.events.dir / run_id / "events.jsonl", ep.rank, attempt=launch.attempt),
+        events=EventLog(
+            (launch.events_dir or cfg.events.dir) / run_id / "events.jsonl", ep.rank, attempt=launch.attempt
+        ),
         build_group=group,
         heartbeat=Heartbeat.for_worker(launch),
     )

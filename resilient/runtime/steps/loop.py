@@ -33,6 +33,7 @@ from resilient.detectors.replicas import ReplicaCheck
 from resilient.errors import ResilienceError
 from resilient.events import Event
 from resilient.runtime.engine.session import Session
+from resilient.runtime.hooks import Tracked
 from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
 from resilient.runtime.steps.cost import Cost
 from resilient.runtime.steps.detector_run import DetectorRun
@@ -347,7 +348,7 @@ class StepLoop:
         if gen.count is not None:
             gen.count.begin(step)
         if hooks:
-            objects = gen.registry.objects()
+            objects = Tracked(gen.registry.objects(), gen.registry.names())
             for h in hooks:
                 h.before_step(step, objects)
 
