@@ -193,3 +193,46 @@ def test_a_slowed_rank_is_reported_by_rank(tmp_path: Path) -> None:
     assert trial["detected_rank"] == 2 and trial["failed_slos"] == [], (trial, r.stderr[-2000:])
     assert trial["bit_exact"] is True
     assert not list(Path("/sys/fs/cgroup/cpu").glob("chaos-cpu-*"))
+
+
+def _gpt_project(tmp_path: Path) -> Path:
+    """examples/gpt_prefetch copied where a user keeps a project, its data prepared there."""
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "examples" / "gpt_prefetch", project, ignore=shutil.ignore_patterns("data", "out"))
+    subprocess.run([sys.executable, "prepare.py"], cwd=project, check=True, capture_output=True)
+    return project
+
+
+@pytest.mark.timeout(400)
+def test_a_users_script_is_certified_where_it_runs_and_a_value_it_carries_is_named(tmp_path: Path) -> None:
+    # A single-file GPT trainer run from its own directory (an exec'd configurator, data/ read by a
+    # relative path) that prefetches its next batch in the step. Kept in a local, the batch the
+    # function draws again after the fault is another: the trial ends elsewhere, and the certificate
+    # names the step after the fault and the objects. Kept in ctx.carry, as the docs say: bit-exact.
+    project = _gpt_project(tmp_path)
+    args = [
+        "--classes",
+        "exception",
+        "--",
+        "train.py",
+        "config/tiny.py",
+        "--max_iters=24",
+        "--eval_interval=10",
+    ]
+    cfg = str(ROOT / "configs" / "chaos" / "script.yaml")
+    cut = tmp_path / "script.yaml"  # (the fault at step 12, within the script's 25 steps)
+    cut.write_text(Path(cfg).read_text().replace("step: 30, rank: 1, jitter: 3", "step: 12, rank: 1"))
+    r = _chaos(project, "certify", str(cut), "--out", str(tmp_path / "local"), *args, "--carry=False")
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    (trial,) = json.loads((tmp_path / "local" / "certificate.json").read_text())["trials"]
+    assert trial["bit_exact"] is False and trial["failed_slos"] == ["bit_exact"], trial
+    assert trial["divergence"]["step"] == trial["fault_step"] + 1, trial
+    assert set(trial["divergence"]["objects"]) == {"model", "optimizer"}, trial
+    assert "from step" in r.stdout  # (the table says where)
+    assert not (project / "ck").exists() and (project / "out" / "ckpt.pt").exists()  # its own files, there
+    r = _chaos(project, "certify", str(cut), "--out", str(tmp_path / "carried"), *args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (trial,) = json.loads((tmp_path / "carried" / "certificate.json").read_text())["trials"]
+    assert trial["bit_exact"] is True and trial["divergence"] is None, trial
