@@ -1,4 +1,5 @@
-"""What live resume's per-step capture costs a fault-free step, measured inside one run: blocks of
+"""What live resume's per-step capture (with the replay verification's digest and the mirror)
+costs a fault-free step, measured inside one run: blocks of
 steps with the capture on and blocks with it off, alternated (ABBA) in the same processes, same
 model, same group (resilient/runtime/steps/live.py: every RNG, the scheduler, a tracked generator,
 the modules' buffers and the optimizers' hyperparameters copied; the tensors' versions summed),
@@ -82,6 +83,25 @@ def worker(pairs: int, block: int, dim: int) -> None:
                 mirrored["n"] += 1
 
         mirror.write = timed_mirror
+        # the replay verification's digest at each step's start (runtime/steps/replay.py)
+        replay = ctx._rt.replay  # type: ignore[attr-defined]
+        digested = {"s": 0.0, "n": 0}
+        at_start = replay.at_start
+
+        def timed_digest(*a, **k):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            try:
+                return at_start(*a, **k)
+            finally:
+                digested["s"] += time.perf_counter() - t0
+                digested["n"] += 1
+
+        replay.at_start = timed_digest
+
+        def switch(on: bool) -> None:
+            live.enabled = live.capturing = on
+            replay.mode = "warn" if on else "off"
+            handover.mirror = mirror if on else None
 
         def step() -> None:
             tokens = torch.randint(0, vocab, (8, seq + 1), generator=gen)
@@ -97,8 +117,9 @@ def worker(pairs: int, block: int, dim: int) -> None:
         out: dict[str, list[float]] = {"off": [], "on": [], "off_steps": [], "on_steps": []}
         spent.update(s=0.0, n=0)
         mirrored.update(s=0.0, n=0)
+        digested.update(s=0.0, n=0)
         for arm in (["off", "on", "on", "off"] * ((pairs + 1) // 2))[: 2 * pairs]:
-            live.enabled = arm == "on"
+            switch(arm == "on")
             starts = []
             for _ in itertools.islice(steps, block):
                 starts.append(time.perf_counter())
@@ -107,8 +128,10 @@ def worker(pairs: int, block: int, dim: int) -> None:
             each = [(b - a) * 1e3 for a, b in itertools.pairwise(starts)]
             out[arm].append(statistics.median(each))
             out[f"{arm}_steps"] += each
-        live.enabled = True
+        switch(True)
         out["capture_ms"] = [1e3 * spent["s"] / max(1, spent["n"])]
+        out["digest_ms"] = [1e3 * digested["s"] / max(1, digested["n"])]
+        out["digest_every"] = [replay.every]
         out["mirror_ms"] = [1e3 * mirrored["s"] / max(1, mirrored["n"])]
         out["mirror_bytes"] = [max(p.stat().st_size for p in mirror.paths)]
         out["tensors"] = [sum(1 for _ in model.parameters())]
@@ -156,6 +179,9 @@ def main() -> None:
         "mirror_ms": ab["mirror_ms"][0],
         "mirror_bytes": ab["mirror_bytes"][0],
         "capture_and_mirror_pct_of_step": 100 * (ab["capture_ms"][0] + ab["mirror_ms"][0]) / off_ms,
+        "digest_ms": ab["digest_ms"][0],  # (replay verification; every digest_every steps)
+        "digest_every": ab["digest_every"][0],
+        "all_pct_of_step": 100 * (ab["capture_ms"][0] + ab["mirror_ms"][0] + ab["digest_ms"][0]) / off_ms,
     }
     for k, v in result.items():
         print(f"{k:28s} {v if not isinstance(v, float) else round(v, 3)}")

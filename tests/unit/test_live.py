@@ -342,3 +342,38 @@ def test_a_modules_extra_state_is_read_at_every_capture() -> None:
         live.capture(step, registry, False, 0)
         m(torch.ones(1, 2))
     assert live.state(registry)["model"]["_extra_state"] == {"calls": 2}  # (as step 2 began)
+
+
+def test_a_rank_inside_its_optimizers_update_also_leaves_at_the_steps_end() -> None:
+    # a peer's fault arriving while the update runs (seen at 2 of 4 ranks under load: the rank then
+    # vouched for nothing and every rank went back to the ring) waits for the update and the tail;
+    # a closure's forward and backward (the update has not begun) is interrupted as before
+    from resilient.errors import StepInterrupted
+
+    live = LiveResume(True, 1024)
+    registry = Registry()
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    registry.add("model", model)
+    registry.add("optimizer", opt)
+    live.tracked("optimizer", opt)
+    live.capture(4, registry, False, 3)
+    seen: list[bool] = []
+
+    def closure() -> torch.Tensor:  # (Lightning's: the forward and backward inside opt.step)
+        seen.append(live.leave_at_step_end(0, 0, "peer"))  # (the update has not begun: no)
+        loss = model(torch.ones(1, 2)).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    live.capture(5, registry, False, 4)
+    # a hook after the runtime's: the update has begun when it runs, as a fault arriving then
+    opt.register_step_pre_hook(lambda *_: seen.append(live.leave_at_step_end(0, 0, "peer: rank 1 faulted")))
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert seen == [False, True], seen
+    live.capture(6, registry, False, 5)
+    with pytest.raises(StepInterrupted, match="rank 1 faulted"):
+        live.leave_if_asked(0)
+    assert live.offer("exception", registry) == {"step": 6, "seq": 5}

@@ -128,12 +128,17 @@ class LiveResume:
         that the state it leaves is the next step's start, captured."""
         return self.enabled and self.cap is not None and self.ended > self.cap.ended and not self._in_step
 
+    def updating(self) -> bool:
+        """A tracked optimizer's update (not a closure's forward and backward) is running now."""
+        return self.enabled and self.cap is not None and self._in_step and self.began > self.cap.began
+
     def leave_at_step_end(self, generation: int, running: int, reason: str) -> bool:
-        """A peer faulted (the listener's thread): a rank past its optimizer's update finishes
-        the step and leaves at its end, its state captured (True), instead of being interrupted
-        where it is. ``running``: the generation the main thread is in."""
+        """A peer faulted (the listener's thread): a rank past its optimizer's update, or in it (a
+        local update that ends in milliseconds), finishes the step and leaves at its end, its
+        state captured (True), instead of being interrupted where it is, where it could vouch for
+        nothing. ``running``: the generation the main thread is in."""
         with self._leave_lock:
-            if not self.past_update() or running != generation:
+            if not (self.past_update() or self.updating()) or running != generation:
                 return False
             self._leaving = (generation, reason)
             return True
