@@ -165,6 +165,20 @@ def bench_replace(session: nox.Session) -> None:
     session.run("python", "benchmarks/lost_node.py", "--trials", "5", env=env)
 
 
+@nox.session(name="bench-work-lost", python=PY)
+def bench_work_lost(session: nox.Session) -> None:
+    """Seconds of training lost per fault (exception, hang, SIGKILL at 2 and 4 ranks) under
+    resilient launch, torchrun + torch.save, NVRx's in-process Wrapper and torchft 0.2.0, side by
+    side (benchmarks/work_lost_peers.py: table, work_lost_peers.json). About an hour with the
+    default 3 trials."""
+    _install(session, "dev", "bench")
+    # torchft's own pins would replace torch: its wheel alone, and the small packages it imports
+    session.install("--no-deps", "torchft==0.2.0")
+    session.install("opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http")
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run("python", "benchmarks/work_lost_peers.py", *session.posargs, env=env)
+
+
 @nox.session(python=PY)
 def certify(session: nox.Session) -> None:
     """The CPU recovery certificate (5 trials per fault class: table, certificate.json,
