@@ -182,3 +182,26 @@ def test_verify_replay_stop_ends_the_run_naming_the_step(
     assert ReplayDiverged.exit_code == 3
     (failed,) = fakes.events("run_failed")
     assert "verify_replay: stop" in failed["error"]
+
+
+def test_the_steps_after_a_snapshot_are_digested_whatever_the_cadence() -> None:
+    # a digest too dear for every step is taken every k steps, and at the steps that follow each
+    # snapshot: a replay from the ring begins at one, so it is checked however short it is
+    seen, emit = _events()
+    ticks = iter(range(10**6))
+    check = ReplayCheck("warn", emit, clock=lambda: float(next(ticks)), budget=0.1)
+    t = Trainer(check)
+    snaps: dict[int, dict[str, Any]] = {}
+    for s in range(0, 9):
+        t.start(s)
+        if s == 7:  # (as the loop does: the step's start digested first, then the ring's copy kept)
+            check.snapshot_at(7, 7)  # (nothing older kept)
+            snaps[7] = t.state()
+        t.step(s)
+    assert check.every == 5 and sorted(check.kept) == [8], sorted(check.kept)
+    t2 = Trainer(check, seed=99)
+    t2.load(snaps[7])
+    check.restored(7, 8, "ring", 1)
+    _run(t2, range(7, 9))
+    (verified,) = [kw for e, kw in seen if e is Event.REPLAY_VERIFIED]
+    assert (verified["first"], verified["last"]) == (8, 8) and not verified["restore_checked"], verified

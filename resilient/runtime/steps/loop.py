@@ -401,7 +401,7 @@ class StepLoop:
             if ring_due:
                 self.ring.capture(nxt, state, sums)
                 capture_s = s.clock() - now
-                self.replay.prune(min(self.ring.steps(), default=None))
+                self.replay.snapshot_at(nxt, min(self.ring.steps(), default=None))
         s.schedule.observe(nxt, step_s, capture_s)
         if s.cfg.events.steps:
             s.events.emit(Event.STEP_COMPLETED, generation=s.generation, step=step, step_s=step_s, log=False)

@@ -15,7 +15,9 @@ exit 3). A live resume replays nothing: ``replay_unchecked`` says so.
 
 The parameters' sums are reductions on their device, read back to the host only when compared;
 the whole digest is taken every ``every`` steps, set from its measured cost so that it stays
-under :data:`BUDGET` of a step (every step on the bundled example).
+under :data:`BUDGET` of a step (every step on the bundled example), and at the :data:`AFTER`
+steps that follow each snapshot, where every replay from the ring begins. A GradScaler's values
+are left out (read from its device only at a restore); its effect shows in the parameters.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ Mode = Literal["warn", "stop", "off"]
 BUDGET = 0.005  # of a step's time: what the digest may cost
 CALIBRATE = 5  # digests timed before ``every`` is set
 MAX_KEPT = 4096  # digests kept at most (a snapshot further back is checked where one is kept)
+AFTER = 3  # the steps after each snapshot digested whatever the cadence: a replay starts at one
 CAUSES = (
     "a value carried from step to step outside ctx.track (a prefetched batch, a best loss: keep it "
     "in ctx.carry, docs/recovery.md#what-the-runtime-cannot-see)",
@@ -97,6 +100,7 @@ class ReplayCheck:
         self._costs: list[float] = []
         self._starts: list[float] = []
         self._window: _Window | None = None
+        self._after: set[int] = set()  # the steps after the newest snapshot (always digested)
         self._labels: dict[int, tuple[str, ...]] = {}  # id(module) -> its parameters' names
 
     @property
@@ -132,7 +136,7 @@ class ReplayCheck:
         self._starts = [*self._starts[-8:], now]
         w = self._window
         checking = w is not None and w.restored <= step <= w.fault and step in self.kept
-        if checking or step % self.every == 0:
+        if checking or step % self.every == 0 or step in self._after:
             d = self._digest(cap, objects, live)
             self._costs.append(self.clock() - now)
             if len(self._costs) == CALIBRATE:
@@ -157,6 +161,13 @@ class ReplayCheck:
                 )
                 self._unchecked(w, why)
 
+    def snapshot_at(self, step: int, oldest: int | None) -> None:
+        """A snapshot of ``step``'s start was kept (``oldest``: the oldest one kept now): a restore
+        starts there, so the steps that follow it are digested whatever ``every`` says, and every
+        replay from it is checked; digests older than ``oldest`` go."""
+        self._after = set(range(step, step + AFTER + 1))
+        self.prune(oldest)
+
     def prune(self, oldest: int | None) -> None:
         """Digests of steps before ``oldest`` (the oldest snapshot a restore can return to) go."""
         if oldest is not None:
@@ -173,6 +184,10 @@ class ReplayCheck:
         for name, kept in cap.objects.items():
             obj = objects.get(name)
             labels: list[str] = []
+            if isinstance(obj, _SCALERS):  # (its values read back from the device only at a restore)
+                layout.append((name, ()))
+                plain[name] = 0
+                continue
             if isinstance(obj, torch.nn.Module):
                 names = self._param_names(obj)
                 ts = kept.tensors  # (the parameters, then gradients pending in an accumulation window)
@@ -258,6 +273,11 @@ class ReplayCheck:
         w, self._window = self._window, None
         if w is not None:
             self._unchecked(w, why.format(fault=w.fault))
+
+
+_SCALERS = tuple(
+    c for c in (getattr(torch.amp, "GradScaler", None), torch.cuda.amp.GradScaler) if c is not None
+)
 
 
 def _sums(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
