@@ -156,10 +156,10 @@ class ReplayCheck:
                 )  # fmt: skip
             else:
                 kept = "the restored state matched; " if w.checked else ""
-                why = (
-                    f"{kept}no digest was kept of steps {w.restored + 1}..{w.fault} (one every {self.every})"
-                )
-                self._unchecked(w, why)
+                why = f"no digest was kept of steps {w.restored + 1}..{w.fault} (one every {self.every})"
+                if w.fault == w.restored:
+                    why = "nothing was replayed: the snapshot restored is the faulted step's start"
+                self._unchecked(w, kept + why)
 
     def snapshot_at(self, step: int, oldest: int | None) -> None:
         """A snapshot of ``step``'s start was kept (``oldest``: the oldest one kept now): a restore
