@@ -4,9 +4,9 @@ A restore from a snapshot re-runs the steps between the snapshot and the fault. 
 keeps something between steps that the runtime cannot see (a batch prefetched into a local, a
 global changed in a step, an RNG it does not know, a nondeterministic kernel), the replay goes
 somewhere else, and nothing raises. So at each step's start the runtime digests what it holds of
-the step: the parameters of every tracked model (by reference, summed where they live, exactly:
-:mod:`resilient.state.digest`), and the small state the live capture copied (buffers, RNGs, data
-position, scheduler, hyperparameters, carried values). The digests of completed steps are kept
+the step: the parameters of every tracked model (by reference, summed where they live), and
+the small state the live capture copied (buffers, RNGs, data position, scheduler,
+hyperparameters, carried values). The digests of completed steps are kept
 back to the oldest snapshot a restore can return to (:meth:`ReplayCheck.prune`). When a replay
 reaches a step that has one, the two are compared: ``replay_verified`` once the replay reached
 the faulted step, or ``replay_diverged`` at the first step that differs, naming the tracked
@@ -15,7 +15,7 @@ exit 3). A live resume replays nothing: ``replay_unchecked`` says so.
 
 The parameters' sums are reductions on their device, read back to the host only when compared;
 the whole digest is taken every ``every`` steps, set from its measured cost so that it stays
-under :data:`BUDGET` of a step (every step on the bundled example), and at the :data:`AFTER`
+under :data:`BUDGET` of a step, and at the :data:`AFTER`
 steps that follow each snapshot, where every replay from the ring begins. A GradScaler's values
 are left out (read from its device only at a restore); its effect shows in the parameters.
 """
@@ -36,7 +36,6 @@ from loguru import logger
 from resilient.errors import ReplayDiverged
 from resilient.events import Event
 from resilient.runtime.steps.live import LiveResume, _Capture, _Later
-from resilient.state.digest import _as_words
 from resilient.state.snapshot import Frozen
 
 Mode = Literal["warn", "stop", "off"]
@@ -61,11 +60,12 @@ class _Digest:
     sums: list[tuple[torch.Tensor, list[int]]]  # per device: the sums, and their places in the layout
     plain: dict[str, int]  # object -> hash of its non-tensor leaves
 
-    def values(self) -> list[int]:
-        out = [0] * sum(len(labels) for _, labels in self.layout)
+    def values(self) -> list[str]:
+        """Each leaf's sum, exactly as computed (a float by its bits: NaN equals NaN)."""
+        out = [""] * sum(len(labels) for _, labels in self.layout)
         for sums, places in self.sums:
             for i, v in zip(places, sums.tolist(), strict=True):
-                out[i] = int(v)
+                out[i] = v.hex() if isinstance(v, float) else str(v)
         return out
 
 
@@ -281,14 +281,20 @@ _SCALERS = tuple(
 
 
 def _sums(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
-    by_device: dict[torch.device, list[int]] = {}
-    locals_ = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # (a DTensor's shard)
-    for i, t in enumerate(locals_):
-        by_device.setdefault(t.device, []).append(i)
-    return [
-        (torch.stack([torch.sum(_as_words(locals_[i]), dtype=torch.int64) for i in idx]), idx)
-        for idx in by_device.values()
-    ]
+    """Each tensor's sum in its own dtype (a half-precision one in float32), stacked by device and
+    dtype. Not the exact byte sums of the replicas' digests: a replay is compared with its own
+    process's run, where the same bits sum to the same bits, and a native sum costs a third."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    for i, t in enumerate(tensors):
+        t = (t.to_local() if hasattr(t, "to_local") else t).detach()  # (a DTensor's shard)
+        total = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
+        got, places = groups.setdefault((total.device, total.dtype), ([], []))
+        got.append(total)
+        places.append(i)
+    return [(torch.stack(got), places) for got, places in groups.values()]
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _plain_hash(tree: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> int:
@@ -301,9 +307,12 @@ def _plain_hash(tree: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -
         return _plain_hash(tree.value, path, tensors)
     if isinstance(tree, dict):
         return hash(tuple((str(k), _plain_hash(v, f"{path}/{k}", tensors)) for k, v in tree.items()))
+    if isinstance(tree, tuple) and len(tree) > 64 and type(tree[0]) is int:
+        try:  # (an RNG's 625 words: hashed as they are)
+            return hash(tree)
+        except TypeError:
+            pass
     if isinstance(tree, list | tuple):
-        if tree and all(type(x) is int for x in tree):  # (an RNG's words: hashed as they are)
-            return hash(tuple(tree))
         return hash(tuple(_plain_hash(v, f"{path}/{i}", tensors) for i, v in enumerate(tree)))
     if isinstance(tree, np.ndarray):
         return hash((tree.dtype.str, tree.shape, tree.tobytes()))
