@@ -11,7 +11,9 @@ the tracked objects' own parameters by its layout (device type, shape, ranks, di
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -29,13 +31,38 @@ def _dtensor_type() -> Any:
     return getattr(mod, "DTensor", None) if mod is not None else None
 
 
+# a mesh's layout, kept from when its group was alive: a mesh sliced from a bigger one (a 2-D
+# mesh's dimension) asks the default group for its ranks, which a recovery has destroyed by the
+# time it turns the live state portable (runtime/steps/live.py)
+_LAYOUTS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
 def mesh_layout(mesh: Any) -> dict[str, Any]:
-    return {
+    try:
+        known = _LAYOUTS.get(mesh)
+    except TypeError:  # (an object that takes no weak reference: nothing kept)
+        known = None
+    if known is not None:
+        return known
+    layout = {
         "device_type": mesh.device_type,
         "shape": list(mesh.mesh.shape),
         "ranks": mesh.mesh.flatten().tolist(),
         "dims": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
     }
+    with contextlib.suppress(TypeError):
+        _LAYOUTS[mesh] = layout
+    return layout
+
+
+def remember_meshes(module: torch.nn.Module) -> None:
+    """Keep the layouts of the meshes ``module``'s DTensor parameters live on (while their group
+    is alive)."""
+    dt = _dtensor_type()
+    if dt is not None:
+        for p in module.parameters():
+            if isinstance(p, dt):
+                mesh_layout(p.device_mesh)
 
 
 def placement_to_json(p: Any) -> list[Any]:

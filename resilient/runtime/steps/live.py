@@ -113,7 +113,10 @@ class LiveResume:
 
     def tracked(self, name: str, obj: Any) -> None:
         """Count ``obj``'s steps (hooks registered after the detectors': a step the guard rejects
-        before its update never reaches them)."""
+        before its update never reaches them); a model's meshes are described now, while their
+        group is alive (:meth:`state` makes the live state portable after it is gone)."""
+        if self.enabled and isinstance(obj, torch.nn.Module):
+            dtensor.remember_meshes(obj)
         if not self.enabled or not isinstance(obj, torch.optim.Optimizer) or obj in self._hooked:
             return
         self._hooked.add(obj)
