@@ -39,7 +39,7 @@ from resilient.runtime.steps.live import LiveResume, _Capture, _Later
 from resilient.state.snapshot import Frozen
 
 Mode = Literal["warn", "stop", "off"]
-BUDGET = 0.005  # of a step's time: what the digest may cost
+BUDGET = 0.002  # of a step's time: what the digest may cost (the steps after a snapshot aside)
 CALIBRATE = 5  # digests timed before ``every`` is set
 MAX_KEPT = 4096  # digests kept at most (a snapshot further back is checked where one is kept)
 AFTER = 3  # the steps after each snapshot digested whatever the cadence: a replay starts at one
