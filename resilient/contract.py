@@ -11,6 +11,9 @@ variables): what a worker and its ``resilient launch`` agent read and write of e
 - **The replacement mark**: a rank to be replaced alone, named by its node's straggler judge
   (``straggler.action: replace``) or by itself (a replica found corrupt twice); the agent ends
   that worker and replaces it like a dead one, its survivors staying in their processes.
+- **The stopping mark**: the agent is about to stop its workers (SIGTERM): a worker that gets a
+  SIGTERM without it was sent one by someone else (Slurm signals every process of a job step at
+  a requeue, a node failure or ``scancel``) and takes it as a preemption, a final checkpoint first.
 - **The run's namespace** in the job's store: where the runtime's keys live, and where the agent
   posts a dead rank's fault so that its survivors' listeners wake.
 - **Where the heartbeats live**: one directory per launcher in ``/dev/shm``.
@@ -113,6 +116,25 @@ def mark_replace(directory: Path, local_rank: int, detail: dict[str, Any]) -> bo
 def take_replace(directory: Path, local_rank: int) -> dict[str, Any] | None:
     """The agent side: the replacement mark of ``local_rank``, removed as it is read."""
     return _take(replace_path(directory, local_rank))
+
+
+def stopping_path(directory: Path) -> Path:
+    """Where the agent says it is stopping its workers (see the module docstring)."""
+    return directory / "agent.stopping"
+
+
+def mark_stopping(directory: Path, stopping: bool) -> None:
+    """The agent side: set (before it stops its workers) or clear (once new ones started)."""
+    with contextlib.suppress(OSError):
+        if stopping:
+            stopping_path(directory).touch()
+        else:
+            stopping_path(directory).unlink(missing_ok=True)
+
+
+def agent_stopping(directory: Path | None) -> bool:
+    """The worker side: the SIGTERM just received is its agent's (stop now), not a scheduler's."""
+    return directory is not None and stopping_path(directory).exists()
 
 
 def clear_worker(directory: Path, local_rank: int) -> None:

@@ -57,6 +57,7 @@ from resilient.contract import (
     beat_path,
     clear_worker,
     is_unhealthy,
+    mark_stopping,
     read_beat,
     take_replace,
     take_unhealthy,
@@ -204,6 +205,7 @@ class ResilientAgent(LocalElasticAgent):
             self._lost_reported = False
         for w in worker_group.workers:
             clear_worker(self.heartbeat_dir, w.local_rank)
+        mark_stopping(self.heartbeat_dir, False)  # (a SIGTERM the new workers get is not ours)
         self._oom = oom_kills()
         # Every agent of a rendezvous round sees the same round number, unlike its restart count
         # (an agent restarted for a peer's failure does not count it): the workers' store keys and
@@ -236,7 +238,12 @@ class ResilientAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         reason, self._group_reason = self._group_reason, None
         self._emit(Event.GROUP_STOPPED, restart=self._restarts, **({"reason": reason} if reason else {}))
+        mark_stopping(self.heartbeat_dir, True)  # (our SIGTERM: stop now, not a preemption)
         super()._stop_workers(worker_group)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        mark_stopping(self.heartbeat_dir, True)
+        super()._shutdown(death_sig, timeout)
 
     # ---- monitoring -------------------------------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:

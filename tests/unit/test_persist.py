@@ -120,3 +120,38 @@ def test_ranks_that_saved_different_steps_agree_again_after_a_restore(tmp_path: 
     assert saved.next_save == interrupted.next_save == 18
     saved.ckpt.close()
     interrupted.ckpt.close()
+
+
+def test_a_sigterm_not_from_the_agent_is_a_preemption_and_the_agents_stops_the_process(
+    tmp_path: Path,
+) -> None:
+    # under resilient launch, Slurm's SIGTERM (a requeue, scancel, a node failure: every process of
+    # the job step gets one) asks for the final checkpoint; the agent's own (the stopping mark set
+    # first) goes to the handler there was before, as always
+    import os
+    import signal
+
+    from resilient.contract import agent_stopping, mark_stopping
+
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    before: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: before.append(signum))
+    p = Persistence(
+        CheckpointConfig(dir=tmp_path / "ck"), rank=0, world_size=1, token="t",
+        events=EventLog(tmp_path / "events.jsonl", 0), exchange=lambda name, payload: [payload],
+        signals=("SIGUSR1",), agent_stopping=lambda: agent_stopping(hb),
+    )  # fmt: skip
+    try:
+        p.install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert p.preempt_requested == "SIGTERM" and before == []
+        p.preempt_requested = None
+        mark_stopping(hb, True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert p.preempt_requested is None and before == [signal.SIGTERM]
+        mark_stopping(hb, False)
+        assert not agent_stopping(hb)
+    finally:
+        p.uninstall()
+        signal.signal(signal.SIGTERM, old)

@@ -31,7 +31,7 @@ from loguru import logger
 
 from resilient.checkpoint import flushed
 from resilient.checkpoint.shm import ShmSnapshot
-from resilient.contract import die_with_launcher, mark_replace
+from resilient.contract import agent_stopping, die_with_launcher, mark_replace
 from resilient.detectors.straggler_watch import Place, StragglerWatch
 from resilient.detectors.stragglers import Stragglers
 from resilient.errors import (
@@ -105,6 +105,9 @@ def collaborators(setup: Setup, wiring: Wiring) -> Collaborators:
             exchange=lambda name, payload: coord.exchange(session.generation, name, payload),
             agree=lambda name, payload, how: coord.agree(session.generation, name, payload, how),
             signals=launch.preempt_signals,
+            agent_stopping=(
+                (lambda: agent_stopping(launch.heartbeat_dir)) if launch.heartbeat_dir is not None else None
+            ),
         )
     shm = replica = None
     if launch.shm_name is not None:  # `resilient launch` keeps it across relaunches

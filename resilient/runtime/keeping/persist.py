@@ -20,6 +20,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -50,11 +51,15 @@ class Persistence:
         exchange: Callable[[str, str], list[str]],
         signals: tuple[str, ...] | None = None,
         agree: Callable[[str, str, str], str] | None = None,
+        agent_stopping: Callable[[], bool] | None = None,
     ) -> None:
         assert cfg.dir is not None
         self.cfg = cfg
-        # `resilient launch` stops workers with SIGTERM and forwards preemption as SIGUSR1
+        # `resilient launch` stops workers with SIGTERM and forwards preemption as SIGUSR1;
+        # ``agent_stopping``: under it, whether a SIGTERM is the agent's (stop now) or a
+        # scheduler's, which signals every process of a job step (a preemption: checkpoint first)
         self.signals = signals
+        self.agent_stopping = agent_stopping
         self.rank = rank
         self.events = events
         self._exchange = exchange  # (name, payload) -> every rank's payload, through the store
@@ -82,6 +87,22 @@ class Persistence:
         for name in self.signals or self.cfg.preempt_signals:
             signum = getattr(signal, name)
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        if self.agent_stopping is not None and signal.SIGTERM not in self._previous_handlers:
+            self._previous_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        """A SIGTERM under ``resilient launch``: the agent's stops the process as it always did;
+        anyone else's (Slurm's) asks for the final checkpoint, as SIGUSR1 does."""
+        assert self.agent_stopping is not None
+        if not self.agent_stopping():
+            self._on_signal(signum, frame)
+            return
+        previous = self._previous_handlers.get(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def uninstall(self) -> None:
         for signum, handler in self._previous_handlers.items():

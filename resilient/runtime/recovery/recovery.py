@@ -268,7 +268,8 @@ class Recovery:
             self._depart(gen)
             raise Preempted(f"preempted ({primary.message}); no checkpoint.dir, nothing saved", step)
         self.hard_timer.arm(self.session.cfg.checkpoint.commit_timeout_s + self.t.barrier)
-        persist.final(step, self.loop.ring.materialize(step), gen)
+        state, _ = self.keeper.materialize(step)  # (the ring's copy, or shared memory's)
+        persist.final(step, state, gen)
         self._depart(gen)
         raise Preempted(f"preempted ({primary.message}); final checkpoint at step {step} committed", step)
 
