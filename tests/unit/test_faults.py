@@ -119,3 +119,25 @@ def test_fault_record_message_is_truncated():
     rec = FaultRecord.from_exception(ValueError("y" * 5000), rank=0, generation=0, step=None)
     assert len(rec.message) <= len("ValueError: ") + 500
     assert FaultRecord.from_json(rec.to_json()).step is None
+
+
+def test_a_fault_wrapped_by_a_framework_is_classified_by_what_it_was_raised_from():
+    # torch.distributed.pipelining re-raises what a stage's forward or backward raised as
+    # RuntimeError("Stage 1 failed to run forward") from e: an OOM stays an OOM, named in the message
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("[Stage 1] failed to run backward for microbatch 2") from e
+    except RuntimeError as wrapped:
+        rec = FaultRecord.from_exception(wrapped, rank=1, generation=0, step=12)
+    assert (rec.kind, rec.severity) == ("oom", "soft"), rec
+    assert rec.signature.startswith("oom: OutOfMemoryError") and "from OutOfMemoryError" in rec.message
+    # a plain wrapper of a plain error stays an exception, signed by the wrapper
+    try:
+        try:
+            raise ValueError("bad batch")
+        except ValueError as e:
+            raise RuntimeError("[Stage 0] failed to run forward") from e
+    except RuntimeError as wrapped:
+        assert classify(wrapped) == ("exception", Severity.SOFT)

@@ -75,9 +75,27 @@ def _fixed(kind: str) -> str | None:
     return next(texts, None)
 
 
+def decisive(exc: BaseException) -> BaseException:
+    """The exception that says what ``exc`` is: itself, or the first of the errors it was raised
+    from (``raise ... from e``) that classifies as more than a plain exception. Frameworks wrap
+    what a step raised (torch.distributed.pipelining: ``RuntimeError("... failed to run
+    forward") from e``): an OOM or a detector's fault stays what it is."""
+    seen, e = 0, exc  # type: tuple[int, BaseException | None]
+    while e is not None and seen < 8:
+        if _classify_one(e)[0] != Symptom.EXCEPTION:
+            return e
+        e, seen = e.__cause__, seen + 1
+    return exc
+
+
 def classify(exc: BaseException) -> tuple[str, Severity]:
     """Map an exception to (kind, severity): a detector's fault by what its class says, the rest
-    by its type and message. Unknown exceptions are soft: retrying is bounded."""
+    by its type and message, looking through the errors it was raised from (:func:`decisive`).
+    Unknown exceptions are soft: retrying is bounded."""
+    return _classify_one(decisive(exc))
+
+
+def _classify_one(exc: BaseException) -> tuple[str, Severity]:
     msg = str(exc)
     if isinstance(exc, StepInterrupted):
         if exc.reason.startswith("preempt"):
@@ -110,6 +128,12 @@ def signature(kind: str, exc: BaseException) -> str:
     return f"{kind}: {type(exc).__name__}: {first}"
 
 
+def _cause(exc: BaseException) -> str:
+    """`` (from OutOfMemoryError: ...)`` where another exception decided what ``exc`` is."""
+    d = decisive(exc)
+    return "" if d is exc else f" (from {type(d).__name__}: {str(d)[:300]})"
+
+
 class MalformedRecord(ValueError):
     """A record read from the store is not one this runtime writes."""
 
@@ -139,8 +163,8 @@ class FaultRecord:
             step=step,
             kind=kind.value if isinstance(kind, Symptom) else kind,
             severity=sev.value,
-            signature=signature(kind, exc),
-            message=f"{type(exc).__name__}: {str(exc)[:500]}",
+            signature=signature(kind, decisive(exc)),
+            message=f"{type(exc).__name__}: {str(exc)[:500]}" + _cause(exc),
         )
 
     def to_json(self) -> str:
