@@ -147,9 +147,11 @@ def _fault_table(rows: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     t = Table(title="what each fault cost")
+    slurm = any(r.get("slurm") for r in rows)  # (a column only for runs under Slurm)
     for col in (
         "kind",
         "rank",
+        *(["Slurm"] if slurm else []),
         "step",
         "detect s",
         "recover s",
@@ -161,9 +163,9 @@ def _fault_table(rows: list[dict[str, Any]]) -> Any:
         t.add_column(col)
     for r in rows:
         t.add_row(
-            r["kind"], str(r["rank"]), str(r["step"]), f"{r['detect_s']:.3f}",
-            "—" if r["recover_s"] is None else f"{r['recover_s']:.3f}", r["source"] or "—",
-            "—" if r["steps_rerun"] is None else str(r["steps_rerun"]),
+            r["kind"], str(r["rank"]), *([r.get("slurm") or "—"] if slurm else []), str(r["step"]),
+            f"{r['detect_s']:.3f}", "—" if r["recover_s"] is None else f"{r['recover_s']:.3f}",
+            r["source"] or "—", "—" if r["steps_rerun"] is None else str(r["steps_rerun"]),
             "—" if r["work_lost_s"] is None else f"{r['work_lost_s']:.3f}", r["replay"] or "—",
         )  # fmt: skip
     return t

@@ -2,9 +2,10 @@
 
 ``torchrun`` sets the ``env://`` variables (rank, world, store address, restart count);
 ``resilient launch`` adds its own (heartbeat files, the shared-memory snapshot, the launch round,
-the preemption signals). The runtime reads them through :meth:`LaunchEnv.from_environ` at start-up
-and nowhere else; the launcher writes them through :class:`Var`, so a name cannot drift between
-the two sides.
+the preemption signals); Slurm's say which job, step and node a process runs in. The runtime
+reads them through :meth:`LaunchEnv.from_environ` at start-up and nowhere else (the launcher reads
+Slurm's through :meth:`SlurmPlace.from_environ`); the launcher writes its own through
+:class:`Var`, so a name cannot drift between the two sides.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class Var(str, enum.Enum):
     STORE_NAME_LOOKUPS = "RESILIENT_STORE_NAME_LOOKUPS"
     # `resilient launch --events-dir`: the workers' event logs go there too (not events.dir)
     EVENTS_DIR = "RESILIENT_EVENTS_DIR"
+    # Slurm (srun's tasks and what they start): where a fault happened, for the operator
+    SLURM_JOB_ID = "SLURM_JOB_ID"
+    SLURM_STEP_ID = "SLURM_STEP_ID"
+    SLURMD_NODENAME = "SLURMD_NODENAME"
+    SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"  # how often the job was requeued (unset: never)
 
     def __str__(self) -> str:
         return self.value
@@ -64,6 +70,35 @@ class Endpoint:
     local_rank: int
     hosts_store: bool
     local_world_size: int = 1  # ranks on this node (torchrun numbers them contiguously)
+
+
+@dataclass(frozen=True)
+class SlurmPlace:
+    """The Slurm job, step and node a process runs in: every event it writes names them."""
+
+    job: str
+    step: str | None  # None in the batch script itself (no srun step)
+    node: str | None
+    requeues: int = 0  # this run of the job follows that many requeues
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> SlurmPlace | None:
+        """None outside Slurm (no ``SLURM_JOB_ID``)."""
+        env = os.environ if environ is None else environ
+        job = env.get(Var.SLURM_JOB_ID.value)
+        if not job:
+            return None
+        requeues = env.get(Var.SLURM_RESTART_COUNT.value) or "0"
+        return cls(
+            job=job,
+            step=env.get(Var.SLURM_STEP_ID.value) or None,
+            node=env.get(Var.SLURMD_NODENAME.value) or None,
+            requeues=int(requeues) if requeues.isdigit() else 0,
+        )
+
+    def fields(self) -> dict[str, object]:
+        """The event log's static field ``slurm``: one key, so records outside Slurm stay as they were."""
+        return {"slurm": {"job": self.job, "step": self.step, "node": self.node, "requeues": self.requeues}}
 
 
 @dataclass(frozen=True)
@@ -84,6 +119,7 @@ class LaunchEnv:
     hooks: tuple[str, ...] = ()  # step-hook factories ("module:factory") this process loads
     store_name_lookups: bool = False  # torch's store sockets ask the resolver for their peers' names
     events_dir: Path | None = None  # `resilient launch --events-dir`: overrides the config's events.dir
+    slurm: SlurmPlace | None = None  # under Slurm: the job, step and node (named in every event)
 
     @property
     def under_launcher(self) -> bool:
@@ -151,4 +187,5 @@ class LaunchEnv:
             hooks=tuple(h.strip() for h in (get(Var.HOOKS) or "").split(",") if h.strip()),
             store_name_lookups=get(Var.STORE_NAME_LOOKUPS) == "1",
             events_dir=Path(events) if (events := get(Var.EVENTS_DIR)) else None,
+            slurm=SlurmPlace.from_environ(env),
         )

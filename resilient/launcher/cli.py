@@ -35,7 +35,7 @@ from resilient.checkpoint.shm import ShmSnapshot
 from resilient.contract import heartbeat_dir
 from resilient.errors import ExitCode
 from resilient.events import Event, EventLog
-from resilient.launch_env import Var
+from resilient.launch_env import SlurmPlace, Var
 from resilient.launcher.agent import ResilientAgent
 from resilient.launcher.elastic import Elastic
 from resilient.launcher.policy import LaunchConfig, LaunchPolicy
@@ -225,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[Var.PREEMPT_SIGNALS] = "SIGUSR1"  # SIGTERM from the agent means "stop now"
     shm_name = f"{config.run_id}-{os.getpid()}"
     os.environ[Var.SHM_NAME] = shm_name  # workers snapshot there; kept across relaunches
-    events = EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1)
+    slurm = SlurmPlace.from_environ()  # (srun's task: the agent's events name its node too)
+    where = slurm.fields() if slurm is not None else {}
+    events = EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1, **where)
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             run_id=config.run_id,
             heartbeat_dir=hb_dir,
             global_ranks=lambda: {w.local_rank: w.global_rank for w in agent.workers()},
+            labels={"slurm_job_id": slurm.job} if slurm is not None else None,
         )
         exporter = Exporter(metrics, args.metrics_port, args.metrics_addr)
         if not exporter.start():
@@ -311,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         agent.verdict is None and not agent.excluded and result.is_failed()
     ):
         cause = agent.failures[-1]["cause"] if agent.failures else "restarts exhausted"
-        with EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1) as log:
+        with EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1, **where) as log:
             log.emit(Event.RUN_FAILED, generation=0, step=None, error=f"resilient launch: {cause}",
                      exitcode=agent.verdict)  # fmt: skip
     if agent.verdict is not None:

@@ -82,6 +82,7 @@ class Incident:
     source: str | None = None  # where the restored state came from: live | ring | shm (state_restored)
     work_lost_s: float | None = None  # the restored step's start to the fault: the work thrown away
     records: list[dict[str, Any]] = field(default_factory=list)
+    slurm: dict[str, Any] | None = None  # under Slurm: the job, step and node it happened on (as ``host``)
 
     @property
     def detect_s(self) -> float:
@@ -226,6 +227,7 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
                 rank=frank,
                 step=fstep,
                 host=e.get("host") if own else None,
+                slurm=e.get("slurm") if own else None,
                 pid=pid if not own or pid is not None else e.get("pid"),
                 noticed_by=by,
                 signature=sig,
@@ -239,10 +241,11 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
             open_.start, open_.detected = min(open_.start, origin), min(open_.detected, noticed)
             if ev == Event.FAULT_DETECTED and open_.host is None and rank == open_.rank:
                 open_.host, open_.pid = e.get("host"), e.get("pid")  # the origin's own record
+                open_.slurm = e.get("slurm")
             if ev != Event.FAULT_DETECTED and not open_.agent_cause:
                 # a dead or silent worker explains what its peers saw (a broken collective)
                 open_.kind, open_.rank, open_.signature, open_.pid = kind, frank, sig, pid
-                open_.host = e.get("host")
+                open_.host, open_.slurm = e.get("host"), e.get("slurm")
                 open_.step = fstep if fstep is not None else open_.step
                 open_.agent_cause = True
         elif ev == Event.RUN_FAILED and open_ is not None:

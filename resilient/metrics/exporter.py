@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +49,13 @@ class RunMetrics:
         heartbeat_dir: Path | None = None,
         global_ranks: Callable[[], dict[int, int]] | None = None,
         refresh_s: float = 5.0,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.tail = LogTail(log)
         self.run_id = run_id
+        # every series' own labels: the run, and where the launcher knows it, the Slurm job
+        self.labels = {"run_id": run_id, **(labels or {})}
+        self._ids = list(self.labels.values())
         self.heartbeat_dir = heartbeat_dir
         self.global_ranks = global_ranks  # local rank -> global rank, from the agent
         self.refresh_s = refresh_s
@@ -103,7 +107,7 @@ class RunMetrics:
             self.warn_once("collect", f"a scrape failed ({type(e).__name__}: {e})")
         self.cpu_s += time.thread_time() - t0
         yield _counter("resilient_exporter_cpu_seconds", "CPU time of this endpoint's own work",
-                       {"run_id": self.run_id}, self.cpu_s)  # fmt: skip
+                       self.labels, self.cpu_s)  # fmt: skip
 
     def _collect(self) -> Iterator[Any]:
         with self._lock:
@@ -123,13 +127,13 @@ class RunMetrics:
         )
 
         acc = m.accounting
-        run = {"run_id": self.run_id}
+        run = self.labels
         labels = list(run)
         state = GaugeMetricFamily(
             "resilient_run_state", "1 for the run's current state", labels=[*labels, "state"]
         )
         for s in ("starting", "running", "recovering", "finished", "failed"):
-            state.add_metric([self.run_id, s], float(m.state == s))
+            state.add_metric([*self._ids, s], float(m.state == s))
         yield state
         yield _gauge(
             "resilient_generation", "the newest generation (in-process restarts so far)", run, m.generation
@@ -140,7 +144,7 @@ class RunMetrics:
             labels=[*labels, "warmth"],
         )
         for w in ("parked", "imported"):
-            ready.add_metric([self.run_id, w], float(sum(v == w for v in m.standbys.values())))
+            ready.add_metric([*self._ids, w], float(sum(v == w for v in m.standbys.values())))
         yield ready
         yield _counter(
             "resilient_standby_fallbacks", "standbys that could not park in the script (standby_fallback)",
@@ -157,13 +161,13 @@ class RunMetrics:
             k = (i.kind, str(i.rank), i.host or "")
             by[k] = by.get(k, 0) + 1
         for (kind, rank, host), n in sorted(by.items()):
-            faults.add_metric([self.run_id, kind, rank, host], n)
+            faults.add_metric([*self._ids, kind, rank, host], n)
         yield faults
         if m.info:
             info = InfoMetricFamily(
                 "resilient_run", "the run's engine, backend and world size", labels=labels
             )
-            info.add_metric([self.run_id], m.info)
+            info.add_metric(self._ids, m.info)
             yield info
         restarts = CounterMetricFamily(
             "resilient_restarts",
@@ -172,7 +176,7 @@ class RunMetrics:
         )
         for mode in ("in_process", "replacement", "relaunch"):
             restarts.add_metric(
-                [self.run_id, mode], sum(i.mode == mode and i.end is not None for i in incidents)
+                [*self._ids, mode], sum(i.mode == mode and i.end is not None for i in incidents)
             )
         yield restarts
         yield _histogram(
@@ -189,7 +193,7 @@ class RunMetrics:
         for mode in ("in_process", "replacement", "relaunch"):
             vals = [i.recover_s for i in incidents if i.mode == mode and i.recover_s is not None]
             buckets, total = _buckets(vals, RECOVER_BUCKETS)
-            rec.add_metric([self.run_id, mode], buckets, total)
+            rec.add_metric([*self._ids, mode], buckets, total)
         yield rec
         # the in-process recoveries' phases (docs/recovery.md#phases): each ended one, once
         phased = [p for i in incidents if i.end is not None and (p := of_incident(i)) is not None]
@@ -201,7 +205,7 @@ class RunMetrics:
         for name in PHASES:
             vals = [v for p in phased if (v := p.seconds.get(name)) is not None]
             buckets, total = _buckets(vals, PHASE_BUCKETS)
-            ph.add_metric([self.run_id, name], buckets, total)
+            ph.add_metric([*self._ids, name], buckets, total)
         yield ph
         stragglers = CounterMetricFamily(
             "resilient_stragglers",
@@ -214,8 +218,8 @@ class RunMetrics:
             labels=[*labels, "rank", "host"],
         )
         for (slow, where), (n, factor) in sorted(m.stragglers.items()):
-            stragglers.add_metric([self.run_id, str(slow), where], n)
-            slowdown.add_metric([self.run_id, str(slow), where], factor)
+            stragglers.add_metric([*self._ids, str(slow), where], n)
+            slowdown.add_metric([*self._ids, str(slow), where], factor)
         yield stragglers
         yield slowdown
         rerun = sum(i.steps_rerun or 0 for i in incidents)
@@ -227,7 +231,7 @@ class RunMetrics:
             labels=[*labels, "cause"],
         )
         for c in (*CAUSES, OTHER):
-            t.add_metric([self.run_id, c], acc.seconds[c] if acc is not None else 0.0)
+            t.add_metric([*self._ids, c], acc.seconds[c] if acc is not None else 0.0)
         yield t
         if acc is not None and acc.goodput is not None:
             yield _gauge("resilient_goodput_ratio", "productive step time / wall time", run, acc.goodput)
@@ -235,7 +239,7 @@ class RunMetrics:
             last = incidents[-1]
             info = InfoMetricFamily("resilient_last_fault", "the newest fault", labels=labels)
             info.add_metric(
-                [self.run_id],
+                self._ids,
                 {
                     "kind": last.kind,
                     "rank": str(last.rank),
@@ -254,7 +258,7 @@ class RunMetrics:
             "resilient_checkpoints", "checkpoint saves by outcome (per rank)", labels=[*labels, "outcome"]
         )
         for o in ("saved", "failed", "rejected"):
-            ck.add_metric([self.run_id, o], m.checkpoints.get(o, 0))
+            ck.add_metric([*self._ids, o], m.checkpoints.get(o, 0))
         yield ck
         yield _histogram(
             HistogramMetricFamily,
@@ -286,16 +290,16 @@ class RunMetrics:
     def _per_rank(self, name: str, doc: str, values: dict[int, float]) -> Any:
         from prometheus_client.core import GaugeMetricFamily
 
-        f = GaugeMetricFamily(name, doc, labels=["run_id", "rank"])
+        f = GaugeMetricFamily(name, doc, labels=[*self.labels, "rank"])
         for r, v in sorted(values.items()):
-            f.add_metric([self.run_id, str(r)], v)
+            f.add_metric([*self._ids, str(r)], v)
         return f
 
     def _live(self, m: Model) -> Iterator[Any]:
         """What changes between two reads of the log: the heartbeats, and steps they carry."""
         from prometheus_client.core import GaugeMetricFamily
 
-        labels = ["run_id"]
+        labels = list(self.labels)
         step = GaugeMetricFamily("resilient_step", "the newest completed step", labels=[*labels, "rank"])
         step_ts = GaugeMetricFamily(
             "resilient_last_step_timestamp_seconds",
@@ -311,8 +315,8 @@ class RunMetrics:
             if r not in steps or beat_step >= steps[r][0]:
                 steps[r] = (beat_step, now - age)
         for r, (n, ts) in sorted(steps.items()):
-            step.add_metric([self.run_id, str(r)], n)
-            step_ts.add_metric([self.run_id, str(r)], ts)
+            step.add_metric([*self._ids, str(r)], n)
+            step_ts.add_metric([*self._ids, str(r)], ts)
         yield step
         yield step_ts
         yield self._per_rank("resilient_step_seconds", "recent step time", m.step_s)
@@ -327,7 +331,7 @@ class RunMetrics:
             labels=[*labels, "rank", "local_rank"],
         )
         for local, (age, _s, _gen) in sorted(beats.items()):
-            hb.add_metric([self.run_id, str(g.get(local, local)), str(local)], age)
+            hb.add_metric([*self._ids, str(g.get(local, local)), str(local)], age)
         yield hb
 
 

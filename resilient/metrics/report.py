@@ -42,6 +42,16 @@ def _clock(ts: float) -> str:
     return datetime.fromtimestamp(ts).strftime("%H:%M:%S.%f")[:-3]
 
 
+def slurm_place(slurm: dict[str, Any] | None) -> str | None:
+    """``job 812345.0 on n2`` (``, requeued 1x`` after a requeue): where Slurm ran the fault."""
+    if not slurm or not slurm.get("job"):
+        return None
+    step = f".{slurm['step']}" if slurm.get("step") is not None else ""
+    node = f" on {slurm['node']}" if slurm.get("node") else ""
+    again = f", requeued {slurm['requeues']}x" if slurm.get("requeues") else ""
+    return f"job {slurm['job']}{step}{node}{again}"
+
+
 def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) -> list[str]:
     """One human-readable block per fault: where, what, who noticed, how it ended, and what the
     faulty rank (or the agent, for a silent one) saw: its traceback or every thread's stack."""
@@ -53,6 +63,7 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
             f"rank {inc.rank}"
             + (f" on {inc.host}" if inc.host else "")
             + (f", pid {inc.pid}" if inc.pid else "")
+            + (f" (Slurm {place})" if (place := slurm_place(inc.slurm)) else "")
         )
         lines = [f"fault {n}: {inc.kind} on {where}, step {inc.step if inc.step is not None else '?'}"]
         lines.append(
@@ -131,7 +142,7 @@ def fault_rows(events: list[dict[str, Any]], acc: Accounting | None = None) -> l
             "kind": inc.kind, "rank": inc.rank, "step": inc.step, "mode": inc.mode,
             "detect_s": inc.detect_s, "recover_s": inc.recover_s, "source": inc.source,
             "steps_rerun": inc.steps_rerun, "work_lost_s": inc.work_lost_s,
-            "replay": replay_of(events, inc.start, later),
+            "replay": replay_of(events, inc.start, later), "slurm": slurm_place(inc.slurm),
         })  # fmt: skip
     return rows
 

@@ -30,6 +30,21 @@ def test_each_emit_appends_one_json_line(tmp_path: Path):
     assert second["step"] is None and second["from_step"] == 16 and second["ts"] >= first["ts"]
 
 
+def test_under_slurm_every_record_names_the_job_step_and_node(tmp_path: Path):
+    from resilient.launch_env import LaunchEnv, SlurmPlace
+
+    env = {"SLURM_JOB_ID": "812345", "SLURM_STEP_ID": "0", "SLURMD_NODENAME": "n2",
+           "SLURM_RESTART_COUNT": "2"}  # fmt: skip
+    launch = LaunchEnv.from_environ(env)
+    assert launch.slurm == SlurmPlace(job="812345", step="0", node="n2", requeues=2)
+    assert LaunchEnv.from_environ({}).slurm is None
+    assert SlurmPlace.from_environ({"SLURM_JOB_ID": "7"}) == SlurmPlace("7", None, None, 0)
+    with EventLog(tmp_path / "events.jsonl", rank=1, **launch.slurm.fields()) as log:
+        rec = log.emit(Event.FAULT_DETECTED, generation=0, step=3, kind="exception")
+    assert rec["slurm"] == {"job": "812345", "step": "0", "node": "n2", "requeues": 2}
+    assert read_events(tmp_path / "events.jsonl") == [rec]
+
+
 def test_ranks_append_to_the_same_file(tmp_path: Path):
     path = tmp_path / "events.jsonl"
     logs = [EventLog(path, rank=r) for r in range(3)]

@@ -563,3 +563,38 @@ def test_the_events_table_names_a_replaced_rank_as_the_origin() -> None:
     # without a replacement the first fault stands
     (row,) = summarize([e for e in events if e["event"] != "rank_replaced"])
     assert (row["kind"], row["origin_rank"]) == ("collective", 0)
+
+
+def under_slurm(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same run with the Slurm place every process's event log adds (rank 1 on node n2)."""
+    node = {0: "n1", 1: "n2", -1: "n2"}
+    return [{**e, "slurm": {"job": "812345", "step": "0", "node": node[e["rank"]], "requeues": 1}}
+            for e in events]  # fmt: skip
+
+
+def test_report_events_and_metrics_name_the_slurm_job_step_and_node_of_a_fault(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # (rich wraps a wide table's cells at 80)
+    log = write_log(tmp_path, under_slurm(in_process_run()))
+    assert cli(["events", str(log.parent), "--faults"]) == 0
+    out = capsys.readouterr().out
+    assert "fault 1: exception on rank 1 on h, pid 101 (Slurm job 812345.0 on n2, requeued 1x)" in out
+    assert cli(["report", str(log.parent), "--png", ""]) == 0
+    assert "812345.0 on n2" in capsys.readouterr().out
+    assert cli(["report", str(log.parent), "--png", "", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["faults"]
+    assert row["slurm"] == "job 812345.0 on n2, requeued 1x"
+    m = RunMetrics(log, run_id="slurm-812345", refresh_s=0.0, labels={"slurm_job_id": "812345"})
+    m.poll(force=True)
+    ex = Exporter(m, 0, "127.0.0.1", poll_s=0.05)
+    assert ex.start()
+    try:
+        got = scrape(ex.port)
+    finally:
+        ex.close()
+    for name in ("resilient_faults_total", "resilient_goodput_ratio", "resilient_step", "resilient_run_info"):
+        assert {s.labels.get("slurm_job_id") for s in got[name]} == {"812345"}, name
+    # outside Slurm the report has no Slurm column
+    assert cli(["report", str(write_log(tmp_path / "plain", in_process_run()).parent), "--png", ""]) == 0
+    assert "Slurm" not in capsys.readouterr().out

@@ -115,7 +115,9 @@ class Session:
             return
         from resilient.metrics.exporter import Exporter, RunMetrics
 
-        metrics = RunMetrics(log, run_id=self.run_id, refresh_s=m.refresh_s)
+        slurm = self.launch.slurm
+        labels = {"slurm_job_id": slurm.job} if slurm is not None else None
+        metrics = RunMetrics(log, run_id=self.run_id, refresh_s=m.refresh_s, labels=labels)
         ex = Exporter(metrics, m.port, m.addr, poll_s=min(1.0, m.refresh_s))
         if ex.start():
             self.wiring.on_close.append(ex.close)

@@ -114,7 +114,10 @@ def wire(setup: Setup) -> Wiring:
         side_store=lambda timeout: coord_mod.client(ep.host, port, timeout),
         run_id=run_id,
         events=EventLog(
-            (launch.events_dir or cfg.events.dir) / run_id / "events.jsonl", ep.rank, attempt=launch.attempt
+            (launch.events_dir or cfg.events.dir) / run_id / "events.jsonl",
+            ep.rank,
+            attempt=launch.attempt,
+            **(launch.slurm.fields() if launch.slurm is not None else {}),
         ),
         build_group=group,
         heartbeat=Heartbeat.for_worker(launch),
