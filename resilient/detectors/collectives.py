@@ -29,8 +29,12 @@ On a job linked by node (:mod:`resilient.runtime.coordination.node`), ring neigh
 their node's store; a node's first rank also posts to the job's store, where the previous node's
 last rank reads it: the job's server sees two requests per node and check.
 
-Ranks that legitimately issue different collectives on the default group (e.g. pipeline stages'
-point-to-point traffic on it) turn the check off: ``collective_check: false``.
+Point-to-point ops (a pipeline's sends and receives) are not collectives: gloo counts them in
+the sequence number, and stages issue different numbers of them. They are counted apart, per peer
+and direction, on every group (:mod:`.p2p`), taken out of the count, and posted with it: each rank
+compares what it sent to and received from each peer it exchanged with against that peer's post,
+so a stage that skips a send is a desync naming both ranks; at a hang, two ranks blocked on
+receives the other never sent are a deadlock, named the same way.
 
 The same post carries the rank's digests of its replicated state (``sdc``, see
 :mod:`resilient.state.digest`), one per replica group: each rank compares each with the next member
@@ -44,17 +48,18 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Protocol
 
 import torch.distributed as dist
 
+from resilient.detectors import p2p
 from resilient.detectors.base import Detector, Run
+from resilient.detectors.peer_wait import PeerWait
 from resilient.detectors.replicas import SilentCorruption
 from resilient.errors import SoftFault
 from resilient.state.digest import Group, group_id, next_member
 
-__all__ = ["CollectiveCheck", "CollectiveCount", "CollectiveDesync", "issued_on_default_group"]
+__all__ = ["CollectiveCheck", "CollectiveCount", "CollectiveDesync", "PeerWait", "issued_on_default_group"]
 
 
 class CollectiveDesync(SoftFault):
@@ -83,8 +88,9 @@ class CollectiveCheck(Detector):
     config_default = True
     config_description = (
         "compare each step's collective count across ranks before its state is kept (a rank that "
-        "skipped a collective is a desync fault, never a silently wrong snapshot); off only where "
-        "ranks legitimately issue different collectives on the default group"
+        "skipped a collective is a desync fault, never a silently wrong snapshot; point-to-point ops, "
+        "a pipeline's, are compared per peer); off only where ranks legitimately issue different "
+        "collectives on the default group"
     )
     faults = (CollectiveDesync,)
 
@@ -94,6 +100,14 @@ class CollectiveCheck(Detector):
 
     def __init__(self, counts: bool) -> None:
         self.counts = counts
+
+    def install(self) -> None:
+        if self.counts:  # point-to-point ops counted apart from collectives, per peer (p2p.py)
+            p2p.install()
+
+    def uninstall(self) -> None:
+        if self.counts:
+            p2p.uninstall()
 
     def window(
         self, store: dist.Store, prefix: str, rank: int, world: int, via: NodeLinkHolder | None, digests: bool
@@ -106,19 +120,27 @@ class CollectiveCheck(Detector):
 
 
 _ABSENT = "\x00absent"  # never a count: what a read of a key not posted yet returns
+_BLOCKED = "blocked"  # in a hung rank's post: its main thread waits on its peers (a victim)
 
 
 class _Posted(NamedTuple):
-    """What a rank posted for a window: its count and its digests by replica group id."""
+    """What a rank posted for a window: its count, its digests by replica group id, and its
+    point-to-point ops by direction and peer (p2p.py)."""
 
     n: int  # the count
     digests: dict[str, str]
+    ops: dict[str, int]
 
     @classmethod
     def parse(cls, raw: bytes | str) -> _Posted:
         text = raw.decode() if isinstance(raw, bytes) else raw
-        n, *pairs = text.split(" ")
-        return cls(int(n), dict(p.split("=", 1) for p in pairs))
+        n, *tokens = text.split(" ")
+        pairs = [t.split("=", 1) for t in tokens if t and t != _BLOCKED]
+        return cls(
+            int(n) if n else -1,
+            {k: v for k, v in pairs if not p2p.is_token(k)},
+            {k: int(v) for k, v in pairs if p2p.is_token(k)},
+        )
 
 
 class NodeStores(Protocol):
@@ -142,48 +164,20 @@ class NodeLinkHolder(Protocol):
 
 
 def issued_on_default_group() -> int:
-    """How many collectives the default process group has issued (its sequence number); -1
-    without a group (destroyed) or on a backend that does not count."""
+    """How many collectives the default process group has issued (its sequence number, less the
+    point-to-point ops that took one); -1 without a group (destroyed) or on a backend that does
+    not count."""
     try:
         pg = dist.distributed_c10d._get_default_group()
-        return int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
+        return int(pg._get_sequence_number_for_group()) - p2p.TALLY.taken(pg)  # type: ignore[attr-defined]
     except (RuntimeError, ValueError, AttributeError):  # no group (destroyed), or a backend without
         return -1
 
 
-@dataclass
-class PeerWait:
-    """What this rank's main thread waits for in a step check, while it does (the monitor thread
-    reads it: a wait longer than ``peer_report`` is said, with what holds it up)."""
-
-    key: str
-    peer: int
-    since: float  # time.monotonic() when the wait began
-    request_since: float | None = None  # a store request in flight since then (None: between two)
-    reads: int = 0
-    slowest_s: float = 0.0  # the slowest store request so far
-    reported: bool = False
-
-    def cause(self, now: float, bound: float) -> str:
-        """``store``: a request has been in flight for half the bound or more (the store, not the
-        peer, holds it up); else ``peer`` (its count is not posted yet: it is behind, or hangs)."""
-        in_flight = now - self.request_since if self.request_since is not None else 0.0
-        return "store" if max(in_flight, self.slowest_s) >= 0.5 * bound else "peer"
-
-    def describe(self, now: float, bound: float) -> str:
-        in_flight = now - self.request_since if self.request_since is not None else None
-        what = (
-            f"its store request in flight for {in_flight:.2f} s"
-            if in_flight is not None and self.cause(now, bound) == "store"
-            else f"rank {self.peer} has not posted it ({self.reads} reads, "
-            f"slowest {self.slowest_s * 1e3:.1f} ms)"
-        )
-        return f"waits {now - self.since:.2f} s for rank {self.peer}'s collective count ({self.key}): {what}"
-
-
 class CollectiveCount:
     """Collective counts of one rank per check window, posted under ``<prefix>/<k>/<rank>`` for
-    the ``k``-th check of the generation (every rank checks at the same steps)."""
+    the ``k``-th check of the generation (every rank checks at the same steps), with the window's
+    point-to-point ops counted by ``tally`` (p2p.py)."""
 
     def __init__(
         self,
@@ -194,8 +188,13 @@ class CollectiveCount:
         coord: NodeLinkHolder | None = None,
         *,
         counts: bool = True,
+        tally: p2p.Tally | None = None,
     ) -> None:
         self.store, self.prefix, self.rank, self.world = store, prefix, rank, world_size
+        self.tally = tally if tally is not None else p2p.TALLY
+        self._ops_base = self.tally.snapshot()  # the open window's point-to-point ops start here
+        self.peers: set[int] = set()  # ranks this one exchanged point-to-point ops with (the generation)
+        self._ops: dict[str, int] = {}  # the pending window's
         self.coord = coord  # its node link, while it lasts
         self.counts = counts  # False: the counts are posted but not compared (digests only)
         self.step: int | None = None
@@ -220,11 +219,12 @@ class CollectiveCount:
     def uncounted(self) -> Iterator[None]:
         """Leave what is issued inside out of the window: collectives of this rank alone, such as
         a handover's transfer to a replacement, which the other ranks never issue."""
-        seq = issued_on_default_group()
+        seq, ops = issued_on_default_group(), self.tally.snapshot()
         try:
             yield
         finally:
             self._base += issued_on_default_group() - seq
+            self._ops_base.update(self.tally.since(ops))
 
     def issued(self) -> int:
         """Collectives this rank issued in the open window."""
@@ -242,11 +242,13 @@ class CollectiveCount:
         first, waiting if need be."""
         if self._pending is not None:
             self.settle(block=True)
-        seq = issued_on_default_group()
+        seq, ops = issued_on_default_group(), self.tally.since(self._ops_base)
         n, since = seq - self._base, self._since if self._since is not None else step
         k = self.checks
         digests = digests or {}
-        value = " ".join([str(n), *(f"{group_id(g)}={d}" for g, d in digests.items())])
+        self.peers |= p2p.peers_in(ops) - {self.rank}
+        tokens = [f"{group_id(g)}={d}" for g, d in digests.items()] + p2p.encode(ops, self.peers)
+        value = " ".join([str(n), *tokens])
         try:
             self._post(k, value, self._stores_to_post(digests))
         except dist.DistNetworkError as e:  # the node's store died: post where the neighbour reads now
@@ -254,8 +256,9 @@ class CollectiveCount:
             self.coord.lose(e)
             self._post(k, value, [self.store])
         self.checks, self._base, self._since = k + 1, seq, None
+        self._ops_base.update(ops)
         if self.world > 1:
-            self._pending, self._digests = (k, n, since, step), digests
+            self._pending, self._digests, self._ops = (k, n, since, step), digests, ops
 
     def settle(self, block: bool, running: bool = True) -> bool:
         """Compare the pending window with the next rank's count: True once compared (or nothing
@@ -267,7 +270,8 @@ class CollectiveCount:
         k, n, since, step = self._pending
         peer = (self.rank + 1) % self.world
         posts: dict[int, _Posted] = {}
-        for p in [peer, *sorted({next_member(g, self.rank) for g in self._digests} - {peer})]:
+        members = {next_member(g, self.rank) for g in self._digests}
+        for p in [peer, *sorted((members | (self.peers if self.counts else set())) - {peer})]:
             key = self._key(k, p)
             got = self._read(key, p)
             if got is None and not block:
@@ -275,13 +279,17 @@ class CollectiveCount:
             posts[p] = got if got is not None else self._await(key, p)
         self._pending = None
         other = posts[peer].n
+        where = f"step {step}" if since == step else f"steps {since}-{step}"
         if self.counts and other != n:
-            where = f"step {step}" if since == step else f"steps {since}-{step}"
             raise CollectiveDesync(
                 f"collective desync in {where}: rank {self.rank} issued {n} collectives, "
                 f"rank {peer} issued {other}; the state is not kept",
                 window_end=step,
             )
+        for p in sorted(self.peers) if self.counts else ():
+            why = p2p.mismatch(self.rank, self._ops, p, posts[p].ops)
+            if why is not None:
+                raise CollectiveDesync(f"point-to-point desync in {where}: {why}; state not kept", step)
         for group, mine in self._digests.items():
             p = next_member(group, self.rank)
             theirs = posts[p].digests.get(group_id(group))
@@ -332,7 +340,7 @@ class CollectiveCount:
         node = self.coord.node if self.coord is not None else None
         if node is None:
             return [self.store]
-        readers = [g[(g.index(self.rank) - 1) % len(g)] for g in digests]
+        readers = [g[(g.index(self.rank) - 1) % len(g)] for g in digests] + sorted(self.peers)
         if self.rank == node.first or not all(node.holds(r) for r in readers):
             return [node.store, self.store]
         return [node.store]
@@ -382,10 +390,12 @@ class CollectiveCount:
         w.slowest_s = max(w.slowest_s, time.monotonic() - t0)
         return got
 
-    def diagnose(self, store: dist.Store) -> str | None:
+    def diagnose(self, store: dist.Store, blocked: bool = False, wait_s: float = 0.0) -> str | None:
         """From the monitor thread (its own store connection), while this rank seems hung: a
         neighbour that closed the open window after fewer collectives than this rank has issued
-        in it means this rank waits in a collective the neighbour never issued."""
+        in it means this rank waits in a collective the neighbour never issued; point-to-point
+        ops unmatched by a peer are :func:`p2p.diagnose_hang`'s (``blocked``: the main thread
+        waits on its peers; ``wait_s``: how long it waits for theirs)."""
         step = self.step
         if step is None or self.world == 1 or not self.counts:
             return None
@@ -407,7 +417,26 @@ class CollectiveCount:
                     f"collective desync in {where}: rank {peer} reached the next check after {other} "
                     f"collectives, rank {self.rank} has issued {n} since the last one and waits in the last"
                 )
-        return None
+        ops = self.tally.since(self._ops_base)
+        peers = (self.peers | p2p.peers_in(ops)) - {self.rank}
+        if not peers:
+            return None
+        mine = " ".join(["", *p2p.encode(ops, peers), *([_BLOCKED] if blocked else [])])
+
+        def read(p: int) -> tuple[bool, dict[str, int], bool] | None:
+            s = node.monitor if node is not None and node.holds(p) else store
+            for suffix, closed in (("", True), ("/hung", False)):
+                raw = s.compare_set(self._key(k, p) + suffix, _ABSENT, _ABSENT)
+                if raw != _ABSENT.encode():
+                    return closed, _Posted.parse(raw).ops, _BLOCKED in raw.decode().split()
+            return None
+
+        try:  # (posted where each peer reads it: its node's store, or the job's)
+            for s in [store] if node is None else [store, node.monitor]:
+                s.set(self._key(k, self.rank) + "/hung", mine)
+            return p2p.diagnose_hang(self.rank, ops, peers, where, read, blocked=blocked, wait_s=wait_s)
+        except Exception:  # the store is unreachable: no diagnosis, the hang stands
+            return None
 
 
 def _span(group: Group) -> str:

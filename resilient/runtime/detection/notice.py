@@ -184,7 +184,7 @@ class Detection:
         )  # fmt: skip
 
     def on_hang(self, generation: int, idle_s: float) -> None:
-        where, _ = self.main_thread_where()
+        where, blocked = self.main_thread_where()
         gen = self.loop.gen
         limit = self.t.hang if gen.stepped else self.t.startup
         msg = f"no step progress for {idle_s:.2f}s (limit {limit:g}s); main thread at {where}"
@@ -193,7 +193,9 @@ class Detection:
             msg += f"; it {wait.describe(time.monotonic(), self.t.peer_report)}"
         kind, sig = Symptom.HANG.value, "hang: no step progress"
         count = gen.count
-        desync = count.diagnose(self.monitor_store) if count is not None else None
+        # (a rank blocked on its peers waits a moment for theirs: a deadlock shows in both posts)
+        grace = self.t.victim_grace if blocked else 0.0
+        desync = count.diagnose(self.monitor_store, blocked, grace) if count is not None else None
         if desync is not None:  # waiting in a collective a neighbour finished the step without
             kind, msg = DESYNC, f"{desync} ({msg})"
             sig = CollectiveDesync.signature_text
