@@ -32,7 +32,7 @@ from resilient.runtime.keeping import resume
 from resilient.runtime.keeping.persist import Persistence
 from resilient.runtime.keeping.schedule import SnapshotSchedule
 from resilient.runtime.steps.generation import Generation
-from resilient.state import Registry, SnapshotRing
+from resilient.state import Registry, SnapshotRing, layout
 from resilient.state.digest import Leaf
 from resilient.state.dtensor import live_meshes
 from resilient.state.registry import RNG, restore_rng
@@ -150,6 +150,7 @@ class Mirrors:
         held = sorted(k for k in state if k != RNG)
         if set(held) != set(registry.names()):
             raise StateRestoreError(f"{source} holds {held}, but this run tracks {sorted(registry.names())}")
+        layout.check(dict(zip(registry.names(), registry.objects(), strict=True)), state, source)
         for name in held:
             registry.load(name, state[name])
         restore_rng(state[RNG])
