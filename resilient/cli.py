@@ -57,6 +57,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per fault generation, computed from the event log alone."""
+    from resilient.metrics.accounting import preemption
+
     rows = []
     # the launcher's agent replaced a dead rank whose survivors were in generation `join_generation`
     replaced = {e.get("join_generation"): e for e in events if e["event"] == Event.RANK_REPLACED}
@@ -65,7 +67,10 @@ def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         faults = [
             e
             for e in events
-            if e["generation"] == g and e["event"] == Event.FAULT_DETECTED and e["rank"] >= 0
+            if e["generation"] == g
+            and e["event"] == Event.FAULT_DETECTED
+            and e["rank"] >= 0
+            and not preemption(e)  # (run_preempted says it: no fault)
         ]
         if not faults:
             continue

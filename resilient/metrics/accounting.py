@@ -14,7 +14,8 @@ cause, the highest in this order among those that claim it:
                       that diverged): the recovery, and the steps done again after it
 ``rerun``             a step done again after a restore, and the part of a step a fault threw away
 ``productive``        a step completed for the first time
-``other``             nothing above (after the last step, until the processes report their end)
+``other``             nothing above (after the last step, until the processes report their end;
+                      a preempted job's time away, until its requeued run steps again)
 ====================  ==========================================================================
 
 Steps are exact with ``events.steps: true`` (one record per rank per step); otherwise they come
@@ -24,7 +25,9 @@ between two of them is split between re-run and new steps in proportion to their
 A *fault* here is an incident: the first signal (a rank's ``fault_detected``, the agent's
 ``worker_died`` or ``heartbeat_missed``) opens it, and it lasts until every rank has completed a
 step in a new generation or process. Later signals before that (peers noticing the same death, a
-double fault) belong to it.
+double fault) belong to it. A preemption is no fault: its ranks' ``fault_detected`` (kind
+``preempt``) and the agent's ``worker_died`` for their exit 76 open nothing; ``run_preempted``
+records it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from resilient.errors import ExitCode
 from resilient.events import Event
 
 CAUSES = (
@@ -117,6 +121,14 @@ class Accounting:
         return [(c, self.seconds[c], self.seconds[c] / wall) for c in (*CAUSES, OTHER)]
 
 
+def preemption(e: dict[str, Any]) -> bool:
+    """A record of a preemption, not of a fault: a rank's (kind ``preempt``), or its exit with 76
+    (the final checkpoint committed) as its agent saw it."""
+    if e["event"] == Event.FAULT_DETECTED:
+        return e.get("kind") == "preempt"
+    return e["event"] == Event.WORKER_DIED and e.get("exitcode") == int(ExitCode.REQUEUE)
+
+
 def _signal(e: dict[str, Any]) -> tuple[float, float, str, int | None, int | None, str, str, int | None]:
     """(origin ts, noticed ts, kind, rank, step, noticed by, signature, pid) of a fault signal."""
     ts = float(e["ts"])
@@ -192,6 +204,8 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
     waiting: dict[int, tuple[Any, Any] | None] = {}  # rank -> the key it must leave to count as resumed
     for e in evs:
         ev, rank = e["event"], e.get("rank", -1)
+        if ev in _SIGNALS and preemption(e):
+            continue
         if open_ is not None:
             open_.records.append(e)
             if ev == Event.RANK_REPLACED and open_.mode == "in_process":

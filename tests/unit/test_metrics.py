@@ -598,3 +598,22 @@ def test_report_events_and_metrics_name_the_slurm_job_step_and_node_of_a_fault(
     # outside Slurm the report has no Slurm column
     assert cli(["report", str(write_log(tmp_path / "plain", in_process_run()).parent), "--png", ""]) == 0
     assert "Slurm" not in capsys.readouterr().out
+
+
+def test_a_preemption_and_the_requeued_run_after_it_are_no_fault() -> None:
+    # SIGTERM from Slurm (a requeue): both ranks leave at step 12 for a final checkpoint and exit 76;
+    # the agent sees the exits; the requeued run resumes at step 12 in new processes
+    evs = [ev(0, "run_started", r, world_size=2) for r in (0, 1)]
+    for r in (0, 1):
+        evs += steps(r, 1.0, 0, 12, 0.1)
+        evs.append(ev(2.35, "fault_detected", r, step=13, kind="preempt", origin_rank=r, origin_step=13,
+                      origin_ts=T0 + 2.35, signature="preempt: SIGTERM"))  # fmt: skip
+        evs.append(ev(2.5, "run_preempted", r, step=12, error="preempted; final checkpoint at step 12"))
+        evs.append(ev(2.6, "worker_died", -1, pid=100 + r, global_rank=r, exitcode=76, cause="exit code 76"))
+        evs += steps(r, 20.0, 13, 20, 0.1, pid=500 + r)
+    acc = account(evs)
+    assert acc.incidents == []
+    assert acc.seconds["productive"] > 0 and sum(acc.seconds.values()) == pytest.approx(acc.wall_s)
+    from resilient.cli import summarize
+
+    assert summarize(evs) == []
