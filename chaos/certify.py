@@ -213,6 +213,7 @@ def _run_trial(
     step = cert.trial_step(name, trial)
     t = Trial(name, trial, step)
     fault = Planned(fault=c.fault, rank=c.rank, step=step, arg=c.arg, duration=c.duration)
+    fault = fault.model_copy(update={"at": c.at, "microbatch": c.microbatch})
     rc: int | None = None
     restored: float | None = None
     deadline = time.monotonic() + j.timeout_s

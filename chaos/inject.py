@@ -1,14 +1,16 @@
 """Fault injectors keyed by (rank, step): each one a real fault, each counting what fired.
 
-A plan is written ``kind@step[:rank][=arg][xN]``, comma-separated, e.g. ``exception@5:1,hang@9:0``.
-``xN`` repeats the fault at that step N times (every time the step is re-run after a restart,
-up to N); without it a fault fires once. ``kind`` is one of the in-process kinds of
-:data:`chaos.faults.REGISTRY` (``chaos kinds`` lists them, and what each one does): the
-injector finds the kind there and lets it fire.
+A plan is written ``kind@step[:rank][=arg][xN][/forwardM|/backwardM]``, comma-separated, e.g.
+``exception@5:1,hang@9:0``. ``xN`` repeats the fault at that step N times (every time the step is
+re-run after a restart, up to N); without it a fault fires once. ``/forwardM`` (``/backwardM``)
+fires it inside the step, at the stage's microbatch M's forward (backward), chaos/points.py.
+``kind`` is one of the in-process kinds of :data:`chaos.faults.REGISTRY` (``chaos kinds`` lists
+them, and what each one does): the injector finds the kind there and lets it fire.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -18,11 +20,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from chaos.faults import REGISTRY, InjectedFault, Undo, Where
+from chaos.points import Point
 from resilient.events import read_events
 
 KINDS = REGISTRY.names(lambda k: k.in_process)  # what a plan can name
 _SPEC = re.compile(
-    r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?$"
+    r"^(?P<kind>[a-z_0-9]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?"
+    r"(?:/(?P<at>forward|backward)(?P<mb>\d+))?$"
 )
 
 __all__ = ["KINDS", "Fault", "InjectedFault", "Injector"]
@@ -35,6 +39,8 @@ class Fault:
     rank: int = 0
     arg: float | None = None
     times: int = 1
+    at: str = "step"  # or forward / backward: inside the step, at microbatch ``microbatch``
+    microbatch: int = 0
 
     @property
     def where(self) -> Where:
@@ -56,7 +62,8 @@ class Injector:
             m = _SPEC.match(part)
             if not m or m["kind"] not in KINDS:
                 raise ValueError(
-                    f"bad fault spec {part!r}: expected kind@step[:rank][=arg][xN], kind in {KINDS}"
+                    f"bad fault spec {part!r}: expected kind@step[:rank][=arg][xN][/forwardM|/backwardM], "
+                    f"kind in {KINDS}"
                 )
             faults.append(
                 Fault(
@@ -65,6 +72,8 @@ class Injector:
                     rank=int(m["rank"] or 0),
                     arg=float(m["arg"]) if m["arg"] else None,
                     times=int(m["n"] or 1),
+                    at=m["at"] or "step",
+                    microbatch=int(m["mb"] or 0),
                 )
             )
         return cls(faults)
@@ -75,15 +84,28 @@ class Injector:
         for s, undo in [u for u in self._undo if u[0] != step]:  # a one-step change (desync) ends
             undo()
             self._undo.remove((s, undo))
+        objects = list(objects)
         for f in self.faults:
             if f.rank == rank and f.step == step and f.where == where and self.fired[f] < f.times:
-                self.fired[f] += 1
-                if _fired_in_job(f) >= f.times:  # an earlier process of this job fired it already
+                if f.at != "step":  # armed on the stage's module, fired inside the step
+                    disarm = Point(f.at, f.microbatch).arm(
+                        objects, functools.partial(self._fire, f, step, objects)
+                    )
+                    if disarm is not None:
+                        self._undo.append((step, disarm))
                     continue
-                _record(f)
-                until_next_step = REGISTRY[f.kind].inject(f, objects)
-                if until_next_step is not None:
-                    self._undo.append((step, until_next_step))
+                self._fire(f, step, objects)
+
+    def _fire(self, f: Fault, step: int, objects: Iterable[object]) -> None:
+        if self.fired[f] >= f.times:
+            return
+        self.fired[f] += 1
+        if _fired_in_job(f) >= f.times:  # an earlier process of this job fired it already
+            return
+        _record(f)
+        until_next_step = REGISTRY[f.kind].inject(f, objects)
+        if until_next_step is not None:
+            self._undo.append((step, until_next_step))
 
     def counts(self) -> dict[str, int]:
         return {f"{f.kind}@{f.step}:{f.rank}": self.fired[f] for f in self.faults}

@@ -87,10 +87,18 @@ class SLO(_Model):
     )
 
 
+Point = Literal["step", "forward", "backward"]
+
+
 class FaultClass(_Model):
     fault: KindName
     step: int = Field(..., ge=1, description="the step the fault fires at (first attempt)")
     rank: int = Field(1, ge=0)
+    at: Point = Field(
+        "step", description="in-process faults: at the step's start, or inside it at a microbatch's "
+        "forward or backward in the stage's module (a pipeline's: chaos/points.py)",
+    )  # fmt: skip
+    microbatch: int = Field(0, ge=0, description="`at: forward|backward`: the microbatch (from 0)")
     jitter: int = Field(0, ge=0, description="trials draw the step from step ± jitter")
     arg: float | None = None  # the kind's `=arg` (`chaos kinds`: stall s, kernel_oom MiB, ...)
     duration: float = Field(10.0, gt=0, description="link faults, slow_disk: seconds the fault lasts")
@@ -161,6 +169,8 @@ class Planned(_Model):
     arg: float | None = None  # as FaultClass.arg
     duration: float = Field(3.0, gt=0, description="link faults, slow_disk: seconds the fault lasts")
     repeat: int = Field(1, ge=1, description="in-process faults: fire again each time the step re-runs")
+    at: Point = "step"  # as FaultClass.at
+    microbatch: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _when(self) -> Planned:
@@ -168,13 +178,16 @@ class Planned(_Model):
             raise ValueError("give exactly one of step / at_s")
         if self.repeat > 1 and not REGISTRY[self.fault].in_process:
             raise ValueError(f"repeat: only in-process faults re-fire, not {self.fault}")
+        if self.at != "step" and not REGISTRY[self.fault].in_process:
+            raise ValueError(f"at: {self.at}: only in-process faults fire inside a step, not {self.fault}")
         return self
 
     def spec(self, step: int) -> str:
         """The in-process plan entry (chaos/inject.py) for this fault at ``step``."""
         arg = self.arg if self.arg is not None else REGISTRY[self.fault].default_arg
         return f"{self.fault}@{step}:{self.rank}" + (f"={arg:g}" if arg is not None else "") + (
-            f"x{self.repeat}" if self.repeat > 1 else "")  # fmt: skip
+            f"x{self.repeat}" if self.repeat > 1 else "") + (
+            f"/{self.at}{self.microbatch}" if self.at != "step" else "")  # fmt: skip
 
 
 class Stream(_Model):

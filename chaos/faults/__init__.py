@@ -27,15 +27,16 @@ from chaos.faults.in_process import GilHang, Hang, RaiseException, Stall
 from chaos.faults.link import LinkDrop, LinkLoss
 from chaos.faults.memory import CudaOom, HostOom, KernelOom
 from chaos.faults.numeric import GradSpike, NanGradient
+from chaos.faults.p2p_skip import P2pSkip
 from chaos.faults.segfault import Segfault
 from chaos.faults.signals import Sigkill, Sigstop
 from chaos.faults.storage import CorruptCheckpoint, SlowDisk
 from chaos.faults.straggler import Straggler
 
 REGISTRY = Registry([
-    RaiseException(), Hang(), HostOom(), GilHang(), Stall(), KernelOom(), CudaOom(), Desync(), Segfault(),
-    Sigkill(), Sigstop(), CorruptCheckpoint(), SlowDisk(), LinkDrop(), LinkLoss(), NanGradient(), GradSpike(),
-    Bitflip(), Straggler(),
+    RaiseException(), Hang(), HostOom(), GilHang(), Stall(), KernelOom(), CudaOom(), Desync(), P2pSkip(),
+    Segfault(), Sigkill(), Sigstop(), CorruptCheckpoint(), SlowDisk(), LinkDrop(), LinkLoss(), NanGradient(),
+    GradSpike(), Bitflip(), Straggler(),
 ])  # fmt: skip
 
 __all__ = [
