@@ -1,5 +1,5 @@
 """`resilient launch` under a real Slurm (tests/integration/slurm_cluster.py: slurmctld and two
-slurmd on this machine): `sbatch examples/slurm_launch.sbatch`, one launcher per node, ends where a
+slurmd on this machine): `sbatch examples/slurm.sbatch`, one launcher per node, ends where a
 fault-free torchrun run of the same example ends, bit for bit.
 
 Not in CI (`-m "not slow and not slurm"`): `nox -s slurm` runs them (the packages install once,
@@ -23,7 +23,7 @@ from tests.integration.slurm_cluster import NODES, SlurmCluster
 # (the first test also pays for the install, ~35 s, and the cluster start)
 pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
-SBATCH = ROOT / "examples" / "slurm_launch.sbatch"
+SBATCH = ROOT / "examples" / "slurm.sbatch"
 JOB_TIMEOUT = 240.0  # two launchers, their workers' imports and 24 steps, on a shared 2-core machine
 
 
