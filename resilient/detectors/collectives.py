@@ -29,12 +29,10 @@ On a job linked by node (:mod:`resilient.runtime.coordination.node`), ring neigh
 their node's store; a node's first rank also posts to the job's store, where the previous node's
 last rank reads it: the job's server sees two requests per node and check.
 
-Point-to-point ops (a pipeline's sends and receives) are not collectives: gloo counts them in
-the sequence number, and stages issue different numbers of them. They are counted apart, per peer
-and direction, on every group (:mod:`.p2p`), taken out of the count, and posted with it: each rank
-compares what it sent to and received from each peer it exchanged with against that peer's post,
-so a stage that skips a send is a desync naming both ranks; at a hang, two ranks blocked on
-receives the other never sent are a deadlock, named the same way.
+Point-to-point ops (a pipeline's sends and receives), which gloo numbers with the collectives and
+stages issue in different numbers, are counted apart, per peer and direction, on every group
+(:mod:`.p2p`), and posted with the count: what a rank sent to a peer must be what that peer
+received from it; a stage that skips a send is a desync naming both ranks.
 
 The same post carries the rank's digests of its replicated state (``sdc``, see
 :mod:`resilient.state.digest`), one per replica group: each rank compares each with the next member
@@ -57,7 +55,7 @@ from resilient.detectors.base import Detector, Run
 from resilient.detectors.peer_wait import PeerWait
 from resilient.detectors.replicas import SilentCorruption
 from resilient.errors import SoftFault
-from resilient.state.digest import Group, group_id, next_member
+from resilient.state.digest import Group, group_id, next_member, span
 
 __all__ = ["CollectiveCheck", "CollectiveCount", "CollectiveDesync", "PeerWait", "issued_on_default_group"]
 
@@ -298,11 +296,11 @@ class CollectiveCount:
                     self._await_group(k, group, posts)
                 raise SilentCorruption(
                     f"replicas differ after step {step}: rank {self.rank}'s state replicated over ranks "
-                    f"{_span(group)} has digest {mine}, rank {p}'s {theirs}; the state is not kept",
+                    f"{span(group)} has digest {mine}, rank {p}'s {theirs}; the state is not kept",
                     window_end=step,
                     ranks=(self.rank, p),
                 )
-        if n > 0:
+        if k > 1 and (n > 0 or self._readers_past(k, posts)):
             # A collective that completed in window k means every rank closed window k-1, and a
             # rank settles each window before it closes the next: every read of windows before
             # k-1 is done. Window k-1 itself may still be read (its settle is lazy: a slower
@@ -312,6 +310,18 @@ class CollectiveCount:
                     held.delete_key(self._key(old, self.rank))
             self._posted = [p for p in self._posted if p[0] >= k - 1]
         return True
+
+    def _readers_past(self, k: int, posts: Mapping[int, _Posted]) -> bool:
+        """No collective on the default group in window ``k``: each rank reading this one's posts
+        closed window ``k-1`` if its post was read in this settle or is there now (never awaited)."""
+        readers = {
+            (self.rank - 1) % self.world,
+            *self.peers,
+            *(next_member(g[::-1], self.rank) for g in self._digests),
+        }
+        return all(
+            p in posts or self._read(self._key(k - 1, p), p) is not None for p in readers - {self.rank}
+        )
 
     def _await_group(self, k: int, group: Group, posts: Mapping[int, _Posted]) -> None:
         """Replicas differ in window ``k``: before the fault is raised (and every rank pulled out
@@ -437,10 +447,3 @@ class CollectiveCount:
             return p2p.diagnose_hang(self.rank, ops, peers, where, read, blocked=blocked, wait_s=wait_s)
         except Exception:  # the store is unreachable: no diagnosis, the hang stands
             return None
-
-
-def _span(group: Group) -> str:
-    """A group of ranks in a message: a range when it is one."""
-    if len(group) > 2 and list(group) == list(range(group[0], group[-1] + 1)):
-        return f"{group[0]}-{group[-1]}"
-    return ",".join(map(str, group))

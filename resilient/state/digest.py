@@ -176,3 +176,10 @@ def next_member(group: Group, rank: int) -> int:
 def group_id(group: Group) -> str:
     """A short name of a group, the same on every rank (posted with each digest)."""
     return hashlib.blake2b(",".join(map(str, group)).encode(), digest_size=4).hexdigest()
+
+
+def span(group: Group) -> str:
+    """A group of ranks in a message: a range when it is one."""
+    if len(group) > 2 and list(group) == list(range(group[0], group[-1] + 1)):
+        return f"{group[0]}-{group[-1]}"
+    return ",".join(map(str, group))

@@ -228,3 +228,16 @@ def test_a_peer_that_reached_the_check_having_sent_too_few_is_named(seq: list[in
     t1.count(p2p.RECEIVED, 0, 4)
     msg = c1.diagnose(store)
     assert msg is not None and "rank 0 reached the next check after sending 3 tensors to rank 1" in msg
+
+
+def test_old_posts_go_without_a_collective_once_their_readers_moved_on(seq: list[int]) -> None:
+    """A pipeline alone: no collective in any window (the count's proof that every reader moved
+    on had been one), yet the posts of windows its readers closed are deleted."""
+    store = dist.HashStore()
+    ranks = _chain(store, 3)
+    for step in range(4):
+        for c, _ in ranks:
+            c.begin(step)
+        _pipeline_step(ranks, 2)
+        assert _all_check(ranks, step) == []
+    assert not any(store.check([f"fp/0/{r}"]) for r in range(3)) and store.check(["fp/3/0"])
