@@ -30,6 +30,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from resilient.errors import StepInterrupted
+
 SENT, RECEIVED = ">", "<"  # a key's first character: ``>3`` ops sent to rank 3, ``<3`` received from it
 
 
@@ -67,6 +69,9 @@ TALLY = Tally()  # this process's: the ProcessGroup methods are wrapped once per
 _lock = threading.Lock()
 _installed: list[dict[str, Callable[..., Any]]] = []  # the originals, while installed
 _users = 0
+_held = False
+_refused: weakref.WeakSet[Any] = weakref.WeakSet()  # the aborted generation's groups
+_refused_why = [""]
 _inverse: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
@@ -85,6 +90,28 @@ def install() -> None:
         _installed.append(originals)
 
 
+def hold() -> None:
+    """Installed for the rest of the process, once (the runtime's abort refuses posts through it)."""
+    global _held
+    if not _held:
+        _held = True
+        install()
+
+
+def refuse(reason: str) -> None:
+    """From now on a point-to-point op on any group that exists now raises
+    :class:`StepInterrupted` instead of being posted: a schedule posts sends and receives back to
+    back, and one posted while an aborted group's connections are being shut can miss the
+    shutdown and wait for good (a gloo receive did)."""
+    _refused.update(dist.distributed_c10d._world.pg_group_ranks)
+    _refused_why[0] = reason
+
+
+def accept() -> None:
+    """The aborted groups are gone: a new generation's are posted to."""
+    _refused.clear()
+
+
 def uninstall() -> None:
     global _users
     with _lock:
@@ -97,6 +124,8 @@ def uninstall() -> None:
 
 def _counted(method: Callable[..., Any], direction: str | None) -> Callable[..., Any]:
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self in _refused:
+            raise StepInterrupted(f"point-to-point op not posted: {_refused_why[0]}")
         default = _default_group()
         before = _sequence(self) if self is default else None
         try:

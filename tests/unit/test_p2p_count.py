@@ -241,3 +241,17 @@ def test_old_posts_go_without_a_collective_once_their_readers_moved_on(seq: list
         _pipeline_step(ranks, 2)
         assert _all_check(ranks, step) == []
     assert not any(store.check([f"fp/0/{r}"]) for r in range(3)) and store.check(["fp/3/0"])
+
+
+def test_after_an_abort_no_op_is_posted_until_the_next_group(fake_group: None) -> None:
+    """One posted while the aborted group's connections are shut can miss the shutdown: refused."""
+    from resilient.errors import StepInterrupted
+
+    t = torch.ones(2)
+    p2p.refuse("generation 3's group was aborted")
+    try:
+        with pytest.raises(StepInterrupted, match="not posted: generation 3's group was aborted"):
+            dist.isend(t, 1)
+    finally:
+        p2p.accept()
+    dist.isend(t, 1).wait()

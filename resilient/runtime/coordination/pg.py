@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from resilient.detectors import p2p
+
 
 def resolve_backend(backend: str) -> str:
     if backend == "auto":
@@ -80,6 +82,7 @@ class Group:
             if self._aborted:
                 return 0
             self._aborted = True
+        p2p.refuse(f"generation {self.generation}'s group was aborted")  # (before its connections go)
         if self.backend == "nccl":
             try:
                 dist.distributed_c10d._abort_process_group()
@@ -130,6 +133,7 @@ class Group:
                 dist.destroy_process_group()
             except Exception as e:
                 logger.warning("destroy_process_group failed after abort: {}", e)
+        p2p.accept()  # (the aborted group's ops are gone with it)
 
 
 _current: Group | None = None  # the generation's group: process groups created meanwhile are its too
@@ -185,6 +189,8 @@ def build_group(
     dead workers' gloo addresses under the previous attempt's keys."""
     if backend == "nccl":
         nccl_env()
+    p2p.hold()
+    p2p.accept()
     before = _socket_inodes()
     # init_process_group wraps sys.excepthook (rank prefix, stderr captured in a StringIO) every
     # time it runs: after N in-process restarts every line would carry N prefixes, and a hook that
