@@ -17,6 +17,9 @@ peer in the window (``>3=12 <3=12``), and compares with each peer's post: what r
 ranks. In a pipeline a skipped send leaves its receiver blocked (and, one schedule later, the
 sender too), so it is usually found at a hang: :func:`diagnose_hang` tells a deadlock (two ranks, both
 blocked, each having posted receives the other never matched) from a peer that is merely late.
+
+The same wrapper refuses an op on a group the runtime aborted (:func:`refuse`, from the group's
+abort, until the group is gone): one posted while the connections are being shut could miss it.
 """
 
 from __future__ import annotations
