@@ -86,11 +86,14 @@ def slow(session: nox.Session) -> None:
 
 @nox.session(python=PY)
 def slurm(session: nox.Session) -> None:
-    """`resilient launch` under a real Slurm: slurmctld, slurmdbd (MariaDB) and two slurmd on this
-    machine (tests/integration/slurm_cluster.py installs Debian's slurm-wlm, munge and MariaDB
-    where they are missing, as root; without root the tests skip, saying why). Not in CI."""
+    """examples/slurm.sbatch under a real Slurm: slurmctld, slurmdbd (MariaDB) and three slurmd on
+    this machine (tests/integration/slurm_cluster.py installs Debian's slurm-wlm, munge and MariaDB
+    where they are missing, as root; without root the tests skip, saying why), every fault case at
+    2x1 and 2x2 ranks; each case's run time is printed (`[slurm] ...`). Not in CI (tens of minutes
+    on 2 cores); CI runs the script's requeue rules against stand-ins (test_slurm_script.py)."""
     _install(session, "dev", "chaos")
-    args = ["tests/integration", "-q", "-p", "no:cacheprovider", "-m", "slurm", "-rs", "--durations=0"]
+    files = ["tests/integration/test_slurm_script.py", "tests/integration/test_slurm.py"]
+    args = [*files, "-q", "-p", "no:cacheprovider", "-rsP", "--durations=0"]
     session.run("pytest", *args, *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -194,14 +197,15 @@ def certify(session: nox.Session) -> None:
 @nox.session(name="certify-stacks", python=PY)
 def certify_stacks(session: nox.Session) -> None:
     """The user-style examples' certificates: the FSDP2 transformer (1-D, FSDP + TP and HSDP on
-    2-D meshes at 4 ranks), the DataLoader epoch loop and the accumulation loop, every class they
-    list, 3 trials each (chaos_fsdp2/, chaos_mesh2d/, chaos_hsdp/, chaos_epochs/, chaos_accum/).
-    Exit 1 on a failed SLO."""
+    2-D meshes at 4 ranks), the DataLoader epoch loop, the accumulation loop and the pipeline
+    (2 stages, alone and x 2 DDP replicas), every class they list, 3 trials each (chaos_fsdp2/,
+    chaos_mesh2d/, chaos_hsdp/, chaos_epochs/, chaos_accum/, chaos_pipeline/). Exit 1 on a failed
+    SLO."""
     _install(session, "dev", "chaos")
     env = {"OMP_NUM_THREADS": "1"}
     trials = session.posargs or ["--trials", "3"]
     jobs = ("fsdp2", "fsdp2"), ("mesh2d", "mesh2d"), ("hsdp", "hsdp"), ("ddp_epochs", "epochs")
-    jobs += (("accum", "accum"),)
+    jobs += ("accum", "accum"), ("pipeline", "pipeline")
     for cfg, out in jobs:
         out = f"chaos_{out}"
         session.run("chaos", "certify", f"configs/chaos/{cfg}.yaml", "--out", out, *trials, env=env)
@@ -210,12 +214,15 @@ def certify_stacks(session: nox.Session) -> None:
 @nox.session(name="certify-live", python=PY)
 def certify_live(session: nox.Session) -> None:
     """Live resume across the stacks (configs/chaos/live.yaml): exception, OOM, hang and a stalled
-    collective on DDP at 2 and 3 ranks, FSDP2, a transformers GPT-2 and Lightning, and a SIGKILL
-    with a standby parked, each held to 0 steps lost and bit-exact (chaos_live/). About 30 min."""
+    collective on DDP at 2 and 3 ranks, FSDP2 (with TP too), a transformers GPT-2 and Lightning,
+    and a SIGKILL with a standby parked, each held to 0 steps lost and bit-exact (chaos_live/);
+    then every stack's replay from the ring held to replay_verified (configs/chaos/replay.yaml,
+    chaos_replay/). About 30 min."""
     _install(session, "dev", "chaos", *STACKS)
     trials = session.posargs or ["--trials", "1"]
-    session.run("chaos", "certify", "configs/chaos/live.yaml", "--out", "chaos_live", *trials,
-                env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run("chaos", "certify", "configs/chaos/live.yaml", "--out", "chaos_live", *trials, env=env)
+    session.run("chaos", "certify", "configs/chaos/replay.yaml", "--out", "chaos_replay", *trials, env=env)
 
 
 @nox.session(python=PY)

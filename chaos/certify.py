@@ -351,6 +351,8 @@ def _check(t: Trial, cert: Certification) -> list[str]:
         failed.append("rate_back_s")
     if s.standby_ready and t.standby in (None, "none"):
         failed.append("standby_ready")
+    if s.replay_verified and t.replay != "verified":
+        failed.append("replay_verified")
     return failed
 
 

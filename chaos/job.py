@@ -62,6 +62,10 @@ def own_checkpoints(cert: Certification, cwd: Path) -> Iterator[None]:
             shutil.rmtree(ck, ignore_errors=True)
 
 
+def _a_file(arg: str) -> bool:
+    return not os.path.isabs(arg) and not arg.startswith("-") and Path(arg).is_file()
+
+
 def fresh(cwd: Path) -> Path:
     """An empty directory for one job: a previous certificate's files there (its checkpoints, its
     injection record) would be resumed from, and its faults counted as already fired."""
@@ -100,8 +104,10 @@ class Job:
         runs_in = workdir(cert, cwd)
         if j.command and not os.path.isabs(command[0]) and (runs_in / command[0]).exists():
             command = [str((runs_in / command[0]).resolve()), *command[1:]]
-        elif j.command and not os.path.isabs(command[0]) and Path(command[0]).exists():
-            command = [str(Path(command[0]).resolve()), *command[1:]]  # the job runs in its own directory
+        elif j.command and j.workdir is None:
+            # a config's command runs in the trial's directory: its files (the script, a --config)
+            # named from where chaos runs are handed over whole
+            command = [str(Path(a).resolve()) if _a_file(a) else a for a in command]
         argv = [
             sys.executable, "-m", "resilient.cli", "launch", "--standalone",
             "--nproc-per-node", str(j.nproc), "--max-restarts", str(j.max_restarts),

@@ -65,6 +65,11 @@ class SLO(_Model):
         None, gt=0, description="link faults: link back → first step completed after, at most"
     )
     detect_rank: bool = Field(False, description="the detection event names the faulty rank (straggler)")
+    replay_verified: bool = Field(
+        False,
+        description="a restore from a snapshot: the runtime compared the replay with the run it "
+        "replays and found it equal (replay_verified, docs/recovery.md#replay-verification)",
+    )
     standby_ready: bool = Field(
         False, description="a standby waited when the harness fired (parked or imported): a warm replacement"
     )
