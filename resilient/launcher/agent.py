@@ -42,7 +42,6 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -67,10 +66,11 @@ from resilient.events import Event, EventLog
 from resilient.launch_env import Var
 from resilient.launcher.causes import describe_exit, dump_stacks, oom_kills
 from resilient.launcher.deaths import DeathWatch, WakeableTime
-from resilient.launcher.elastic import Elastic, RendezvousView
+from resilient.launcher.elastic import Elastic
 from resilient.launcher.flush import Flusher
 from resilient.launcher.policy import Action, Death, Decision, GiveUp, LaunchPolicy, Replace
 from resilient.launcher.replace import Replacer
+from resilient.launcher.waiting import Membership
 
 _STOP_WORDS = {int(ExitCode.FATAL): "fatal", int(ExitCode.REQUEUE): "requeue"}
 
@@ -127,45 +127,17 @@ class ResilientAgent(LocalElasticAgent):
         self.native_stacks = False  # ... with its C frames (--native-stacks: ~0.3 s more before the kill)
         self.forward_signals: Any = None  # the launcher's handler for SIGUSR1/SIGTERM (preemption)
         self._group_reason: str | None = None  # why the group restarts, not one rank (group_stopped)
-        self._members: set[Any] | None = None  # the nodes of the running round
-        self._lost_reported = False
-        self._spares: frozenset[Any] = frozenset()  # the nodes that wait as spares, as last said
         self._started = time.monotonic()
         self._worker_started: dict[int, float] = {}  # local rank -> when its current process started
         self._oom = oom_kills()
         self._restarts = 0
-        self.elastic.count_waiting(self._waiting(admit_waiting))
+        self.membership = Membership(self._emit, admit_waiting)  # (which waiting nodes restart the group)
+        self.elastic.count_waiting(self.membership.count)
         self.elastic.publish_store_address()
 
     def _emit(self, event: Event, **fields: Any) -> None:
         if self.events is not None:
             self.events.emit(event, generation=self._restarts, step=None, **fields)
-
-    def _waiting(self, admit_waiting: bool) -> Callable[[int, RendezvousView | None], int]:
-        """torch's agent restarts a healthy group when nodes wait. Here those are (a) the *members*
-        of the running round that wait to re-join (a peer whose worker died), or every waiting node
-        with ``admit_waiting`` (torchrun); a new node otherwise waits as a spare; plus (b) one if a
-        member vanished from the rendezvous: its keep-alive expired (a lost node), which torch's
-        agent would notice only when its own workers fail."""
-
-        def count(n: int, state: RendezvousView | None) -> int:
-            if state is None or self._members is None:
-                return n
-            queued = state.wait_list
-            waiting = len(queued) if admit_waiting else len(queued & self._members)
-            spares = frozenset(queued - self._members) if not admit_waiting else frozenset()
-            if spares != self._spares:  # (a change: said once, not at every poll)
-                self._spares = spares
-                if spares:
-                    self._emit(Event.SPARE_WAITING, nodes=sorted(str(x) for x in spares))
-            lost = self._members - state.participants - queued
-            if lost and not state.closed and not self._lost_reported:
-                self._lost_reported = True
-                self._emit(Event.NODE_LOST, nodes=sorted(str(x) for x in lost))
-                logger.error(f"node(s) {sorted(str(x) for x in lost)} left the rendezvous: restarting")
-            return waiting + (1 if lost and not state.closed else 0)
-
-        return count
 
     def workers(self) -> list[Any]:
         """torch's ``Worker`` records of this node (local rank, global rank, pid as ``id``)."""
@@ -201,8 +173,7 @@ class ResilientAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         state = self.elastic.rendezvous()
         if state is not None:
-            self._members = set(state.participants)
-            self._lost_reported = False
+            self.membership.round_started(state)
         for w in worker_group.workers:
             clear_worker(self.heartbeat_dir, w.local_rank)
         mark_stopping(self.heartbeat_dir, False)  # (a SIGTERM the new workers get is not ours)

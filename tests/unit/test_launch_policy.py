@@ -348,3 +348,23 @@ def test_a_worker_dying_after_its_run_was_over_restarts_the_group_named_so() -> 
     assert d.action is Action.RESTART
     assert d.not_alone == "rank 1 not replaced alone: it died after its run was over (while exiting)"
     assert p.history.deaths == [(1, "exit (exit code 1)")]
+
+
+def test_a_new_node_waits_as_a_spare_and_a_vanished_member_counts_as_waiting() -> None:
+    # (torch's agent restarts a healthy group whenever a node waits: only members that wait to
+    # re-join, and a member lost from the rendezvous, make it do so here)
+    from resilient.launcher.elastic import RendezvousView
+    from resilient.launcher.waiting import Membership
+
+    said: list[tuple[Any, dict[str, Any]]] = []
+    m = Membership(lambda event, **kw: said.append((event, kw)), admit_waiting=False)
+    assert m.count(3, None) == 3  # (no round yet: torch's count)
+    m.round_started(RendezvousView(1, frozenset({"a", "b"}), frozenset(), False))
+    spare = RendezvousView(1, frozenset({"a", "b"}), frozenset({"c"}), False)
+    assert m.count(1, spare) == 0 and m.count(1, spare) == 0
+    assert [e for e, _ in said] == ["spare_waiting"]  # (said once)
+    rejoin = RendezvousView(1, frozenset({"a", "b"}), frozenset({"b", "c"}), False)
+    assert m.count(2, rejoin) == 1
+    lost = RendezvousView(1, frozenset({"a"}), frozenset({"c"}), False)
+    assert m.count(1, lost) == 1 and said[-1] == ("node_lost", {"nodes": ["b"]})
+    assert Membership(lambda *a, **k: None, admit_waiting=True).count(2, spare) == 2
