@@ -106,7 +106,9 @@ def refuse(reason: str) -> None:
     :class:`StepInterrupted` instead of being posted: a schedule posts sends and receives back to
     back, and one posted while an aborted group's connections are being shut can miss the
     shutdown and wait for good (a gloo receive did)."""
-    _refused.update(dist.distributed_c10d._world.pg_group_ranks)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if isinstance(group, dist.ProcessGroup):  # (not every key is one)
+            _refused.add(group)
     _refused_why[0] = reason
 
 
