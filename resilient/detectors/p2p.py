@@ -243,7 +243,7 @@ def diagnose_hang(
                     return (
                         f"point-to-point desync in {where}: ranks {rank} and {p} wait for each other: "
                         f"rank {rank} posted {mine_from} receives from rank {p}, which sent {theirs_to}; "
-                        f"rank {p} posted {theirs_from} from rank {rank}, which sent {mine_to}"
+                        f"rank {p} posted {theirs_from} receives from rank {rank}, which sent {mine_to}"
                     )
         if not pending or clock() >= deadline:
             return None

@@ -23,10 +23,16 @@ from typing import Any
 
 import torch
 
-from resilient.errors import StateRestoreError
+from resilient.errors import ExitCode, StateRestoreError
 from resilient.state.registry import GRAD
 
 _INDEX = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+class LayoutMismatch(StateRestoreError):
+    """A state saved under another layout: a relaunch would read the same bytes, so it is fatal."""
+
+    exit_code = ExitCode.FATAL
 
 
 def held(names: Iterable[str]) -> str:
@@ -54,7 +60,7 @@ def _ranges(ix: list[int]) -> str:
 
 
 def check(objects: Mapping[str, Any], state: Mapping[str, Any], source: str) -> None:
-    """Raise :class:`StateRestoreError` when a tracked module is about to be given another
+    """Raise :class:`LayoutMismatch` when a tracked module is about to be given another
     module's parameters (a state saved under another pipeline layout), naming both."""
     for name, obj in objects.items():
         saved = state.get(name)
@@ -63,7 +69,7 @@ def check(objects: Mapping[str, Any], state: Mapping[str, Any], source: str) -> 
         mine = list(obj.state_dict().keys())
         theirs = [k for k in saved if k != GRAD]
         if set(mine) != set(theirs):
-            raise StateRestoreError(
+            raise LayoutMismatch(
                 f"{source}: tracked module {name!r} was saved holding {held(theirs)}; this rank's holds "
                 f"{held(mine)}. The state was written under another layout (a pipeline's stage count, "
                 "stages per rank, or mesh): resume on the layout that wrote it (resharding a pipeline "
