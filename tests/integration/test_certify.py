@@ -111,6 +111,7 @@ def test_bad_certificate_config_names_the_field(tmp_path: Path) -> None:
     assert r.returncode != 0 and "rank: 4 but job.nproc is 2" in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # (CI's budget: a user's own script is certified in CI by the carry test)
 @pytest.mark.chaos
 def test_plugin_certifies_a_users_script_unchanged(chaos_certify, tmp_path: Path) -> None:
     # the pytest plugin's fixture, on a script that knows nothing of chaos: the runtime fires the

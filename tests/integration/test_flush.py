@@ -24,6 +24,8 @@ def _config(tmp_path: Path) -> str:
     return str(path)
 
 
+# (CI's budget: the flush and its resume are unit-tested in test_resume.py; this runs a job twice)
+@pytest.mark.slow
 def test_a_job_that_gives_up_resumes_where_it_died_not_at_its_last_checkpoint(
     tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:

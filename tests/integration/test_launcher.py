@@ -123,7 +123,8 @@ def _signal_after_checkpoint(run: Launch, rank: int, fault: str = "SIGKILL", sta
 
 
 # (SIGSTOP with a whole-group relaunch: the slow session; rank replacement covers it in CI)
-@pytest.mark.parametrize("fault", ["SIGKILL", pytest.param("SIGSTOP", marks=pytest.mark.slow)])
+# (CI's budget: a whole-group relaunch ends bit-exact in test_replace's fallback test)
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.slow) for f in ("SIGKILL", "SIGSTOP")])
 def test_hard_fault_relaunches_and_ends_bit_exact(
     tmp_path: Path, fault: str, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
@@ -164,6 +165,7 @@ def test_sigkill_at_3_ranks_relaunches_bit_exact(
     assert_bit_exact(reference[3], _final_states(tmp_path, 3))
 
 
+@pytest.mark.slow  # (CI's budget: test_replace's GIL hang, replaced alone, stays in CI)
 def test_gil_holding_hang_is_caught_by_the_missing_heartbeat(
     tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
@@ -178,6 +180,7 @@ def test_gil_holding_hang_is_caught_by_the_missing_heartbeat(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
+@pytest.mark.slow  # (CI's budget: test_replace's kernel OOM-kill stays in CI)
 def test_kernel_oom_kill_is_named_and_recovered(
     tmp_path: Path, memory_cgroup: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
@@ -198,7 +201,7 @@ def test_kernel_oom_kill_is_named_and_recovered(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
-@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+@pytest.mark.parametrize("sig", [pytest.param("SIGUSR1", marks=pytest.mark.slow), "SIGTERM"])  # (CI's budget)
 def test_preemption_signal_to_the_launcher_checkpoints_and_exits_requeue(tmp_path: Path, sig: str) -> None:
     # Slurm signals the launcher (srun's task); the workers must write a final checkpoint, not die
     run = _example(tmp_path)
@@ -283,6 +286,7 @@ def test_worker_killed_on_one_of_two_nodes_recovers_bit_exact(
     assert_bit_exact(reference[2], _final_states(tmp_path))
 
 
+@pytest.mark.slow  # (CI's budget: two nodes stay in CI: one node's worker killed, a lost node with a spare)
 def test_two_nodes_of_two_ranks_meet_on_node_stores_and_outlive_a_dead_leader(
     tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:

@@ -77,7 +77,9 @@ def _resumed_live_in_process(res: RunResult, nproc: int, step: int) -> None:
     ("nproc", "args", "plan"),
     [
         (2, (), "exception@9:1/backward2"),  # the last stage, in microbatch 2's backward
-        (4, DP2, "exception@9:2/forward1"),  # stage 1's first replica, in microbatch 1's forward
+        # stage 1's first replica, in microbatch 1's forward (CI's budget: the 2x2 job is certified by
+        # configs/chaos/pipeline.yaml and its SIGKILL test stays in CI)
+        pytest.param(4, DP2, "exception@9:2/forward1", marks=pytest.mark.slow),
     ],
     ids=["2-stages", "2x2"],
 )

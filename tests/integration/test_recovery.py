@@ -138,6 +138,7 @@ def test_failed_health_check_exits_hard_fault_naming_the_check(tmp_path):
     assert all(not e["ok"] for e in res.of("health_checked"))
 
 
+@pytest.mark.slow  # (CI's budget: the GIL hang stays in CI through test_replace)
 @pytest.mark.skipif(sys.platform != "linux", reason="SIGALRM/faulthandler backstop is Linux-tested")
 def test_gil_holding_hang_ends_by_sigalrm_with_stacks(tmp_path):
     res = run_example(tmp_path, 2, "--fault", "gil_hang@5:1", "--hang-timeout", "1", timeout=60)

@@ -45,7 +45,8 @@ def _bit_exact(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
     # (a new process instead of a standby, and SIGSTOP, whose heartbeat path gil_hang's test takes
     # in CI: the slow session, to keep CI within its budget)
     [
-        ("SIGKILL", 1),
+        # (CI keeps the replacement that resumes from a survivor's live state, below)
+        pytest.param("SIGKILL", 1, marks=pytest.mark.slow),
         pytest.param("SIGSTOP", 1, marks=pytest.mark.slow),
         pytest.param("SIGKILL", 0, marks=pytest.mark.slow),
     ],
@@ -74,7 +75,7 @@ def test_a_dead_rank_is_replaced_and_its_survivor_stays_bit_exact(
     _bit_exact(reference[2], _final_states(tmp_path))
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.slow)])  # (3 ranks: CI's budget)
 def test_a_replacement_resumes_the_step_its_predecessor_died_in_from_a_survivors_live_state(
     tmp_path: Path, nproc: int, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
@@ -140,6 +141,7 @@ def test_kernel_oom_kill_is_replaced_alone(
     _bit_exact(reference[2], _final_states(tmp_path))
 
 
+@pytest.mark.slow  # (CI's budget: a replacement's live resume at 3 ranks stays in CI)
 def test_a_replacement_at_3_ranks_keeps_ddp_buckets_bit_exact(
     tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
@@ -236,6 +238,7 @@ def test_a_parked_standby_replaces_a_rank_of_a_transformers_script_bit_exact(tmp
     _bit_exact(_final_states(tmp_path / "ref"), _final_states(tmp_path / "run"))
 
 
+@pytest.mark.slow  # (CI's budget: the parked standby's handover stays in CI)
 def test_what_prepare_builds_is_built_by_the_parked_standby_before_the_fault(tmp_path: Path) -> None:
     # `resilient.wrap(prepare=build)`: the example's model is built by the parked standby before
     # the kill (its build time precedes the replacement), and the run ends as a fault-free one does

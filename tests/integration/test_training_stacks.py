@@ -61,7 +61,11 @@ def test_fsdp2_transformer_recovers_bit_exact(tmp_path: Path) -> None:
     assert _same(ref, hit) > 60
 
 
-@pytest.mark.parametrize(("workers", "live"), [(0, False), (2, True)], ids=["ring", "live-workers"])
+@pytest.mark.parametrize(
+    ("workers", "live"),
+    [pytest.param(0, False, marks=pytest.mark.slow), (2, True)],
+    ids=["ring", "live-workers"],
+)
 def test_dataloader_epoch_loop_resumes_mid_epoch_bit_exact(tmp_path: Path, workers: int, live: bool) -> None:
     # snapshots every 5 steps, 16 batches an epoch: the fault as step 23 begins resumes there
     # (live) or restores step 20 (the ring), the 5th batch of the 2nd epoch; dropout and the
@@ -90,6 +94,7 @@ def test_a_stateful_dataloader_in_the_manual_loop_resumes_mid_epoch_bit_exact(tm
     assert _same(ref, hit) >= 8
 
 
+@pytest.mark.slow  # (CI's budget: a StatefulDataLoader's mid-epoch resume stays in CI)
 def test_a_stateful_dataloader_with_workers_outlives_a_sigkill_bit_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
