@@ -296,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = agent.run()
     finally:
+        # The workers are done: a late preemption signal (a time limit's warning as the job ends)
+        # has nothing left to stop, and one that came while the interpreter exits, its handlers
+        # gone, would kill the launcher and replace its verdict with a signal's exit code.
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         agent.close_standbys()
         agent.flush_before_exit(result, args.flush_timeout)  # (the job's shared memory goes next)
         agent.flusher.close()

@@ -1,15 +1,17 @@
-"""A real Slurm cluster on this machine: munged, MariaDB, slurmdbd, slurmctld and two slurmd.
+"""A real Slurm cluster on this machine: munged, MariaDB, slurmdbd, slurmctld and three slurmd.
 
-Debian's ``slurmd`` is built with multiple-slurmd support: ``slurmd -N n1`` and ``slurmd -N n2``
-are two nodes of one host, each on its own port (``NodeName=n1 NodeAddr=127.0.0.1 Port=...``).
+Debian's ``slurmd`` is built with multiple-slurmd support: ``slurmd -N n1`` ... ``slurmd -N n3``
+are three nodes of one host, each on its own port (``NodeName=n1 NodeAddr=127.0.0.1 Port=...``).
 Every daemon runs in the foreground as a child of the test process, with its state, sockets and
 logs in one temporary directory and every port a free loopback one, so two clusters (two
 engineers' test runs) on one machine do not meet. ``sacct`` works: slurmdbd stores the
 controller's accounting in a MariaDB server of its own (an empty data directory, no grant
-tables, loopback only), which shows a requeued job's earlier runs (``sacct -D``).
+tables, loopback only), which shows a requeued job's earlier runs (``sacct -D``). Jobs go to
+partition ``debug`` (two nodes, a third idle for a job requeued off a lost node); a job in
+``urgent`` preempts them (PreemptMode=REQUEUE), as a site's high-priority partition does.
 
 The ``slurm_cluster`` fixture (one cluster per session) installs Debian's packages where they
-are missing (root only), starts everything and waits until both nodes are idle; it skips, with
+are missing (root only), starts everything and waits until every node is idle; it skips, with
 the reason, where Slurm cannot be installed or a daemon exits at start. Teardown (also after a
 failed test) kills every job, stops the daemons and then kills any process still carrying the
 cluster's ``SLURM_CONF``: slurmstepd inherits it from slurmd, and every job task, launcher and
@@ -34,7 +36,7 @@ import pytest
 from chaos.harness import free_port
 from tests._wait import wait_until
 
-NODES = ("n1", "n2")
+NODES = ("n1", "n2", "n3")
 CPUS_PER_NODE = 2  # (both nodes are this machine's cores: the figure only sizes allocations)
 PACKAGES = ("slurm-wlm", "slurmdbd", "munge", "mariadb-server-core")
 # the programs the cluster runs, each with the Debian package that brings it
@@ -45,6 +47,7 @@ PROGRAMS = {
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"  # (daemons live there; a non-login PATH may lack it)
 START_TIMEOUT = 60.0  # per daemon, on a loaded 2-core machine
 STOP_TIMEOUT = 20.0
+PREEMPT_GRACE_S = 30
 JOB_DONE = frozenset({
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
     "BOOT_FAIL", "DEADLINE",
@@ -127,7 +130,10 @@ def slurm_conf(root: Path, ports: dict[str, int], first_job_id: int, nodes: Sequ
         "SlurmdParameters=config_overrides",  # (the nodes' CPUs below are not the hardware's)
         "ReturnToService=2",  # a node whose slurmd comes back is usable again
         "SlurmdTimeout=30",  # a killed slurmd: its node is DOWN within ~30 s
-        "KillWait=30",  # SIGTERM -> SIGKILL at a job's end (a preemption's grace): the default
+        "KillWait=30",  # SIGTERM -> SIGKILL at a job's end (a requeue's grace): the default
+        # a job in a partition of a higher PriorityTier requeues the jobs it needs the nodes of
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=REQUEUE",
         "InactiveLimit=0",
         "MinJobAge=600",  # finished jobs stay in `scontrol show job` for the tests to read
         f"FirstJobId={first_job_id}",  # (random: run ids and /dev/shm names differ across clusters)
@@ -138,7 +144,12 @@ def slurm_conf(root: Path, ports: dict[str, int], first_job_id: int, nodes: Sequ
             f"CPUs={CPUS_PER_NODE} Boards=1 SocketsPerBoard=1 CoresPerSocket={CPUS_PER_NODE} "
             "ThreadsPerCore=1 RealMemory=2000 State=UNKNOWN"
         )
-    lines.append(f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP")
+    every = ",".join(nodes)
+    # GraceTime: a preempted job has that long after its SIGTERM (a site's notice period)
+    lines.append(f"PartitionName=debug Nodes={every} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 "
+                 f"GraceTime={PREEMPT_GRACE_S}")  # fmt: skip
+    lines.append(f"PartitionName=urgent Nodes={every} MaxTime=INFINITE State=UP PriorityTier=10 "
+                 "PreemptMode=OFF")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -272,12 +283,37 @@ class SlurmCluster:
                           interval=0.5)  # fmt: skip
 
     def sacct(
-        self, job_id: int, fields: str = "JobID,JobName,State,ExitCode,NodeList,NTasks"
+        self, job_id: int, fields: str = "JobID,JobName,State,ExitCode,NodeList,NTasks", *extra: str
     ) -> list[dict[str, str]]:
-        """The accounting rows of every run of the job (``-D``: a requeued job's earlier runs too)."""
-        out = self.run("sacct", "-D", "-n", "-P", "-j", str(job_id), "-o", fields).stdout
+        """The accounting rows of every run of the job (``-D``: a requeued job's earlier runs too;
+        ``extra``: more of sacct's flags, ``-X`` for the allocations alone)."""
+        out = self.run("sacct", "-D", "-n", "-P", *extra, "-j", str(job_id), "-o", fields).stdout
         keys = fields.split(",")
         return [dict(zip(keys, line.split("|"), strict=True)) for line in out.splitlines() if line]
+
+    def lose_node(self, node: str) -> int:
+        """``node`` as if it lost power: its slurmd and every process of its job steps (slurmstepd,
+        the tasks and what they started), stopped together and then killed; how many processes."""
+        daemon = self.daemons[f"slurmd {node}"]
+        tasks = [p for p in self.leftovers() if _environ(p.pid).get(b"SLURMD_NODENAME") == node.encode()]
+        stepds = {q for p in tasks if (q := _parent(p)) is not None and q.name().startswith("slurmstepd")}
+        doomed = {psutil.Process(daemon.pid), *stepds}
+        for p in [*tasks, *stepds]:
+            with contextlib.suppress(psutil.Error):
+                doomed |= {p, *p.children(recursive=True)}
+        for sig in (signal.SIGSTOP, signal.SIGKILL):  # (stopped first: none of them notices the others go)
+            for p in doomed:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(sig)
+        daemon.wait(STOP_TIMEOUT)
+        return len(doomed)
+
+    def restore_node(self, node: str, timeout: float = START_TIMEOUT) -> None:
+        """A lost node's slurmd started again; back once the controller has it idle (ReturnToService)."""
+        self._spawn(f"slurmd {node}", "slurmd", "-D", "-N", node)
+        self.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)  # (if DOWN still)
+        wait_until(lambda: self.node_states().get(node) == "idle", timeout, f"{node} to be idle again",
+                   interval=0.5)  # fmt: skip
 
     def logs(self, lines: int = 15) -> str:
         """The tail of every daemon's log (for failure messages)."""
@@ -343,6 +379,21 @@ class SlurmCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    """A process's environment (the raw file: psutil's environ() drops entries it cannot parse)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return {}
+
+
+def _parent(p: psutil.Process) -> psutil.Process | None:
+    with contextlib.suppress(psutil.Error):
+        return p.parent()
+    return None
 
 
 @pytest.fixture(scope="session")

@@ -1,52 +1,75 @@
-"""`resilient launch` under a real Slurm (tests/integration/slurm_cluster.py: slurmctld and two
-slurmd on this machine): `sbatch examples/slurm.sbatch`, one launcher per node, ends where a
-fault-free torchrun run of the same example ends, bit for bit.
+"""`resilient launch` under a real Slurm (tests/integration/slurm_cluster.py: slurmctld, slurmdbd and
+three slurmd on this machine): `sbatch examples/slurm.sbatch`, one launcher per node, with the faults
+a Slurm user meets, each ending where a fault-free torchrun run of the same job ends, bit for bit:
 
-Not in CI (`-m "not slow and not slurm"`): `nox -s slurm` runs them (the packages install once,
-~35 s; the cluster starts in ~5 s; each job ~30-60 s on 2 cores)."""
+- a rank's exception and a hang: recovered in-process; Slurm never knows (one run, no requeue);
+- a worker SIGKILLed: its launcher replaces the rank; no requeue;
+- `scontrol requeue` and a preemption (a job of a higher partition, PreemptMode=REQUEUE): the
+  final checkpoint is committed before the grace ends, the requeued job resumes at that step;
+- the time limit (`--time=1 --signal=B:USR1@30`): the same, the script requeueing itself;
+- a node lost (its slurmd and every process of the job there killed at once): Slurm marks it
+  DOWN, ends the job (NODE_FAIL) and requeues it on the two nodes that are up; it resumes from
+  the newest checkpoint.
+
+Each at 2 nodes x 1 rank and 2 nodes x 2 ranks. Not in CI (`-m "not slow and not slurm"`):
+`nox -s slurm` runs them (the packages install once, ~35 s; the cluster starts in ~5 s)."""
 
 from __future__ import annotations
 
+import io
 import os
+import signal
 import subprocess
 import sys
+import time
+from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from chaos.harness import free_port
-from tests.integration.conftest import EXAMPLE, STEPS, assert_bit_exact
-from tests.integration.slurm_cluster import NODES, SlurmCluster
+from resilient.cli import main as resilient_cli
+from resilient.metrics import account
+from tests.integration.conftest import EXAMPLE, STEPS
+from tests.integration.slurm_cluster import NODES, PREEMPT_GRACE_S, SlurmCluster
+from tests.integration.slurm_job import TrainingJob
 
 # (the first test also pays for the install, ~35 s, and the cluster start)
 pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
-SBATCH = ROOT / "examples" / "slurm.sbatch"
-JOB_TIMEOUT = 240.0  # two launchers, their workers' imports and 24 steps, on a shared 2-core machine
+JOB_TIMEOUT = 240.0  # two launchers, their workers' imports and the steps, on a shared 2-core machine
+REQUEUED_TIMEOUT = 360.0  # ... twice, and the requeued job's wait (cred_expire, 10 s) between
+KILL_WAIT_S = 30  # slurm.conf's KillWait: a requeue's grace before SIGKILL
+TOPOLOGY = pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
 
 
 @pytest.fixture(scope="module")
 def torchrun_reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The fault-free final states of the example under plain torchrun, by world size (lazily)."""
+    """The fault-free final states of the example under plain torchrun, by (world size, steps)."""
 
     class Ref(dict):  # type: ignore[type-arg]
-        def __missing__(self, world: int) -> list[dict[str, Any]]:
-            d = tmp_path_factory.mktemp(f"torchrun{world}")
+        def __missing__(self, key: tuple[int, int]) -> list[dict[str, Any]]:
+            world, steps = key
+            d = tmp_path_factory.mktemp(f"torchrun{world}x{steps}")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   EXAMPLE, "--steps", str(STEPS), "--out", str(d / "state")]  # fmt: skip
+                   EXAMPLE, "--steps", str(steps), "--out", str(d / "state")]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_RUN_ID": "torchrun"}
             r = subprocess.run(cmd, cwd=d, env=env, capture_output=True, text=True, timeout=180,
                                start_new_session=True)  # fmt: skip
             assert r.returncode == 0, r.stderr[-3000:]
-            self[world] = [torch.load(d / "state" / f"rank{i}.pt", weights_only=True) for i in range(world)]
-            return self[world]
+            self[key] = [torch.load(d / "state" / f"rank{i}.pt", weights_only=True) for i in range(world)]
+            return self[key]
 
     return Ref()
 
 
-def test_cluster_runs_a_job_on_both_nodes_and_accounts_for_it(
+def report(case: str, job: TrainingJob, **figures: Any) -> None:
+    """One line per case with its run time (the figures in docs/launcher.md#slurm come from here)."""
+    extra = "".join(f", {k} {v:.1f} s" if isinstance(v, float) else f", {k} {v}" for k, v in figures.items())
+    print(f"\n[slurm] {case} {job.nproc * 2} ranks: job {job.id}, {job.seconds:.1f} s submit to end{extra}")
+
+
+def test_cluster_runs_a_job_on_two_nodes_and_accounts_for_it(
     slurm_cluster: SlurmCluster, wait_until: Any
 ) -> None:
     assert slurm_cluster.node_states() == dict.fromkeys(NODES, "idle")
@@ -62,38 +85,177 @@ def test_cluster_runs_a_job_on_both_nodes_and_accounts_for_it(
     wait_until(accounted, 30, "sacct to show the job COMPLETED on n[1-2]")
 
 
-def _with_our_bin(cluster: SlurmCluster) -> str:
-    """The job's PATH: this interpreter's `resilient` first (pytest may run outside the venv's PATH)."""
-    return f"{Path(sys.executable).parent}:{cluster.env['PATH']}"
-
-
-@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
+@TOPOLOGY
 def test_sbatch_srun_resilient_launch_matches_torchrun(
     slurm_cluster: SlurmCluster, torchrun_reference: Any, tmp_path: Path, nproc: int
 ) -> None:
-    # The user's script as written: one launcher per node (srun), the rendezvous on the first node
-    # from Slurm's variables; what follows the script name are `resilient launch`'s arguments.
-    # (No standby: 2 cores hold 2 launchers and their workers already.)
-    job = slurm_cluster.sbatch(
-        SBATCH,
-        "--nproc-per-node", str(nproc), "--standby", "0", "--monitor-interval", "0.2",
-        "--max-restarts", "2", EXAMPLE, "--steps", str(STEPS), "--out", str(tmp_path / "state"),
-        "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "4",
-        cwd=tmp_path,
-        options=["--time=10", f"--output={tmp_path / 'slurm-%j.out'}"],
-        env={"RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PATH": _with_our_bin(slurm_cluster)},
-    )  # fmt: skip
-    info = slurm_cluster.wait_job(job, JOB_TIMEOUT)
-    log = (tmp_path / f"slurm-{job}.out").read_text()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), log[-4000:]
-    assert "training finished" in log
+    job = TrainingJob.submit(slurm_cluster, tmp_path, nproc, STEPS)
+    info = job.wait_completed(JOB_TIMEOUT)
+    assert (info["ExitCode"], info["Restarts"]) == ("0:0", "0"), job.log()[-4000:]
+    assert "training finished" in job.log()
     # one task (a launcher) on each node, in the one step
-    steps = {row["JobID"]: row for row in slurm_cluster.sacct(job)}
-    assert (steps[f"{job}.0"]["NodeList"], steps[f"{job}.0"]["NTasks"]) == ("n[1-2]", "2"), steps
-    world = 2 * nproc
-    finals = [torch.load(tmp_path / "state" / f"rank{r}.pt", weights_only=True) for r in range(world)]
-    for rank in range(world):
-        assert assert_bit_exact(torchrun_reference[world][rank], finals[rank]) > 20, rank
+    steps = {row["JobID"]: row for row in slurm_cluster.sacct(job.id)}
+    assert (steps[f"{job.id}.0"]["NodeList"], steps[f"{job.id}.0"]["NTasks"]) == ("n[1-2]", "2"), steps
+    job.assert_matches(torchrun_reference[job.world, STEPS])
+    report("fault-free", job)
+
+
+@TOPOLOGY
+def test_an_exception_and_a_hang_are_recovered_in_process_and_slurm_never_knows(
+    slurm_cluster: SlurmCluster, torchrun_reference: Any, tmp_path: Path, nproc: int
+) -> None:
+    last = 2 * nproc - 1  # (the last rank and rank 0 run on different nodes)
+    plan = f"exception@6:{last},hang@14:0"
+    job = TrainingJob.submit(slurm_cluster, tmp_path, nproc, STEPS, "--fault", plan, "--hang-timeout", "2")
+    info = job.wait_completed(JOB_TIMEOUT)
+    assert (info["ExitCode"], info["Restarts"]) == ("0:0", "0"), job.log()[-4000:]
+    assert [r["State"] for r in job.runs()] == ["COMPLETED"]  # one run: no requeue
+    faults = job.of("fault_detected")
+    own = {f["kind"]: f for f in faults if f["rank"] == f["origin_rank"]}
+    assert set(own) == {"exception", "hang"}, faults
+    raised, hung = job.node_of(last), job.node_of(0)
+    assert {raised, hung} == set(job.nodes())
+    assert job.slurm_of(own["exception"]) == {"job": str(job.id), "step": "0", "node": raised, "requeues": 0}
+    assert job.slurm_of(own["hang"])["node"] == hung
+    assert not job.of("worker_died", workers=False)
+    out, run_dir = io.StringIO(), tmp_path / "resilient_runs" / f"slurm-{job.id}"
+    with redirect_stdout(out):
+        assert resilient_cli(["events", str(run_dir), "--faults"]) == 0
+    for node in (raised, hung):
+        assert f"(Slurm job {job.id}.0 on {node})" in out.getvalue(), out.getvalue()
+    job.assert_matches(torchrun_reference[job.world, STEPS])
+    report("exception + hang", job)
+
+
+@TOPOLOGY
+def test_a_sigkilled_rank_is_replaced_by_its_launcher_without_a_requeue(
+    slurm_cluster: SlurmCluster, torchrun_reference: Any, tmp_path: Path, nproc: int
+) -> None:
+    steps, last = 40, 2 * nproc - 1
+    job = TrainingJob.submit(slurm_cluster, tmp_path, nproc, steps, "--step-ms", "150")
+    victim = job.reached(10, JOB_TIMEOUT, rank=last)
+    os.kill(victim["pid"], signal.SIGKILL)
+    info = job.wait_completed(JOB_TIMEOUT)
+    assert (info["ExitCode"], info["Restarts"]) == ("0:0", "0"), job.log()[-4000:]
+    assert [r["State"] for r in job.runs()] == ["COMPLETED"]
+    (died,) = job.of("worker_died", workers=False)
+    assert died["pid"] == victim["pid"] and "SIGKILL" in died["cause"]
+    where = job.node_of(last)
+    assert job.slurm_of(died)["node"] == where
+    (replaced,) = job.of("rank_replaced", workers=False)
+    assert replaced["global_rank"] == last and job.slurm_of(replaced)["node"] == where
+    job.assert_matches(torchrun_reference[job.world, steps])
+    report("SIGKILL of a rank", job)
+
+
+def assert_requeued_at_its_final_checkpoint(job: TrainingJob, asked: float, grace_s: float) -> dict[str, Any]:
+    """A preemption as the operator wants it: every rank committed a final checkpoint within the
+    grace after it was asked to stop, and the next run of the job resumed at exactly that step; Slurm
+    accounts a requeue, and the events a preemption (no failure). Returns the figures."""
+    runs = job.runs()
+    assert len(runs) >= 2 and all(r["State"] in ("REQUEUED", "PREEMPTED") for r in runs[:-1]), runs
+    preempted = job.of("run_preempted")
+    first = [e for e in preempted if job.slurm_of(e)["requeues"] == 0]
+    assert sorted(e["rank"] for e in first) == list(range(job.world)), preempted
+    (step,) = {e["step"] for e in first}
+    assert "final checkpoint at step" in first[0]["error"], first[0]
+    committed = max(e["ts"] for e in first) - asked
+    assert committed < grace_s, f"final checkpoint {committed:.1f} s after the signal (grace {grace_s} s)"
+    loaded = [e for e in job.of("checkpoint_loaded") if job.slurm_of(e)["requeues"] == 1]
+    assert sorted(e["rank"] for e in loaded) == list(range(job.world)), job.of("checkpoint_loaded")
+    assert {e["step"] for e in loaded} == {step}, (loaded, step)
+    assert not job.of("run_failed") and not job.of("run_failed", workers=False)
+    assert account(job.events()).incidents == []  # (a preemption is no fault)
+    resumed = min(e["ts"] for e in loaded)
+    return {"final checkpoint after": committed, "at step": step, "resumed after": resumed - asked}
+
+
+@TOPOLOGY
+def test_scontrol_requeue_resumes_at_the_final_checkpoint(
+    slurm_cluster: SlurmCluster, torchrun_reference: Any, tmp_path: Path, nproc: int
+) -> None:
+    steps = 40
+    job = TrainingJob.submit(slurm_cluster, tmp_path, nproc, steps, "--step-ms", "200")
+    job.reached(12, JOB_TIMEOUT)
+    asked = time.time()
+    slurm_cluster.run("scontrol", "requeue", str(job.id))  # (SIGTERM to every process of the job)
+    info = job.wait_completed(REQUEUED_TIMEOUT)
+    assert (info["ExitCode"], info["Restarts"]) == ("0:0", "1"), job.log()[-4000:]
+    assert "Slurm requeues the job" in job.log()  # (the script leaves it to Slurm)
+    figures = assert_requeued_at_its_final_checkpoint(job, asked, KILL_WAIT_S)
+    job.assert_matches(torchrun_reference[job.world, steps])
+    report("scontrol requeue", job, **figures)
+
+
+@TOPOLOGY
+def test_a_preemption_by_a_higher_partition_resumes_at_the_final_checkpoint(
+    slurm_cluster: SlurmCluster, torchrun_reference: Any, tmp_path: Path, nproc: int
+) -> None:
+    steps = 40
+    job = TrainingJob.submit(slurm_cluster, tmp_path, nproc, steps, "--step-ms", "200")
+    job.reached(12, JOB_TIMEOUT)
+    urgent = tmp_path / "urgent.sbatch"
+    urgent.write_text("#!/bin/bash\nsrun sleep 3\n")
+    asked = time.time()
+    # a job of partition `urgent` (PriorityTier 10) needs both of its nodes: Slurm preempts it
+    options = ["--partition=urgent", "-N2", "--nodelist=n1,n2", "--exclusive", f"--output={urgent}.out"]
+    preemptor = slurm_cluster.sbatch(urgent, cwd=tmp_path, options=options)
+    info = job.wait_completed(REQUEUED_TIMEOUT)
+    assert (info["ExitCode"], info["Restarts"]) == ("0:0", "1"), job.log()[-4000:]
+    assert slurm_cluster.job(preemptor)["JobState"] == "COMPLETED"
+    figures = assert_requeued_at_its_final_checkpoint(job, asked, PREEMPT_GRACE_S)
+    job.assert_matches(torchrun_reference[job.world, steps])
+    report("preemption (PreemptMode=REQUEUE)", job, **figures)
+
+
+@TOPOLOGY
+def test_the_time_limit_ends_each_run_in_a_final_checkpoint_and_a_requeue(
+    slurm_cluster: SlurmCluster, torchrun_reference: Any, tmp_path: Path, nproc: int
+) -> None:
+    # Slurm looks at time limits every 30 s: the warning comes 30-60 s into a run, the limit is 60 s.
+    # 56 steps of 1 s are more than one run holds.
+    steps = 56
+    job = TrainingJob.submit(slurm_cluster, tmp_path, nproc, steps, "--step-ms", "1000", limit="1",
+                             options=("--signal=B:USR1@30",))  # fmt: skip
+    info = job.wait_completed(480.0)
+    assert info["ExitCode"] == "0:0" and int(info["Restarts"]) >= 1, job.log()[-4000:]
+    runs = job.runs()
+    assert all(r["State"] == "REQUEUED" for r in runs[:-1]), runs  # (never TIMEOUT: each run stopped in time)
+    preempted = job.of("run_preempted")
+    loaded = job.of("checkpoint_loaded")
+    for n in range(len(runs) - 1):  # each run resumed where the one before it stopped
+        stopped = {e["step"] for e in preempted if job.slurm_of(e)["requeues"] == n}
+        resumed = {e["step"] for e in loaded if job.slurm_of(e)["requeues"] == n + 1}
+        assert len(stopped) == 1 and resumed == stopped, (n, stopped, resumed)
+    assert "preempted: final checkpoint committed; requeueing" in job.log()
+    job.assert_matches(torchrun_reference[job.world, steps])
+    report("time limit", job, runs=len(runs))
+
+
+@TOPOLOGY
+def test_a_lost_node_ends_the_job_and_slurm_requeues_it_on_the_nodes_that_are_up(
+    slurm_cluster: SlurmCluster, torchrun_reference: Any, tmp_path: Path, nproc: int
+) -> None:
+    steps = 40
+    job = TrainingJob.submit(slurm_cluster, tmp_path, nproc, steps, "--step-ms", "200")
+    job.reached(12, JOB_TIMEOUT)
+    second = job.nodes()[1]  # (the batch script and the rendezvous stay on the first)
+    lost = time.time()
+    try:
+        assert slurm_cluster.lose_node(second) >= 3  # slurmd, slurmstepd, the task, its launcher, ...
+        info = job.wait_completed(REQUEUED_TIMEOUT)
+    finally:
+        slurm_cluster.restore_node(second)
+    assert (info["ExitCode"], info["Restarts"]) == ("0:0", "1"), job.log()[-4000:]
+    runs = job.runs()
+    assert [r["State"] for r in runs] == ["NODE_FAIL", "COMPLETED"], runs
+    assert second not in job.nodes() and len(job.nodes()) == 2, runs  # (DOWN: Slurm gave it the spare)
+    loaded = [e for e in job.of("checkpoint_loaded") if job.slurm_of(e)["requeues"] == 1]
+    assert sorted(e["rank"] for e in loaded) == list(range(job.world)), job.of("checkpoint_loaded")
+    (step,) = {e["step"] for e in loaded}  # the newest checkpoint committed before the loss
+    resumed = min(e["ts"] for e in loaded) - lost
+    job.assert_matches(torchrun_reference[job.world, steps])
+    report("node lost", job, **{"resumed at step": step, "resumed after": resumed})
 
 
 def test_teardown_leaves_no_process_even_when_the_test_fails(

@@ -201,7 +201,7 @@ def test_the_event_literal_check_sees_each_kind_of_use():
     for src in flagged:
         assert _misspelled(src, "x.py"), src
     fine = [
-        'ev == Event.FAULT_DETECTED',
+        "ev == Event.FAULT_DETECTED",
         'name in (Event.GROUP_REBUILT, "step")',  # a phase's own name
         'failed.append("standby_ready")',  # an SLO's name, spelled as the event
         'getattr(t, "peer_wait", None)',  # an attribute
@@ -210,4 +210,3 @@ def test_the_event_literal_check_sees_each_kind_of_use():
     ]
     for src in fine:
         assert not _misspelled(src, "x.py"), src
-
