@@ -86,7 +86,10 @@ def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             p["signature"] = dead.get("cause", p["signature"])
         nxt = [e for e in events if e["generation"] == g + 1]
         resumed = [e["ts"] for e in nxt if e["event"] == Event.STEP_RESUMED]
-        restored = next((e for e in nxt if e["event"] == Event.STATE_RESTORED), {})
+        every = [e for e in nxt if e["event"] == Event.STATE_RESTORED]
+        restored = every[0] if every else {}
+        # (a rank that faulted a step ahead of its peers re-ran one more: the most, as the report says)
+        reruns = [e["steps_rerun"] for e in every if e.get("steps_rerun") is not None]
         failed = [e for e in events if e["generation"] == g and e["event"] == Event.RUN_FAILED]
         rows.append(
             {
@@ -97,7 +100,7 @@ def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "signature": p["signature"],
                 "detect_s": p.get("origin_latency_s", 0.0),
                 "recover_s": (max(resumed) - p["origin_ts"]) if resumed else None,
-                "steps_rerun": restored.get("steps_rerun"),
+                "steps_rerun": max(reruns) if reruns else None,
                 "source": restored.get("source"),
                 "work_lost_s": restored.get("work_lost_s"),
                 "outcome": failed[0]["error"] if failed else ("recovered" if resumed else "not recovered"),

@@ -565,6 +565,23 @@ def test_the_events_table_names_a_replaced_rank_as_the_origin() -> None:
     assert (row["kind"], row["origin_rank"]) == ("collective", 0)
 
 
+def test_the_events_table_counts_the_steps_re_run_by_the_rank_that_re_ran_most() -> None:
+    # rank 1 raised at step 12's start while rank 0 was still in step 11: both restore step 8,
+    # rank 0 re-runs 3 steps, rank 1 4 (the report's accounting says 4 too)
+    from resilient.cli import summarize
+
+    events = [
+        ev(1.0, "fault_detected", 1, kind="exception", origin_rank=1, origin_step=12, origin_ts=T0 + 1.0,
+           signature="exception:RuntimeError", origin_latency_s=0.0),
+        ev(1.1, "state_restored", 0, generation=1, step=8, steps_rerun=3, source="ring"),
+        ev(1.1, "state_restored", 1, generation=1, step=8, steps_rerun=4, source="ring"),
+        ev(1.2, "step_resumed", 0, generation=1, step=8),
+        ev(1.2, "step_resumed", 1, generation=1, step=8),
+    ]  # fmt: skip
+    (row,) = summarize(events)
+    assert (row["steps_rerun"], row["source"]) == (4, "ring")
+
+
 def under_slurm(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The same run with the Slurm place every process's event log adds (rank 1 on node n2)."""
     node = {0: "n1", 1: "n2", -1: "n2"}
