@@ -111,6 +111,7 @@ class Job:
         argv = [
             sys.executable, "-m", "resilient.cli", "launch", "--standalone",
             "--nproc-per-node", str(j.nproc), "--max-restarts", str(j.max_restarts),
+            "--max-replacements", str(j.max_replacements),
             "--monitor-interval", "0.1", "--heartbeat-timeout", str(j.heartbeat_timeout),
             "--startup-timeout", "60", "--backoff-initial", "0", "--events-dir", str(cwd / "resilient_runs"),
             *(["-m", "chaos.netns"] if link else []), *command,

@@ -78,7 +78,7 @@ def run_schedule(
     ck_every = cert.stream.checkpoint_every if cert.stream is not None else cert.job.checkpoint_every
     update = {**(cert.stream.job if cert.stream is not None else {}),
               "steps": steps, "checkpoint_every": ck_every, "timeout_s": timeout,
-              "max_restarts": 10 * len(faults) + 3}  # fmt: skip
+              "max_restarts": 10 * len(faults) + 3, "max_replacements": 10 * len(faults) + 3}  # fmt: skip
     long = cert.model_copy(update={"job": type(cert.job).model_validate({**cert.job.model_dump(), **update})})
     ref, ref_step_s = reference(long, out / "reference")
     cwd = fresh(out / "run")

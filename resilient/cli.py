@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("config", help="validate a config and print it with derived timeouts")
     c.add_argument("path", nargs="?", default=None)
     c.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. restart.max_restarts=3"
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. restart.max_recoveries=3"
     )
     c.set_defaults(fn=cmd_config)
     e = sub.add_parser("events", help="summarize a run's events.jsonl")

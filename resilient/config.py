@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,13 +27,35 @@ BUILTIN_CHECKS = ("gpu", "host_memory", "checkpoint_dir", "store")
 
 
 class RestartConfig(Section):
-    """Bounds on in-process restarts."""
+    """Bounds on in-process recoveries (the launcher's budgets are its own flags:
+    ``resilient launch --max-replacements``, ``--max-restarts``)."""
 
-    max_restarts: int = Field(10, ge=0, description="restarts allowed within `window_s`")
-    window_s: float = Field(3600.0, gt=0, description="sliding window for `max_restarts`, seconds")
+    max_recoveries: int = Field(
+        10, ge=0, description="in-process recoveries allowed within `window_s` (then exit 3)"
+    )
+    window_s: float = Field(3600.0, gt=0, description="sliding window for `max_recoveries`, seconds")
     max_repeats: int = Field(3, ge=1, description="same fault at the same step this many times → stop")
     backoff_initial_s: float = Field(0.1, ge=0, description="delay before the 2nd quick restart")
     backoff_max_s: float = Field(10.0, ge=0, description="cap of the exponential backoff")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        """``max_restarts`` (the old name, which the launcher's ``--max-restarts`` shares) is
+        read as ``max_recoveries``, with a warning."""
+        if isinstance(data, dict) and "max_restarts" in data:
+            data = dict(data)
+            old = data.pop("max_restarts")
+            if "max_recoveries" in data:
+                raise ValueError("max_restarts is the old name of max_recoveries: give one of them")
+            data["max_recoveries"] = old
+            warnings.warn(
+                "restart.max_restarts is now restart.max_recoveries (resilient launch's "
+                "--max-restarts counts restarts of the whole group)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return data
 
     @model_validator(mode="after")
     def _ordered(self) -> RestartConfig:

@@ -37,7 +37,7 @@ field's `description`, each section's docstring) by `{COMMAND}`;
 mirrored, with comments, in [`configs/default.yaml`](../configs/default.yaml).
 
 Pass a YAML path and/or keyword overrides: `@resilient.wrap(config="my.yaml", hang_timeout=30,
-restart={{"max_restarts": 5}})` (nested mappings merge). A bad value fails at decoration time,
+restart={{"max_recoveries": 5}})` (nested mappings merge). A bad value fails at decoration time,
 naming the field, the value and the file: `my.yaml: hang_timeout = -5: Input should be greater
 than 0`; an unknown key is an error too. `resilient config my.yaml --set hang_timeout=30`
 validates a file and prints it with the timeouts derived from it.

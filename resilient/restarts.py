@@ -1,7 +1,7 @@
 """The two rules every restart decision here shares: the sliding restart window and the repeat rule.
 
 The in-process runtime (:class:`resilient.runtime.recovery.policy.RestartPolicy`) and the launcher
-(:class:`resilient.launcher.policy.LaunchPolicy`) both allow ``max_restarts`` restarts within a
+(:class:`resilient.launcher.policy.LaunchPolicy`) both allow a number of restarts within a
 window and stop a fault that keeps coming back at the same place; one implementation of each
 keeps their verdicts alike. Time is passed in, never read here: each caller's clock decides (the
 fault's origin for the runtime, the agent's monotonic clock for the launcher), so tests never wait.

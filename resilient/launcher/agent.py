@@ -10,7 +10,8 @@ rendezvous. On top of it:
 - **Causes.** Every death is reported with its cause (:mod:`resilient.launcher.causes`): exit code,
   signal name, and for SIGKILL whether the kernel's OOM killer did it.
 - **Decisions.** What a round's deaths cost is :class:`resilient.launcher.policy.LaunchPolicy`'s to
-  say, and only this agent acts on it: replace a dead rank alone, restart the group (bounded by
+  say, and only this agent acts on it: replace a dead rank alone (bounded by
+  ``--max-replacements`` within ``--replacement-window``), restart the group (bounded by
   ``--max-restarts``, within ``--restart-window`` if given, with exponential backoff), or stop:
   ``FATAL`` (3: a worker gave up, the fault repeats, restarts exhausted), ``REQUEUE`` (76:
   preempted, final checkpoint written), or exclusion of this node (75).
@@ -105,15 +106,16 @@ class ResilientAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.policy = policy
         self.elastic = Elastic(self)
-        if policy.cfg.restart_window_s is not None:
-            self.elastic.unbound_restarts()  # the policy counts the restarts within the window
+        self.elastic.unbound_restarts()  # the policy counts restarts and replacements, each its own
         self.heartbeat_dir = heartbeat_dir
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
         self.events = events
         self.backoff = Backoff(backoff_initial_s, backoff_max_s)
         park = standby_mode == "park"
-        self.replacer = Replacer(self.elastic, heartbeat_dir, self._emit, standby, park=park)
+        self.replacer = Replacer(
+            self.elastic, heartbeat_dir, self._emit, standby, park=park, budgets=self.budgets
+        )
         # torch's loop sleeps its monitor interval between looks at the workers: a death wakes it
         self._clock = WakeableTime()
         self._clock.deadline = self._silence_deadline
@@ -192,12 +194,26 @@ class ResilientAgent(LocalElasticAgent):
                 signal.signal(sig, self.forward_signals)
         if self._restarts:
             self._emit(Event.RELAUNCHED, restart=self._restarts, pids=sorted(pids.values()))
-        cfg = self.policy.cfg
-        self._emit(Event.WORKERS_STARTED, restart=self._restarts, round=round_no,
-                   ranks={str(w.global_rank): pids.get(w.local_rank) for w in worker_group.workers},
-                   max_restarts=cfg.max_restarts, restart_window_s=cfg.restart_window_s,
-                   restarts_left=self.elastic.restarts_left)  # fmt: skip
+        self._emit(
+            Event.WORKERS_STARTED,
+            restart=self._restarts,
+            round=round_no,
+            ranks={str(w.global_rank): pids.get(w.local_rank) for w in worker_group.workers},
+            **self.budgets(),
+        )
         return pids
+
+    def budgets(self) -> dict[str, Any]:
+        """The launcher's two budgets and what is left of each (events and metrics)."""
+        cfg, policy = self.policy.cfg, self.policy
+        return {
+            "max_restarts": cfg.max_restarts,
+            "restart_window_s": cfg.restart_window_s,
+            "restarts_left": policy.restarts_left,
+            "max_replacements": cfg.max_replacements,
+            "replacement_window_s": cfg.replacement_window_s,
+            "replacements_left": policy.replacements_left,
+        }
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._restarts += 1

@@ -3,7 +3,10 @@ plus heartbeats, fault causes and exit codes a scheduler can act on.
 
 Every torchrun flag is accepted (the parser *is* torchrun's); ours are added to it:
 ``--heartbeat-timeout`` (a worker silent this long is killed and the group relaunched),
-``--startup-timeout`` (the same before its first beat), ``--backoff-initial``/``--backoff-max``.
+``--startup-timeout`` (the same before its first beat), ``--backoff-initial``/``--backoff-max``,
+``--max-replacements`` (dead ranks replaced alone). One default differs from torchrun's:
+``--max-restarts`` is 3, not 0, since a job launched here is meant to outlive its faults.
+``--help`` shows every default.
 
 Exit codes: 0 every worker finished; 76 (REQUEUE) a worker was preempted and wrote its final
 checkpoint (SIGUSR1/SIGTERM to the launcher are forwarded to the workers as SIGUSR1); 3 (FATAL)
@@ -42,9 +45,22 @@ from resilient.launcher.policy import LaunchConfig, LaunchPolicy
 from resilient.native import names
 
 
+# A job launched here is meant to outlive its faults: torchrun's 0 would end it at the first death
+# that cannot be replaced alone.
+MAX_RESTARTS = 3
+
+
 def parser() -> Any:
     p = get_args_parser()
     p.prog = "resilient launch"
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.set_defaults(max_restarts=MAX_RESTARTS)
+    for action in p._actions:  # (torchrun's help text for the one default changed here)
+        if action.dest == "max_restarts":
+            action.help = (
+                "restarts of the whole worker group before the launcher gives up (exit 3); a dead "
+                "rank replaced alone draws on --max-replacements instead (torchrun's default: 0)"
+            )
     p.add_argument(
         "--heartbeat-timeout",
         type=positive,
@@ -62,8 +78,22 @@ def parser() -> Any:
         "--restart-window",
         type=positive,
         default=None,
-        help="count only the failures of the last this-many seconds against --max-restarts "
-        "(default: every failure of the job, as torchrun)",
+        help="count only the group restarts of the last this-many seconds against --max-restarts "
+        "(None: every restart of the job, as torchrun)",
+    )
+    p.add_argument(
+        "--max-replacements",
+        type=count(0, 10**6),
+        default=10,
+        help="dead ranks replaced alone (--replace rank) within --replacement-window before a death "
+        "restarts the whole group instead; the runtime's in-process budget is its config's "
+        "restart.max_recoveries",
+    )
+    p.add_argument(
+        "--replacement-window",
+        type=positive,
+        default=3600.0,
+        help="count only the replacements of the last this-many seconds against --max-replacements",
     )
     p.add_argument(
         "--max-repeats",
@@ -257,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             restart_window_s=args.restart_window,
             max_repeats=args.max_repeats,
             max_health_failures=args.max_health_failures,
+            max_replacements=args.max_replacements,
+            replacement_window_s=args.replacement_window,
         )
     )
     agent = ResilientAgent(
@@ -339,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = "; ".join(f"rank {f.get('global_rank')}: {f['cause']}" for f in agent.failures[-8:])
         within = f" within {args.restart_window:g} s" if args.restart_window else ""
         print(
-            f"resilient launch: giving up after {config.max_restarts} restarts{within}: {summary}",
+            f"resilient launch: giving up after {config.max_restarts} group restarts{within}: {summary}",
             file=sys.stderr,
         )
         return int(ExitCode.FATAL)

@@ -9,6 +9,7 @@ happened, how often this node failed a health check), :meth:`LaunchPolicy.decide
 action     when                                                                 launcher
 =========  ===================================================================  ===========
 REPLACE    ``--replace rank`` and every death of the round can be replaced alone  goes on
+           (``--max-replacements`` within ``--replacement-window``)
 RESTART    otherwise, while ``--max-restarts`` (within ``--restart-window``) lasts  goes on
 GIVE_UP    a worker exited 3; the same rank died at the same place                exit 3
            ``--max-repeats`` times in a row; the restart budget is spent
@@ -17,7 +18,7 @@ EXCLUDE    this node failed health checks ``--max-health-failures`` times       
 =========  ===================================================================  ===========
 
 A rank is replaced alone unless it exited with a verdict (3, 76), asked for the group (75),
-failed a health check, died before its first step, or its replacement would overrun the budget
+failed a health check, died before its first step, or its replacement would overrun the replacement budget
 or complete a repeat; the first such reason is the decision's ``not_alone``. The group then
 decides in this order: a worker's verdict, the repeat rule, exclusion, the budget. REPLACE and
 RESTART keep the policy open; GIVE_UP, REQUEUE and EXCLUDE are final, and every later round gets
@@ -60,7 +61,7 @@ class GiveUp(str, enum.Enum):
 
     WORKER = "worker"  # a worker exited 3: the runtime gave up itself
     REPEATS = "repeats"  # the same rank died at the same place max_repeats times in a row
-    BUDGET = "budget"  # max_restarts restarts happened (within the window)
+    BUDGET = "budget"  # max_restarts group restarts happened (within the window)
 
 
 _STOPS = {
@@ -123,28 +124,36 @@ class Decision:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """The launcher's flags the policy reads (``resilient launch --help``)."""
+    """The launcher's flags the policy reads (``resilient launch --help``). Two budgets: a dead
+    rank replaced alone draws on ``max_replacements`` (within ``replacement_window_s``), a restart
+    of the whole group on ``max_restarts`` (torchrun's flag; within ``restart_window_s``). The
+    runtime's in-process recoveries have their own (``restart.max_recoveries``)."""
 
     replace: Replace = Replace.RANK
     max_restarts: int = 3  # negative: none
     restart_window_s: float | None = None  # None: --max-restarts counts over the whole job
     max_repeats: int = 3
     max_health_failures: int = 2
+    max_replacements: int = 10  # negative: none
+    replacement_window_s: float | None = 3600.0  # None: over the whole job
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replace", Replace(self.replace))
         for name in ("max_repeats", "max_health_failures"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"launch policy: {name} must be >= 1, got {getattr(self, name)}")
-        if self.restart_window_s is not None and not self.restart_window_s > 0:
-            raise ConfigError(f"launch policy: restart_window_s must be > 0, got {self.restart_window_s}")
+        for name in ("restart_window_s", "replacement_window_s"):
+            window = getattr(self, name)
+            if window is not None and not window > 0:
+                raise ConfigError(f"launch policy: {name} must be > 0, got {window}")
 
 
 @dataclass
 class History:
     """What the policy remembers between rounds."""
 
-    restarts: RestartWindow  # group restarts and replacements alike
+    restarts: RestartWindow  # group restarts
+    replacements: RestartWindow  # ranks replaced alone
     deaths: list[tuple[int, str]] = field(default_factory=list)  # (global rank, where)
     health_failures: int = 0  # rounds in which this node reported a failed health check
     final: Decision | None = None
@@ -156,11 +165,20 @@ class LaunchPolicy:
     def __init__(self, cfg: LaunchConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self._clock = clock
-        self.history = History(RestartWindow(cfg.max_restarts, cfg.restart_window_s))
+        self.history = History(
+            RestartWindow(cfg.max_restarts, cfg.restart_window_s),
+            RestartWindow(cfg.max_replacements, cfg.replacement_window_s),
+        )
 
     @property
     def restarts_left(self) -> int:
+        """Group restarts the budget allows now."""
         return self.history.restarts.left(self._clock())
+
+    @property
+    def replacements_left(self) -> int:
+        """Ranks the budget allows to replace alone now."""
+        return self.history.replacements.left(self._clock())
 
     def decide(
         self, deaths: Sequence[Death], *, node_unhealthy: bool = False, can_replace: bool = True
@@ -183,7 +201,7 @@ class LaunchPolicy:
             if refused is None:
                 for d in deaths:
                     self.history.deaths.append((d.global_rank, d.where or ""))
-                    self.history.restarts.admit(now)
+                    self.history.replacements.admit(now)
                 return Decision(Action.REPLACE, ranks=tuple(d.global_rank for d in deaths))
             rank, why = refused
             not_alone = f"rank {rank} not replaced alone: {why}"
@@ -196,7 +214,7 @@ class LaunchPolicy:
     def _refused_alone(self, deaths: Sequence[Death], now: float) -> tuple[int, str] | None:
         """(rank, why) for the first death of the round that cannot be replaced alone; None if all
         can, each counting against the budget and the repeat rule as if the ones before it were."""
-        left = self.history.restarts.left(now)
+        left = self.history.replacements.left(now)
         trail = list(self.history.deaths)
         for i, d in enumerate(deaths):
             why = self._why_not_alone(d, left - i, trail)
@@ -217,8 +235,9 @@ class LaunchPolicy:
         if not d.stepping:
             return "it died before its first step"
         if left <= 0:
-            window = " of the window" if self.cfg.restart_window_s is not None else ""
-            return f"the restart budget{window} is spent"
+            span = self.cfg.replacement_window_s
+            within = f" within {span:g} s" if span is not None else ""
+            return f"the replacement budget is spent ({max(0, self.cfg.max_replacements)}{within})"
         if repeats([*trail, (d.global_rank, d.where or "")]) >= self.cfg.max_repeats:
             return "the fault repeats"
         return ""
@@ -245,14 +264,15 @@ class LaunchPolicy:
         if h.deaths and repeats(h.deaths) >= self.cfg.max_repeats:
             rank, where = h.deaths[-1]
             cause = f"rank {rank} died at {where} {self.cfg.max_repeats} times in a row: the fault repeats"
-            return Decision(Action.GIVE_UP, ranks=(rank,), not_alone=not_alone, give_up=GiveUp.REPEATS,
-                            cause=cause)  # fmt: skip
+            return Decision(
+                Action.GIVE_UP, ranks=(rank,), not_alone=not_alone, give_up=GiveUp.REPEATS, cause=cause
+            )
         if unhealthy and h.health_failures >= self.cfg.max_health_failures:
             cause = f"this node failed health checks {h.health_failures} times"
             return Decision(Action.EXCLUDE, not_alone=not_alone, cause=cause)
         if not h.restarts.admit(now):
             window = self.cfg.restart_window_s
             within = f" within {window:g} s" if window is not None else ""
-            cause = f"restarts exhausted: {max(0, self.cfg.max_restarts)} restarts{within}"
+            cause = f"restarts exhausted: {max(0, self.cfg.max_restarts)} group restarts{within}"
             return Decision(Action.GIVE_UP, not_alone=not_alone, give_up=GiveUp.BUDGET, cause=cause)
         return Decision(Action.RESTART, not_alone=not_alone)

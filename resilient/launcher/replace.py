@@ -47,8 +47,10 @@ class Replacer:
         emit: Callable[..., None],
         standby: int,
         park: bool = True,
+        budgets: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self.elastic = elastic
+        self.budgets = budgets  # the launcher's budgets left, for the rank_replaced event
         self.heartbeat_dir = heartbeat_dir
         self.standby_count = standby
         self.park = park  # standbys run the script up to its resilient.wrap (standby.py)
@@ -77,10 +79,20 @@ class Replacer:
         self.elastic.swap(local_rank, new)
         worker.id = new.proc.pid
         threading.Thread(target=_reap, args=(old.proc,), name="resilient-reap", daemon=True).start()
-        self._emit(Event.RANK_REPLACED, global_rank=worker.global_rank, local_rank=local_rank,
-                   old_pid=old_pid, new_pid=new.proc.pid, standby=warm, join_generation=beat.generation,
-                   last_step=beat.step, fault_posted=posted, duration_s=time.time() - t0, cause=cause,
-                   restarts_left=self.elastic.restarts_left)  # fmt: skip
+        self._emit(
+            Event.RANK_REPLACED,
+            global_rank=worker.global_rank,
+            local_rank=local_rank,
+            old_pid=old_pid,
+            new_pid=new.proc.pid,
+            standby=warm,
+            join_generation=beat.generation,
+            last_step=beat.step,
+            fault_posted=posted,
+            duration_s=time.time() - t0,
+            cause=cause,
+            **self.budgets(),
+        )
         logger.info(
             f"rank {worker.global_rank} replaced by pid {new.proc.pid} "
             f"({'warm standby' if warm else 'new process'}); "

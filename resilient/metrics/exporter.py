@@ -282,7 +282,7 @@ class RunMetrics:
         for scope, left in sorted(m.budget.items()):
             yield _gauge(
                 "resilient_restart_budget_remaining",
-                "restarts left before the run gives up",
+                "recoveries, group restarts or replacements left (by scope) before the run gives up or escalates",
                 {**run, "scope": scope},
                 left,
             )

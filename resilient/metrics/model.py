@@ -26,7 +26,8 @@ class Model:
     block_s: list[float] = field(default_factory=list)
     durable_s: list[float] = field(default_factory=list)
     checkpoint_bytes: int = 0
-    budget: dict[str, float] = field(default_factory=dict)  # scope -> restarts left
+    # scope -> what is left: in_process (recoveries), launcher (group restarts), replacements
+    budget: dict[str, float] = field(default_factory=dict)
     info: dict[str, str] = field(default_factory=dict)  # engine, backend, world size
     # (rank, host) -> (straggler_detected reports, the last one's slowdown)
     stragglers: dict[tuple[int, str], tuple[int, float]] = field(default_factory=dict)
@@ -65,7 +66,8 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
         elif ev == Event.CHECKPOINT_REJECTED:
             m.checkpoints["rejected"] = m.checkpoints.get("rejected", 0) + 1
         elif ev == Event.RUN_STARTED:
-            max_restarts, window = e.get("max_restarts"), e.get("restart_window_s")
+            max_restarts = e.get("max_recoveries", e.get("max_restarts"))  # (logs before the rename)
+            window = e.get("restart_window_s")
             m.info = {k: str(e.get(k)) for k in ("engine", "backend", "world_size")}
         elif ev == Event.STRAGGLER_DETECTED and isinstance(r, int):
             n, _ = m.stragglers.get((r, str(e.get("host") or "")), (0, 0.0))
@@ -78,6 +80,8 @@ def build_model(events: list[dict[str, Any]], run_id: str, now: float | None = N
             m.standbys.pop(int(e.get("new_pid") or -1), None)
         if ev in (Event.WORKERS_STARTED, Event.RANK_REPLACED) and e.get("restarts_left") is not None:
             m.budget["launcher"] = float(e["restarts_left"])
+        if ev in (Event.WORKERS_STARTED, Event.RANK_REPLACED) and e.get("replacements_left") is not None:
+            m.budget["replacements"] = float(e["replacements_left"])
     incidents = acc.incidents
     if max_restarts is not None:
         t = acc.end

@@ -29,14 +29,15 @@ def _config(tmp_path: Path) -> str:
 def test_a_job_that_gives_up_resumes_where_it_died_not_at_its_last_checkpoint(
     tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
-    # rank 1 segfaults at step 15 and the launcher may not restart (--max-restarts 0): it gives
+    # rank 1 segfaults at step 15 and the launcher may neither replace it nor restart the group
+    # (--max-replacements 0 --max-restarts 0): it gives
     # up. Its agent flushed the dead rank's snapshots at the death and rank 0's before its shared
     # memory went; the same job launched again resumes at the step they hold, not at the last
     # checkpoint (step 10), and ends bit for bit where a fault-free run ends.
     cfg = _config(tmp_path)
     common = ("--config", cfg, "--step-ms", "60", "--ckpt-every", "10")
     first = _example(tmp_path, *common, "--fault", "segfault@15:1", replace="rank",
-                     launch=("--max-restarts", "0"))  # fmt: skip
+                     launch=("--max-restarts", "0", "--max-replacements", "0"))  # fmt: skip
     rc = first.finish()
     assert rc == int(ExitCode.FATAL), first.output()
     events = first.events()

@@ -104,7 +104,7 @@ def test_repeating_fault_stops_with_diagnosis(tmp_path):
 
 def test_bad_config_names_field_value_and_file(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("hang_timeout: -5\nrestart:\n  max_restarts: 2\n")
+    bad.write_text("hang_timeout: -5\nrestart:\n  max_recoveries: 2\n")
     res = run_example(tmp_path, 2, "--config", str(bad))
     for r in res.ranks:
         assert r.returncode != 0

@@ -82,14 +82,21 @@ def test_a_replacement_resumes_the_step_its_predecessor_died_in_from_a_survivors
     # killed in a step's forward (where the padding sleeps): the survivors wait in the backward's
     # all-reduce, their models and optimizers as the step found them; the replacement takes rank
     # 0's, and its predecessor's own step-start capture from shared memory (runtime/steps/handover.py)
+    # The launch is the README's, every launcher flag at its default (a dead rank is replaced alone
+    # though torchrun's --max-restarts would be 0: the replacements have their own budget)
     victim = nproc - 1
-    run = _example(
-        tmp_path, "--step-ms", "250", "--pad-at", "forward", nproc=nproc, replace="rank",
-        launch=("--standby", "1"),
+    run = Launch(
+        tmp_path, "--standalone", "--nproc-per-node", str(nproc),
+        EXAMPLE, "--steps", str(STEPS), "--step-ms", "250", "--pad-at", "forward",
+        "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "4", "--out", str(tmp_path / "state"),
     )  # fmt: skip
     _signal_after_checkpoint(run, victim, standby=True)
-    _replaced_alone(run, victim, nproc)
+    replaced = _replaced_alone(run, victim, nproc)
     events = run.events()
+    started = next(e for e in events if e["event"] == "workers_started")
+    budgets = ("max_restarts", "max_replacements", "replacements_left")
+    assert [started[k] for k in budgets] == [3, 10, 10], started
+    assert replaced["replacements_left"] == 9 and replaced["restarts_left"] == 3, replaced
     agreed = {e["rank"]: e for e in events if e["event"] == "restore_agreed"}
     sources = {r: "peer" if r == victim else "live" for r in range(nproc)}
     assert {r: e["source"] for r, e in agreed.items()} == sources, agreed

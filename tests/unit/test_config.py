@@ -33,12 +33,12 @@ def test_default_yaml_mirrors_the_model_defaults():
 
 
 def test_bad_value_in_yaml_names_file_field_and_value(tmp_path: Path):
-    p = write(tmp_path, "restart:\n  max_restarts: -7\n")
+    p = write(tmp_path, "restart:\n  max_recoveries: -7\n")
     with pytest.raises(ConfigError) as ei:
         load_config(p)
     msg = str(ei.value)
     assert str(p) in msg
-    assert "restart.max_restarts" in msg
+    assert "restart.max_recoveries" in msg
     assert "-7" in msg
 
 
@@ -52,11 +52,20 @@ def test_unknown_key_is_named(tmp_path: Path):
     assert str(p) in msg
 
 
+def test_the_old_name_of_max_recoveries_is_read_with_a_warning(tmp_path: Path):
+    p = write(tmp_path, "restart:\n  max_restarts: 4\n")
+    with pytest.warns(DeprecationWarning, match="restart.max_recoveries"):
+        assert load_config(p).restart.max_recoveries == 4
+    both = write(tmp_path, "restart:\n  max_restarts: 4\n  max_recoveries: 5\n")
+    with pytest.raises(ConfigError, match="give one of them"):
+        load_config(both)
+
+
 def test_keyword_overrides_merge_into_nested_sections(tmp_path: Path):
-    p = write(tmp_path, "hang_timeout: 5\nrestart:\n  max_restarts: 4\n  window_s: 100\n")
+    p = write(tmp_path, "hang_timeout: 5\nrestart:\n  max_recoveries: 4\n  window_s: 100\n")
     cfg = load_config(p, restart={"max_repeats": 2}, snapshot={"interval": 3})
     # the override adds to the file's section instead of replacing it
-    assert cfg.restart.max_restarts == 4
+    assert cfg.restart.max_recoveries == 4
     assert cfg.restart.window_s == 100.0
     assert cfg.restart.max_repeats == 2
     assert cfg.snapshot.interval == 3
@@ -66,12 +75,12 @@ def test_keyword_overrides_merge_into_nested_sections(tmp_path: Path):
 
 
 def test_error_names_the_source_of_the_bad_value(tmp_path: Path):
-    p = write(tmp_path, "hang_timeout: 5\nrestart:\n  max_restarts: -2\n")
+    p = write(tmp_path, "hang_timeout: 5\nrestart:\n  max_recoveries: -2\n")
     with pytest.raises(ConfigError) as ei:
         load_config(p, hang_timeout=0, backend="gloo")
     msg = str(ei.value)
     assert "keyword override: hang_timeout = 0:" in msg  # the override is blamed, not the file
-    assert f"{p}: restart.max_restarts = -2:" in msg  # the file's own bad value names the file
+    assert f"{p}: restart.max_recoveries = -2:" in msg  # the file's own bad value names the file
 
 
 @pytest.mark.parametrize("hang", [0.01, 0.5, 1.0, 4.0, 60.0, 3600.0])

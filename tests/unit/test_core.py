@@ -131,7 +131,7 @@ def test_an_exception_is_recovered_in_process_and_ends_bit_exact(tmp_path: Path)
 
 def test_a_fault_that_repeats_at_the_same_step_is_diagnosed_not_looped_on(tmp_path: Path) -> None:
     fakes = Fakes(tmp_path)
-    rt = _runtime(fakes, _cfg(restart={"max_repeats": 2, "max_restarts": 10}))
+    rt = _runtime(fakes, _cfg(restart={"max_repeats": 2, "max_recoveries": 10}))
     with pytest.raises(FaultRepeats) as ei:
         rt.run(_train(rt, lambda g, s: s == 5))
     assert "step 5" in str(ei.value) and "ValueError" in str(ei.value)
@@ -372,4 +372,4 @@ def test_a_loop_that_is_not_ctx_steps_marks_its_steps_and_recovers_bit_exact(tmp
             ctx.begin_step()
             ctx.begin_step()
 
-        _runtime(Fakes(tmp_path / "misuse"), _cfg(restart={"max_restarts": 0})).run(twice)
+        _runtime(Fakes(tmp_path / "misuse"), _cfg(restart={"max_recoveries": 0})).run(twice)

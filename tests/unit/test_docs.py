@@ -75,7 +75,7 @@ def test_every_public_member_of_the_context_says_what_it_is():
 
 def test_generator_lists_every_field():
     text = config_reference.markdown()
-    for key in ("`hang_timeout`", "`restart.max_restarts`", "`checkpoint.preempt_signals`", "`events.dir`"):
+    for key in ("`hang_timeout`", "`restart.max_recoveries`", "`checkpoint.preempt_signals`", "`events.dir`"):
         assert f"| {key} |" in text
     # fields without a description still get their row (with an empty description)
     for key in config_reference.undocumented():

@@ -164,7 +164,7 @@ def test_evaluation_inside_a_step_and_a_restore_at_an_epoch_start_stay_bit_exact
 
 @pytest.mark.parametrize("flag", ["auto_find_batch_size", "ignore_data_skip"])
 def test_refused_arguments_are_named(tmp_path: Path, flag: str) -> None:
-    rt = _runtime(Fakes(tmp_path), _cfg(restart={"max_restarts": 0}))
+    rt = _runtime(Fakes(tmp_path), _cfg(restart={"max_recoveries": 0}))
 
     def fn(loop: StepLoop) -> None:
         trainer = transformers.Trainer(model=_model(), args=_args(tmp_path, **{flag: True}),
@@ -176,7 +176,7 @@ def test_refused_arguments_are_named(tmp_path: Path, flag: str) -> None:
 
 
 def test_a_second_train_in_one_entry_is_refused(tmp_path: Path) -> None:
-    rt = _runtime(Fakes(tmp_path), _cfg(restart={"max_restarts": 0}))
+    rt = _runtime(Fakes(tmp_path), _cfg(restart={"max_recoveries": 0}))
 
     def fn(loop: StepLoop) -> None:
         ctx = Context(loop)

@@ -38,12 +38,12 @@ def killed(rank: int, step: int | None = 10, **kw: Any) -> Death:
     return Death(rank, -9, None if step is None else at(step), **kw)
 
 
-def test_a_death_in_training_is_replaced_alone_and_costs_one_restart() -> None:
-    p = policy(max_restarts=3)
+def test_a_death_in_training_is_replaced_alone_and_costs_one_replacement() -> None:
+    p = policy(max_restarts=3, max_replacements=4)
     d = p.decide([killed(1, step=12)])
     assert d == Decision(Action.REPLACE, ranks=(1,))
     assert not d.final and d.exitcode is None
-    assert p.restarts_left == 2
+    assert (p.replacements_left, p.restarts_left) == (3, 3)  # the group's budget is untouched
     assert p.history.deaths == [(1, "step 12")]
 
 
@@ -142,10 +142,10 @@ def test_the_same_exit_code_at_start_up_repeats_but_a_signal_there_never_does() 
 
 
 def test_two_ranks_dying_while_training_in_one_round_are_both_replaced() -> None:
-    p = policy(max_restarts=3)
+    p = policy(max_replacements=3)
     d = p.decide([killed(0, step=8), killed(1, step=8)])
     assert d == Decision(Action.REPLACE, ranks=(0, 1))
-    assert p.restarts_left == 1  # one restart each
+    assert p.replacements_left == 1  # one replacement each
 
 
 def test_a_double_fault_with_one_rank_not_replaceable_restarts_the_group_once() -> None:
@@ -158,45 +158,66 @@ def test_a_double_fault_with_one_rank_not_replaceable_restarts_the_group_once() 
     assert p.restarts_left == 2
 
 
-def test_a_double_fault_that_needs_more_restarts_than_are_left_takes_the_last_one_for_the_group() -> None:
-    p = policy(max_restarts=1)
+def test_a_double_fault_that_needs_more_replacements_than_are_left_restarts_the_group() -> None:
+    p = policy(max_restarts=1, max_replacements=1, replacement_window_s=None)
     d = p.decide([killed(0), killed(1)])
     assert d.action is Action.RESTART
-    assert d.not_alone == "rank 1 not replaced alone: the restart budget is spent"
-    assert p.restarts_left == 0
+    assert d.not_alone == "rank 1 not replaced alone: the replacement budget is spent (1)"
+    assert (p.restarts_left, p.replacements_left) == (0, 1)  # (the group restarted: none replaced)
 
 
 @pytest.mark.parametrize("replace", ["rank", "group"])
-def test_spent_budget_gives_up(replace: str) -> None:
-    p = policy(replace=replace, max_restarts=2)
-    ok = Action.REPLACE if replace == "rank" else Action.RESTART
-    assert [p.decide([killed(1, step=s)]).action for s in (5, 6)] == [ok, ok]
-    d = p.decide([killed(1, step=7)])
+def test_spent_budgets_give_up(replace: str) -> None:
+    p = policy(replace=replace, max_restarts=2, max_replacements=2)
+    deaths = [p.decide([killed(1, step=s)]).action for s in (5, 6, 7, 8)]
+    if replace == "rank":  # two replaced alone, then two restarts of the group
+        assert deaths == [Action.REPLACE, Action.REPLACE, Action.RESTART, Action.RESTART]
+    else:
+        assert deaths[:2] == [Action.RESTART, Action.RESTART]
+    d = p.decide([killed(1, step=9)])
     assert (d.action, d.give_up, d.exitcode) == (Action.GIVE_UP, GiveUp.BUDGET, 3)
-    assert d.cause == "restarts exhausted: 2 restarts"
+    assert d.cause == "restarts exhausted: 2 group restarts"
     if replace == "rank":
-        assert d.not_alone == "rank 1 not replaced alone: the restart budget is spent"
-    assert policy(replace=replace, max_restarts=0).decide([killed(1)]).give_up is GiveUp.BUDGET
+        assert d.not_alone == "rank 1 not replaced alone: the replacement budget is spent (2 within 3600 s)"
+    none = policy(replace=replace, max_restarts=0, max_replacements=0)
+    assert none.decide([killed(1)]).give_up is GiveUp.BUDGET
 
 
-def test_restarts_older_than_the_window_fall_out_of_it() -> None:
+def test_the_default_budgets_replace_a_dead_rank_though_no_group_restart_is_left() -> None:
+    # torchrun's --max-restarts 0 must not stop a rank being replaced alone (the README's launch)
+    p = policy(max_restarts=0)
+    assert p.decide([killed(1, step=12)]).action is Action.REPLACE
+
+
+def test_replacements_older_than_the_window_fall_out_of_it() -> None:
     clock = Clock()
-    p = policy(clock, max_restarts=2, restart_window_s=100.0)
+    p = policy(clock, max_restarts=0, max_replacements=2, replacement_window_s=100.0)
     for t in (0.0, 10.0):  # two replacements, 10 s apart
         clock.now = T0 + t
         assert p.decide([killed(1, step=int(t))]).action is Action.REPLACE
-    clock.now = T0 + 20.0  # a third inside the window: the group, and then the end
+    clock.now = T0 + 20.0  # a third inside the window: the group, and no restart is left
     d = p.decide([killed(1, step=20)])
-    assert d.not_alone == "rank 1 not replaced alone: the restart budget of the window is spent"
-    assert d.give_up is GiveUp.BUDGET and d.cause == "restarts exhausted: 2 restarts within 100 s"
+    assert d.not_alone == "rank 1 not replaced alone: the replacement budget is spent (2 within 100 s)"
+    assert d.give_up is GiveUp.BUDGET and d.cause == "restarts exhausted: 0 group restarts"
 
-    q = policy(clock, max_restarts=2, restart_window_s=100.0)
-    for t in (0.0, 10.0, 105.0):  # at 105 s the restart at 0 s has left the window
+    q = policy(clock, max_replacements=2, replacement_window_s=100.0)
+    for t in (0.0, 10.0, 105.0):  # at 105 s the replacement at 0 s has left the window
         clock.now = T0 + t
         assert q.decide([killed(1, step=int(t))]).action is Action.REPLACE
-    assert q.restarts_left == 0
+    assert q.replacements_left == 0
     clock.now = T0 + 500.0  # long after: the whole budget again
-    assert q.restarts_left == 2
+    assert q.replacements_left == 2
+
+
+def test_group_restarts_older_than_their_window_fall_out_of_it() -> None:
+    clock = Clock()
+    p = policy(clock, replace="group", max_restarts=2, restart_window_s=100.0)
+    for t in (0.0, 10.0):
+        clock.now = T0 + t
+        assert p.decide([killed(1, step=int(t))]).action is Action.RESTART
+    clock.now = T0 + 20.0
+    d = p.decide([killed(1, step=20)])
+    assert d.give_up is GiveUp.BUDGET and d.cause == "restarts exhausted: 2 group restarts within 100 s"
 
 
 def test_without_a_window_every_restart_of_the_job_counts() -> None:

@@ -49,7 +49,7 @@ def test_first_restart_is_immediate():
 
 
 def test_quick_restarts_back_off_exponentially_up_to_the_cap():
-    cfg = {"backoff_initial_s": 0.1, "backoff_max_s": 1.0, "max_restarts": 50}
+    cfg = {"backoff_initial_s": 0.1, "backoff_max_s": 1.0, "max_recoveries": 50}
     d = delays(policy(**cfg), 9)
     assert d[0] == 0.0
     assert 0.1 <= d[1] <= 0.2 < d[2] <= 0.3
@@ -60,7 +60,7 @@ def test_quick_restarts_back_off_exponentially_up_to_the_cap():
 
 
 def test_backoff_is_reproducible_with_a_seeded_rng():
-    cfg = {"backoff_initial_s": 0.5, "backoff_max_s": 30.0, "max_restarts": 20}
+    cfg = {"backoff_initial_s": 0.5, "backoff_max_s": 30.0, "max_recoveries": 20}
     assert delays(policy(seed=42, **cfg), 6) == delays(policy(seed=42, **cfg), 6)
     assert delays(policy(seed=42, **cfg), 6) != delays(policy(seed=43, **cfg), 6)
 
@@ -69,9 +69,9 @@ def test_policy_does_not_touch_the_global_random_state():
     # the global `random` state belongs to the user's tracked, restored RNG state
     random.seed(1234)
     before = random.getstate()
-    p = RestartPolicy(RestartConfig(max_restarts=20), clock=no_wall_clock)  # default rng
+    p = RestartPolicy(RestartConfig(max_recoveries=20), clock=no_wall_clock)  # default rng
     delays(p, 6)
-    seeded = policy(seed=1, max_restarts=20)
+    seeded = policy(seed=1, max_recoveries=20)
     delays(seeded, 6)
     assert random.getstate() == before
 
@@ -110,20 +110,20 @@ def test_a_different_signature_at_the_same_step_is_not_a_repeat():
         p.admit(fault(step=5, ts=T0 + 3, sig="a"))
 
 
-def test_budget_exhausted_after_max_restarts_within_the_window():
-    p = policy(max_restarts=3, window_s=100.0)
+def test_budget_exhausted_after_max_recoveries_within_the_window():
+    p = policy(max_recoveries=3, window_s=100.0)
     for i in range(3):
         p.admit(fault(step=i, ts=T0 + 10 * i))
     with pytest.raises(RestartBudgetExhausted) as ei:
         p.admit(fault(step=3, ts=T0 + 30))
     assert not isinstance(ei.value, FaultRepeats)
-    assert "restart budget exhausted" in str(ei.value)
-    assert "max_restarts=3" in str(ei.value)
+    assert "recovery budget exhausted" in str(ei.value)
+    assert "restart.max_recoveries=3" in str(ei.value)
     assert len(ei.value.history) == 4
 
 
 def test_restarts_older_than_the_window_are_forgotten():
-    p = policy(max_restarts=3, window_s=100.0, backoff_initial_s=0.1, backoff_max_s=10.0)
+    p = policy(max_recoveries=3, window_s=100.0, backoff_initial_s=0.1, backoff_max_s=10.0)
     for i in range(3):
         p.admit(fault(step=i, ts=T0 + 10 * i))  # T0, T0+10, T0+20
     # at T0+105 the restart at T0 left the window; the two others are still inside
@@ -132,15 +132,15 @@ def test_restarts_older_than_the_window_are_forgotten():
     with pytest.raises(RestartBudgetExhausted):
         p.admit(fault(step=4, ts=T0 + 106))
     # long after every recorded restart: the budget is whole again and the restart is immediate
-    assert policy(max_restarts=1, window_s=100.0).admit(fault(step=0, ts=T0)) == 0.0
-    q = policy(max_restarts=1, window_s=100.0)
+    assert policy(max_recoveries=1, window_s=100.0).admit(fault(step=0, ts=T0)) == 0.0
+    q = policy(max_recoveries=1, window_s=100.0)
     q.admit(fault(step=0, ts=T0))
     assert q.admit(fault(step=1, ts=T0 + 500)) == 0.0
 
 
 def test_zero_restarts_allowed_stops_at_the_first_fault():
     with pytest.raises(RestartBudgetExhausted):
-        policy(max_restarts=0).admit(fault(step=1, ts=T0))
+        policy(max_recoveries=0).admit(fault(step=1, ts=T0))
 
 
 # ---- the two rules the runtime and the launcher share (resilient/restarts.py) ----------------------

@@ -13,7 +13,7 @@ Per NVRx restart iteration ``i`` (= ``ctx.generation``):
 
 Mapping of the configuration (one knob, as in the built-in engine): ``hang_timeout`` → NVRx
 ``soft_timeout``; the derived hard/barrier timeouts → ``hard_timeout`` / ``barrier_timeout`` /
-``completion_timeout``; ``restart.max_restarts`` → ``RetryController(max_iterations)``; our
+``completion_timeout``; ``restart.max_recoveries`` → ``RetryController(max_iterations)``; our
 restart policy (same fault at the same step ``max_repeats`` times) runs in NVRx's ``initialize``
 and ends the run with :class:`~resilient.errors.FaultRepeats`; the built-in health checks run as
 NVRx's ``health_check``.
@@ -196,7 +196,7 @@ class NvrxRun:
 
         abort = inprocess.Compose(inprocess.abort.AbortTorchDistributed(), Unblock())
         initialize = inprocess.Compose(
-            Admit(), inprocess.initialize.RetryController(max_iterations=s.cfg.restart.max_restarts + 1)
+            Admit(), inprocess.initialize.RetryController(max_iterations=s.cfg.restart.max_recoveries + 1)
         )
         logfile = s.run_dir / f"nvrx_monitor_{s.rank}.log"
         return inprocess.Wrapper(

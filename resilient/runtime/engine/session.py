@@ -91,7 +91,7 @@ class Session:
             hang_timeout=self.t.hang,
             collective_timeout=self.t.collective,
             engine=self.engine,
-            max_restarts=self.cfg.restart.max_restarts,
+            max_recoveries=self.cfg.restart.max_recoveries,
             restart_window_s=self.cfg.restart.window_s,
             store_names=names.describe(),
         )

@@ -38,7 +38,7 @@ class RestartPolicy:
         self.cfg = cfg
         self._clock = clock
         self._rng = rng or random.Random()
-        self._window = RestartWindow(cfg.max_restarts, cfg.window_s)
+        self._window = RestartWindow(cfg.max_recoveries, cfg.window_s)
         self.history: list[FaultRecord] = []
         self._backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
 
@@ -46,7 +46,7 @@ class RestartPolicy:
         """Record ``fault``; return the backoff delay in seconds, or raise if no restart is allowed.
 
         Raises :class:`FaultRepeats` when the same signature hit the same step ``max_repeats`` times
-        in a row, and :class:`RestartBudgetExhausted` when ``max_restarts`` restarts already happened
+        in a row, and :class:`RestartBudgetExhausted` when ``max_recoveries`` recoveries already happened
         within ``window_s``.
         """
         self.history.append(fault)
@@ -57,8 +57,9 @@ class RestartPolicy:
         now = fault.ts if fault.ts else self._clock()  # the origin's clock: same verdict on every rank
         if not self._window.admit(now):
             raise RestartBudgetExhausted(
-                f"restart budget exhausted: {self._window.count(now)} restarts within {self.cfg.window_s:g}s "
-                f"(max_restarts={self.cfg.max_restarts}); last fault at step {fault.step}: {fault.signature}",
+                f"in-process recovery budget exhausted: {self._window.count(now)} recoveries within "
+                f"{self.cfg.window_s:g}s (restart.max_recoveries={self.cfg.max_recoveries}); "
+                f"last fault at step {fault.step}: {fault.signature}",
                 hist,
             )
         return self._backoff.delay(self._window.count(now), self._rng)  # n-th restart inside the window
