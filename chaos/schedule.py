@@ -151,7 +151,9 @@ class Job(_Model):
     heartbeat_timeout: float = Field(3.0, gt=0)
     checkpoint_every: int = Field(5, ge=1)
     max_restarts: int = Field(3, ge=0, description="the launcher's --max-restarts (whole-group restarts)")
-    max_replacements: int = Field(10, ge=0, description="the launcher's --max-replacements (ranks replaced alone)")
+    max_replacements: int = Field(
+        10, ge=0, description="the launcher's --max-replacements (ranks replaced alone)"
+    )
     runtime: dict[str, object] = Field(
         default_factory=dict,
         description="runtime config for the bundled example (its --config), e.g. "

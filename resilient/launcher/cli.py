@@ -44,7 +44,6 @@ from resilient.launcher.elastic import Elastic
 from resilient.launcher.policy import LaunchConfig, LaunchPolicy
 from resilient.native import names
 
-
 # A job launched here is meant to outlive its faults: torchrun's 0 would end it at the first death
 # that cannot be replaced alone.
 MAX_RESTARTS = 3
