@@ -62,14 +62,16 @@ __all__ = ["CollectiveCheck", "CollectiveCount", "CollectiveDesync", "PeerWait",
 
 class CollectiveDesync(SoftFault):
     """Ranks issued different numbers of collectives in one window (recovered in-process).
-    ``window_end``: the step that closed the window; state kept after it is not a good state."""
+    ``window_end``: the step that closed the window; state kept after it is not a good state.
+    ``window_start``: the window's first step, whose start was the last state found good."""
 
     symptom: ClassVar[str] = "desync"
     signature_text: ClassVar[str] = "desync: ranks issued different collectives in a step"  # (counts vary)
 
-    def __init__(self, message: str, window_end: int) -> None:
+    def __init__(self, message: str, window_end: int, window_start: int | None = None) -> None:
         super().__init__(message)
         self.window_end = window_end
+        self.window_start = window_end if window_start is None else window_start
 
 
 DESYNC = CollectiveDesync.symptom
@@ -229,6 +231,14 @@ class CollectiveCount:
         return issued_on_default_group() - self._base
 
     @property
+    def window_start(self) -> int | None:
+        """The first step no check has found good yet: a window still to compare, else the open
+        one's (a desync the hang monitor diagnoses happened in one of them)."""
+        if self._pending is not None:
+            return self._pending[2]
+        return self._since if self._since is not None else self.step
+
+    @property
     def pending(self) -> int | None:
         """The step that closed a window whose neighbour's count was not compared yet."""
         return self._pending[3] if self._pending is not None else None
@@ -283,11 +293,13 @@ class CollectiveCount:
                 f"collective desync in {where}: rank {self.rank} issued {n} collectives, "
                 f"rank {peer} issued {other}; the state is not kept",
                 window_end=step,
+                window_start=since,
             )
         for p in sorted(self.peers) if self.counts else ():
             why = p2p.mismatch(self.rank, self._ops, p, posts[p].ops)
             if why is not None:
-                raise CollectiveDesync(f"point-to-point desync in {where}: {why}; state not kept", step)
+                msg = f"point-to-point desync in {where}: {why}; state not kept"
+                raise CollectiveDesync(msg, step, since)
         for group, mine in self._digests.items():
             p = next_member(group, self.rank)
             theirs = posts[p].digests.get(group_id(group))
@@ -298,6 +310,7 @@ class CollectiveCount:
                     f"replicas differ after step {step}: rank {self.rank}'s state replicated over ranks "
                     f"{span(group)} has digest {mine}, rank {p}'s {theirs}; the state is not kept",
                     window_end=step,
+                    window_start=since,
                     ranks=(self.rank, p),
                 )
         if k > 1 and (n > 0 or self._readers_past(k, posts)):

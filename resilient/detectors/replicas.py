@@ -66,14 +66,22 @@ class SdcConfig(Section):
 class SilentCorruption(SoftFault):
     """Replicas of the same state differ (a flipped bit: silent data corruption), found by
     comparing digests where the collective count is compared. ``window_end``: the step after which
-    they were compared; state kept after it is not a good state. ``ranks``: the two that differ."""
+    they were compared; state kept after it is not a good state. ``window_start``: the window's
+    first step, whose start was the last state found good. ``ranks``: the two that differ."""
 
     symptom: ClassVar[str] = "sdc"
     signature_text: ClassVar[str] = "sdc: SilentCorruption: replicas differ"  # (the digests vary)
 
-    def __init__(self, message: str, window_end: int, ranks: tuple[int, int] = (-1, -1)) -> None:
+    def __init__(
+        self,
+        message: str,
+        window_end: int,
+        ranks: tuple[int, int] = (-1, -1),
+        window_start: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.window_end = window_end
+        self.window_start = window_end if window_start is None else window_start
         self.ranks = ranks
 
 

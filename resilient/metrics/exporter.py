@@ -282,7 +282,7 @@ class RunMetrics:
         for scope, left in sorted(m.budget.items()):
             yield _gauge(
                 "resilient_restart_budget_remaining",
-                "recoveries, group restarts or replacements left (by scope) before the run gives up or escalates",
+                "recoveries, group restarts or replacements left (by scope) before the run gives up",
                 {**run, "scope": scope},
                 left,
             )

@@ -127,7 +127,9 @@ def replay_of(events: list[dict[str, Any]], start: float, until: float = float("
     verified = [e for e in said if e["event"] == Event.REPLAY_VERIFIED]
     if verified:
         e = verified[0]
-        return f"verified ({e['steps_checked']} steps, {e['first']}..{e['last']}, on {len(verified)} ranks)"
+        cut = f"; the silent fault's window began at {e['reference_end']}" if "reference_end" in e else ""
+        steps = f"{e['steps_checked']} steps, {e['first']}..{e['last']}"
+        return f"verified ({steps}, on {len(verified)} ranks{cut})"
     return f"unchecked: {said[0]['why']}" if said else None
 
 

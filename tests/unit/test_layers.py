@@ -1,5 +1,6 @@
 """The rules docs/architecture.md states about the house, held by the code: which rooms may import
-which (every import, at the top or inside a function), and no module past 450 lines."""
+which (every import, at the top or inside a function), and no function past ~60 lines nor class
+past ~300 (a module is as long as its one job needs: a line cap on modules only taught packing)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,32 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_LINES = 450
+MAX_FUNCTION = 60
+MAX_CLASS = 300
+# Functions and classes past the bounds when the bounds came in, at their length then: each may
+# only shrink, and leaves this list once it is within its bound (the recovery core's untangling).
+OVER = {
+    "resilient/cli.py:cmd_checkpoints": 71,
+    "resilient/launch_env.py:from_environ": 62,
+    "resilient/runtime/wrapper.py:wrap": 65,
+    "resilient/runtime/keeping/resume.py:_execute": 64,
+    "resilient/runtime/coordination/coordinator.py:Coordinator": 334,
+    "resilient/runtime/steps/loop.py:StepLoop": 416,
+    "resilient/runtime/steps/loop.py:_complete": 67,
+    "resilient/runtime/recovery/recovery.py:recover": 140,
+    "resilient/metrics/model.py:build_model": 67,
+    "resilient/metrics/accounting.py:_incidents": 72,
+    "resilient/metrics/exporter.py:_from_model": 168,
+    "resilient/launcher/cli.py:parser": 140,
+    "resilient/launcher/cli.py:main": 158,
+    "resilient/launcher/agent.py:ResilientAgent": 365,
+    "resilient/integrations/_lightning_strategy.py:strategy_class": 158,
+    "resilient/checkpoint/manager.py:save": 68,
+    "resilient/checkpoint/writer.py:persist_rank": 72,
+    "chaos/certify.py:_run_trial": 81,
+    "chaos/stream.py:_report": 77,
+    "chaos/harness.py:run_ranks": 65,
+}
 
 # (files under this path, modules they must never import, why)
 RULES = [
@@ -57,11 +83,26 @@ def test_no_room_imports_what_it_must_not(prefix: str, never: tuple[str, ...], w
     assert not broken, f"{why}: " + "; ".join(broken)
 
 
-def test_no_module_of_the_library_or_the_harness_is_past_450_lines() -> None:
-    long = [
-        f"{p.relative_to(ROOT)}: {n} lines"
-        for top in ("resilient", "chaos")
-        for p in sorted((ROOT / top).rglob("*.py"))
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
-    ]
-    assert not long, "split these into modules of one concern each: " + "; ".join(long)
+def _lengths() -> dict[str, int]:
+    """Every function's and class's length in lines, by ``path:name``, where past its bound."""
+    out = {}
+    for top in ("resilient", "chaos"):
+        for p in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    bound = MAX_CLASS if isinstance(node, ast.ClassDef) else MAX_FUNCTION
+                    n = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if n > bound:
+                        out[f"{p.relative_to(ROOT)}:{node.name}"] = n
+    return out
+
+
+def test_no_function_or_class_of_the_library_or_the_harness_is_past_its_bound() -> None:
+    found = _lengths()
+    long = [f"{k}: {n} lines" for k, n in found.items() if n > OVER.get(k, 0)]
+    assert not long, (
+        f"functions stay within {MAX_FUNCTION} lines and classes within {MAX_CLASS}: split by job "
+        "(never pack lines): " + "; ".join(long)
+    )
+    done = sorted(set(OVER) - set(found))
+    assert not done, f"within the bound now: remove from OVER: {done}"

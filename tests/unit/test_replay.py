@@ -137,6 +137,37 @@ def test_a_replay_that_differs_names_the_first_step_and_the_leaves() -> None:
     assert diverged["first_step"] == 4 and diverged["objects"] == {"carry": ["(its non-tensor values)"]}
 
 
+def test_a_silent_faults_replay_is_checked_against_the_run_before_its_window_only() -> None:
+    # a flipped bit at step 6 went unnoticed until the check at step 9's end, whose window began at
+    # step 5: the run's digests from step 6 on are of the corrupted model. The replay from the
+    # snapshot of step 4 is correct, is verified up to step 5, and is never called diverged.
+    seen, emit = _events()
+    check = ReplayCheck("warn", emit, clock=Clock())
+    snaps: dict[int, dict[str, Any]] = {}
+    t = Trainer(check)
+    _run(t, range(0, 6), snaps)
+    with torch.no_grad():  # the flip, in step 6
+        t.model[0].weight.view(-1)[3] *= -1
+    _run(t, range(6, 10))
+    t2 = Trainer(check, seed=99)
+    t2.load(snaps[4])
+    check.restored(4, 9, "ring", 1, since=5)
+    _run(t2, range(4, 10))
+    assert not [kw for e, kw in seen if e is Event.REPLAY_DIVERGED], seen
+    (verified,) = [kw for e, kw in seen if e is Event.REPLAY_VERIFIED]
+    assert (verified["first"], verified["last"], verified["reference_end"]) == (5, 5, 5), verified
+    # restored at the window's first step: nothing before the fault's window was replayed
+    seen.clear()
+    t3 = Trainer(check, seed=99)
+    t3.load(snaps[4])
+    check.restored(4, 9, "ring", 2, since=4)
+    _run(t3, range(4, 10))
+    (why,) = [kw["why"] for e, kw in seen if e is Event.REPLAY_UNCHECKED]
+    assert why.startswith(
+        "the restored state matched; a silent fault found at step 9 may have begun at step 4"
+    )
+
+
 def test_nothing_to_compare_is_said_and_why() -> None:
     seen, emit = _events()
     check = ReplayCheck("warn", emit, clock=Clock())

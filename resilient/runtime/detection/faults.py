@@ -134,6 +134,13 @@ def _cause(exc: BaseException) -> str:
     return "" if d is exc else f" (from {type(d).__name__}: {str(d)[:300]})"
 
 
+def _window_start(exc: BaseException) -> int | None:
+    """The first step a silent fault's check window covered (detectors/collectives.py,
+    replicas.py), or None for a fault of one step."""
+    start = getattr(exc, "window_start", None)
+    return start if type(start) is int and start >= 0 else None
+
+
 class MalformedRecord(ValueError):
     """A record read from the store is not one this runtime writes."""
 
@@ -151,6 +158,9 @@ class FaultRecord:
     message: str
     ts: float = field(default_factory=time.time)
     latency_s: float = 0.0  # fault start → detection, where known (a hang: the idle time)
+    # a silent fault found at a check window's end: the window's first step, the last whose start
+    # was found good (state after it may be the fault's); None: the fault is its step's alone
+    since: int | None = None
 
     @classmethod
     def from_exception(
@@ -165,6 +175,7 @@ class FaultRecord:
             severity=sev.value,
             signature=signature(kind, decisive(exc)),
             message=f"{type(exc).__name__}: {str(exc)[:500]}" + _cause(exc),
+            since=_window_start(decisive(exc)),
         )
 
     def to_json(self) -> str:
@@ -194,6 +205,7 @@ class FaultRecord:
         whole("rank", -1)
         whole("generation", 0)
         whole("step", 0, none=True)
+        whole("since", 0, none=True)
         if d["kind"] not in kinds() or d["severity"] not in {s.value for s in Severity}:
             raise MalformedRecord(f"kind={d['kind']!r}, severity={d['severity']!r}")
         for name in ("signature", "message"):

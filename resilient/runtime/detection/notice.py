@@ -191,14 +191,15 @@ class Detection:
         wait = self.peer_wait()
         if wait is not None:  # (a step check's wait: the peer's, or the store's)
             msg += f"; it {wait.describe(time.monotonic(), self.t.peer_report)}"
-        kind, sig = Symptom.HANG.value, "hang: no step progress"
+        kind, sig, since = Symptom.HANG.value, "hang: no step progress", None
         count = gen.count
         # (a rank blocked on its peers waits a moment for theirs: a deadlock shows in both posts)
         grace = self.t.victim_grace if blocked else 0.0
         desync = count.diagnose(self.monitor_store, blocked, grace) if count is not None else None
-        if desync is not None:  # waiting in a collective a neighbour finished the step without
+        if desync is not None and count is not None:  # in a collective a neighbour's step lacked
             kind, msg = DESYNC, f"{desync} ({msg})"
             sig = CollectiveDesync.signature_text
+            since = count.window_start
         rec = FaultRecord(
             rank=self.session.rank,
             generation=generation,
@@ -208,6 +209,7 @@ class Detection:
             signature=sig,
             message=msg,
             latency_s=idle_s,
+            since=since,
         )
         self.coord.post_fault(rec, store=self.monitor_store)
         self.session.fault_report(rec, stacks=all_stacks())  # (before the interrupt moves the main thread)

@@ -376,9 +376,15 @@ class NvrxRun:
         if why is None:
             return None
         return FaultRecord(
-            rank=s.rank, generation=s.generation, step=count.step, kind=DESYNC,
-            severity=Severity.SOFT.value, signature="desync: collective count", message=why,
-        )  # fmt: skip
+            rank=s.rank,
+            generation=s.generation,
+            step=count.step,
+            kind=DESYNC,
+            severity=Severity.SOFT.value,
+            signature="desync: collective count",
+            message=why,
+            since=count.window_start,
+        )
 
     def _restore_agreed(self, it: int, t0: float) -> None:
         s, loop = self.session, self.loop
@@ -388,7 +394,8 @@ class NvrxRun:
         held: list[list[int]] = [[] for _ in range(s.world_size)]
         dist.all_gather_object(held, self.ring.steps())
         step = common_restore_step(held, primary)
-        loop.gen.resume_from(loop.prepare_restore(it, step, loop.step, primary.ts, s.all_hold))
+        pending = loop.prepare_restore(it, step, loop.step, primary.ts, s.all_hold, since=primary.since)
+        loop.gen.resume_from(pending)
 
     # -- each completed step ------------------------------------------------------------------------
     def _ping(self, step: int) -> None:

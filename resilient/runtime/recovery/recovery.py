@@ -176,7 +176,14 @@ class Recovery:
         same = agreed(layout, plan.get("layout_same"), self.coord.same)
         cpu0 = time.thread_time()
         pending = loop.prepare_restore(
-            gen, restore, step, fault_ts, same, live=live is not None, donors=plan.get("live_donors")
+            gen,
+            restore,
+            step,
+            fault_ts,
+            same,
+            live=live is not None,
+            donors=plan.get("live_donors"),
+            since=primary.since,
         )
         lap("prepare_s")  # (last: the phases put it in the restore, docs/recovery.md#phases)
         parts: dict[str, Any] = {"fault_step": step, "duration_s": lap.total(), **lap.laps,

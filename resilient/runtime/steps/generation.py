@@ -38,6 +38,7 @@ class PendingRestore:
     load_cpu_s: float = 0.0  # ... of this thread's CPU time
     source: str = "ring"  # where the state came from: live | peer | ring | shm (docs/recovery.md#live-resume)
     send_to: list[int] = field(default_factory=list)  # replacements this rank's live state goes to
+    since: int | None = None  # a silent fault's first step (FaultRecord.since): later runs were its
 
     def load(self, registry: Registry, name: str, obj: Any, value: Callable[..., Any]) -> None:
         """Load ``name``'s part (``value(name, obj, self)``: the part as this rank takes it) into

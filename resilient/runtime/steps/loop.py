@@ -151,9 +151,16 @@ class StepLoop:
         return self.handover.vouch(self.live.offer(symptom, self.gen.registry), symptom, self.gen.registry)
 
     def prepare_restore(
-        self, generation: int, step: int, fault_step: int | None, fault_ts: float | None, all_same: AllSame,
-        live: bool = False, donors: dict[str, int] | None = None,
-    ) -> PendingRestore:  # fmt: skip
+        self,
+        generation: int,
+        step: int,
+        fault_step: int | None,
+        fault_ts: float | None,
+        all_same: AllSame,
+        live: bool = False,
+        donors: dict[str, int] | None = None,
+        since: int | None = None,
+    ) -> PendingRestore:
         """The agreed ``step``'s state (``live``: the live objects' at the step every rank vouched
         for, ``donors``' for a replacement, else its snapshot), to be loaded into each object as
         the function tracks it in the next generation (``generation``: the one that ended)."""
@@ -176,7 +183,9 @@ class StepLoop:
         self.keeper.drop_after(step)
         # (the restore phase's parts, in the restore_agreed event: docs/recovery.md#phases)
         self.prepare_parts = {"layouts_s": t1 - t0, "materialize_s": t2 - t1, "drop_s": time.monotonic() - t2}
-        return PendingRestore(step, state, owned, fault_step, fault_ts, source=source, send_to=send_to)
+        return PendingRestore(
+            step, state, owned, fault_step, fault_ts, source=source, send_to=send_to, since=since
+        )
 
     def close(self) -> None:
         self.detectors.uninstall()
@@ -331,7 +340,7 @@ class StepLoop:
             Event.STATE_RESTORED, generation=self.session.generation, step=r.step,
             snapshot_interval=self.session.schedule.interval, **r.described(self.began_at.get(r.step)),
         )  # fmt: skip
-        self.replay.restored(r.step, r.fault_step, r.source, self.session.generation)
+        self.replay.restored(r.step, r.fault_step, r.source, self.session.generation, since=r.since)
         self.gen.restore = None
         self.step = r.step
         return r.step

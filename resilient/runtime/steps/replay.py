@@ -71,12 +71,20 @@ class _Digest:
 
 @dataclass
 class _Window:
-    """A replay under way: from the restored step to the faulted one."""
+    """A replay under way: from the restored step to the faulted one (``fault``), checked up to
+    ``end``: the faulted step, or where a silent fault may have begun (the digests of later steps
+    were taken of the corrupted run and are no reference)."""
 
     restored: int
     fault: int
     generation: int
+    end: int
     checked: list[int] = field(default_factory=list)
+
+    @property
+    def cut(self) -> bool:
+        """The reference ends before the faulted step (a silent fault's window)."""
+        return self.end < self.fault
 
 
 class ReplayCheck:
@@ -111,11 +119,19 @@ class ReplayCheck:
         self._labels.clear()  # (a new generation's models are new objects)
 
     # -- the loop's fixed points ------------------------------------------------------------------
-    def restored(self, step: int, fault_step: int | None, source: str, generation: int) -> None:
+    def restored(
+        self, step: int, fault_step: int | None, source: str, generation: int, since: int | None = None
+    ) -> None:
         """A restore at ``step`` after a fault at ``fault_step`` (from ``source``): the replay to
-        come is checked against the digests kept, until it reaches the faulted step."""
+        come is checked against the digests kept, until it reaches the faulted step. ``since``: a
+        silent fault found at the end of a check window that began there; the digests kept of
+        later steps were taken of a run it may have corrupted, so they go and the check ends at
+        ``since``."""
         if not self.enabled:
             return
+        if since is not None:
+            for s in [s for s in self.kept if s > since]:
+                del self.kept[s]
         self._abandon("another fault came before the replay reached step {fault}", generation)
         if source in self.TAKES:
             self.emit(
@@ -125,7 +141,8 @@ class ReplayCheck:
             return
         if fault_step is None or fault_step < step:
             return
-        self._window = _Window(step, fault_step, generation)
+        end = fault_step if since is None else max(step, min(fault_step, since))
+        self._window = _Window(step, fault_step, generation, end)
 
     def at_start(self, step: int, cap: _Capture | None, objects: dict[str, Any], live: LiveResume) -> None:
         """``step`` begins (its small state just captured): digest it when due, and compare it
@@ -135,7 +152,7 @@ class ReplayCheck:
         now = self.clock()
         self._starts = [*self._starts[-8:], now]
         w = self._window
-        checking = w is not None and w.restored <= step <= w.fault and step in self.kept
+        checking = w is not None and w.restored <= step <= w.end and step in self.kept
         if checking or step % self.every == 0 or step in self._after:
             d = self._digest(cap, objects, live)
             self._costs.append(self.clock() - now)
@@ -145,21 +162,39 @@ class ReplayCheck:
                 assert w is not None
                 self._compare(w, step, self.kept[step], d)
             self.kept[step] = d
-        if w is not None and step >= w.fault and self._window is w:
+        if w is not None and step >= w.end and self._window is w:
             self._window = None
-            replayed = [s for s in w.checked if s > w.restored]  # (the restored step checks the restore)
-            if replayed:
-                self.emit(
-                    Event.REPLAY_VERIFIED, generation=w.generation, step=step, restored_step=w.restored,
-                    fault_step=w.fault, steps_checked=len(replayed), first=replayed[0], last=replayed[-1],
-                    restore_checked=w.restored in w.checked,
-                )  # fmt: skip
-            else:
-                kept = "the restored state matched; " if w.checked else ""
-                why = f"no digest was kept of steps {w.restored + 1}..{w.fault} (one every {self.every})"
-                if w.fault == w.restored:
-                    why = "nothing was replayed: the snapshot restored is the faulted step's start"
-                self._unchecked(w, kept + why)
+            self._verdict(w, step)
+
+    def _verdict(self, w: _Window, step: int) -> None:
+        """The replay reached the end of its reference: verified where a replayed step was
+        compared, else unchecked and why."""
+        replayed = [s for s in w.checked if s > w.restored]  # (the restored step checks the restore)
+        if replayed:
+            extra = {"reference_end": w.end} if w.cut else {}
+            self.emit(
+                Event.REPLAY_VERIFIED,
+                generation=w.generation,
+                step=step,
+                restored_step=w.restored,
+                fault_step=w.fault,
+                steps_checked=len(replayed),
+                first=replayed[0],
+                last=replayed[-1],
+                restore_checked=w.restored in w.checked,
+                **extra,
+            )
+            return
+        kept = "the restored state matched; " if w.checked else ""
+        why = f"no digest was kept of steps {w.restored + 1}..{w.end} (one every {self.every})"
+        if w.cut:
+            why = (
+                f"a silent fault found at step {w.fault} may have begun at step {w.end}: the run "
+                f"after it is no reference, and no step before it was replayed"
+            )
+        elif w.fault == w.restored:
+            why = "nothing was replayed: the snapshot restored is the faulted step's start"
+        self._unchecked(w, kept + why)
 
     def snapshot_at(self, step: int, oldest: int | None) -> None:
         """A snapshot of ``step``'s start was kept (``oldest``: the oldest one kept now): a restore
