@@ -47,6 +47,9 @@ class Loop(Protocol):
     @property
     def restored_step(self) -> int | None: ...
 
+    @property
+    def job_start(self) -> bool: ...
+
     step: int | None
 
     def track(self, objects: dict[str, Any]) -> None: ...
@@ -116,6 +119,21 @@ class Context:
         restart, from the function's entry on; in a process that ``resilient launch`` started
         again (or that replaced a dead rank), once ``ctx.steps``/``ctx.epochs`` restored it."""
         return self._rt.restored_step
+
+    @property
+    def job_start(self) -> bool:
+        """True only in the entry that begins the job from nothing: the first entry of a process
+        that is not a replacement and finds no state of this job to resume (no snapshot in shared
+        memory, no checkpoint ``checkpoint.resume`` would load). False after any fault: in a
+        re-entry, a replaced rank, a relaunched job that resumes. Set-up that must happen once
+        per job goes under it, before ``ctx.steps``::
+
+            log = open(log_file, "w" if ctx.job_start else "a")  # a re-entry appends, never truncates
+            if ctx.job_start and ctx.rank == 0:
+                run = wandb.init(...)                            # (else wandb.init(resume=...))
+
+        Read it before the loop (it is False once a step ran)."""
+        return self._rt.job_start
 
     @property
     def step(self) -> int | None:

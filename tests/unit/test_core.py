@@ -301,6 +301,35 @@ def test_a_restore_at_an_epochs_end_resumes_at_the_next_epoch_bit_exact(tmp_path
         assert torch.equal(ref["model"][k], got["model"][k]), k
 
 
+def test_job_start_is_true_only_in_the_entry_that_begins_the_job(tmp_path: Path) -> None:
+    # a log opened "w" under ctx.job_start keeps every line through an in-process restart and a
+    # second process that resumes the job's checkpoint; a job begun afresh truncates it
+    cfg = _cfg(checkpoint={"dir": str(tmp_path / "ck"), "interval": 4})
+    log = tmp_path / "train.log"
+    seen: list[bool] = []
+
+    def fn(loop: StepLoop, fault: bool) -> None:
+        ctx = Context(loop)
+        seen.append(ctx.job_start)
+        with open(log, "w" if ctx.job_start else "a") as f:
+            ctx.track(model=torch.nn.Linear(2, 2))
+            for step in ctx.steps(10):
+                f.write(f"{step}\n")
+                f.flush()
+                if fault and ctx.generation == 0 and step == 6:
+                    raise ValueError("boom")
+                assert not ctx.job_start  # (a step ran: it is no longer the job's start)
+
+    _runtime(Fakes(tmp_path / "first"), cfg).run(lambda loop: fn(loop, True))
+    assert seen == [True, False]
+    assert log.read_text().split() == [str(s) for s in [*range(7), *range(6, 10)]]
+    _runtime(Fakes(tmp_path / "second"), cfg).run(lambda loop: fn(loop, False))  # resumes at 10
+    assert seen == [True, False, False] and log.read_text().split()[:3] == ["0", "1", "2"]
+    fresh = _cfg(checkpoint={"dir": str(tmp_path / "other"), "interval": 4})
+    _runtime(Fakes(tmp_path / "third"), fresh).run(lambda loop: fn(loop, False))
+    assert seen[-1] is True and log.read_text().split() == [str(s) for s in range(10)]
+
+
 def test_a_restarted_process_knows_the_step_it_restored(tmp_path: Path) -> None:
     # a process started again (here: a second run on the same checkpoint directory) restores the
     # newest checkpoint at its first ctx.steps; ctx.restored_step says which step that was

@@ -104,6 +104,16 @@ class Mirrors:
         self.mirror(start, state)
         return start, restored
 
+    def resumable(self) -> bool:
+        """A snapshot of this job in this node's shared memory, one its agents flushed, or a
+        committed checkpoint that ``checkpoint.resume`` would load."""
+        if self.shm is not None and self.shm.steps():
+            return True
+        ck = self.session.cfg.checkpoint
+        if ck.flush_on_death and ck.dir is not None and any(flushed.root(ck.dir).glob("*/*")):
+            return True
+        return self.persist is not None and ck.resume and bool(self.persist.ckpt.committed())
+
     def _resume_at_start(self, registry: Registry) -> tuple[int, bool]:
         """A (re)started worker: the shared-memory snapshot every rank holds, else the newest
         checkpoint that verifies everywhere, else step 0 (and whether it restored anything)."""

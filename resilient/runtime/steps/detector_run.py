@@ -28,7 +28,7 @@ class DetectorRun:
         return self._loop.step
 
     def where(self) -> str | None:
-        return self._loop.batch()
+        return self._loop.gen.batch()
 
     def mark_replace(self, detail: dict[str, Any]) -> bool:
         beats = self._s.launch.heartbeat_dir

@@ -21,6 +21,7 @@ from resilient.detectors.collectives import CollectiveCount
 from resilient.errors import StateRestoreError
 from resilient.runtime.coordination.pg import Group
 from resilient.state import Registry
+from resilient.state.loader import batches_consumed
 from resilient.state.registry import RNG, restore_rng
 
 
@@ -135,6 +136,16 @@ class Generation:
         self.open_step: int | None = None  # begun by begin_step (a loop that is not ctx.steps), not ended
         self.progress = now
         self.stepped = False  # a step completed in this generation (hang limit: startup before)
+
+    def batch(self) -> str | None:
+        """The batch being run, where a data position is known (``epoch 2, batch 17 of 'loader'``)."""
+        parts = [f"epoch {self.epochs.epoch}"] if self.epochs is not None else []
+        registry = self.registry
+        for name, obj in zip(registry.names(), registry.objects(), strict=True):
+            done = batches_consumed(obj)
+            if done:
+                parts.append(f"batch {done - 1} of {name!r}")
+        return ", ".join(parts) or None
 
     def resume_from(self, restore: PendingRestore) -> None:
         """A restore agreed once the group was built (``engine: nvrx`` agrees over the group)."""

@@ -20,6 +20,11 @@ class Keeper(Protocol):
         it was restored (``fresh``: the process's first entry, which may resume a predecessor)."""
         ...
 
+    def resumable(self) -> bool:
+        """Whether a process's first entry finds state a previous one left (shared memory, a
+        checkpoint): asked before anything is tracked, so it does not say that it loads."""
+        ...
+
     def due(self, nxt: int, total: int | None) -> bool:
         """Whether the state after ``nxt`` completed steps is kept somewhere besides the ring."""
         ...
@@ -55,6 +60,9 @@ class RingOnly:
     def first_step(self, gen: Generation, total: int | None, fresh: bool) -> tuple[int, bool]:
         self.ring.capture(0, gen.registry.capture())
         return 0, False
+
+    def resumable(self) -> bool:
+        return False
 
     def due(self, nxt: int, total: int | None) -> bool:
         return False

@@ -90,11 +90,22 @@ class StepLoop:
         self.replay = ReplayCheck(session.cfg.verify_replay, session.events.emit)
         self.live = LiveResume(live and snap.live, snap.live_max_bytes, capture=self.replay.enabled)
         self.handover = Handover(session.rank)  # (across a hard fault: the engine's, handover.py)
+        self._job_start: bool | None = None
 
     # -- what Context reads (its identity is the session's) -------------------------------------
     @property
     def restored_step(self) -> int | None:
         return self.gen.restored_step
+
+    @property
+    def job_start(self) -> bool:
+        """This entry begins the job: the process's first, neither a replacement nor a process
+        that finds state to resume (decided once, before anything is tracked)."""
+        if self._job_start is None:
+            s = self.session
+            first = s.generation == 0 and self.step is None and s.launch.join_generation is None
+            self._job_start = first and not self.keeper.resumable()
+        return self._job_start and self.session.generation == 0 and self.step is None
 
     # -- a generation ------------------------------------------------------------------------------------
     def start(self, *, joining: bool) -> None:
@@ -218,17 +229,6 @@ class StepLoop:
     def observe(self, loss: Any) -> None:
         """``ctx.observe(loss=...)``: held to the guard's rules before the step is applied."""
         self.guard.observe_loss(loss)
-
-    def batch(self) -> str | None:
-        """The batch being run, where a data position is known (``epoch 2, batch 17 of 'loader'``)."""
-        gen = self.gen
-        parts = [f"epoch {gen.epochs.epoch}"] if gen.epochs is not None else []
-        registry = gen.registry
-        for name, obj in zip(registry.names(), registry.objects(), strict=True):
-            done = batches_consumed(obj)
-            if done:
-                parts.append(f"batch {done - 1} of {name!r}")
-        return ", ".join(parts) or None
 
     def epochs(self, total: int) -> Iterator[int]:
         """Epoch numbers up to ``total``, resuming at the epoch of the restored step. Begins the
