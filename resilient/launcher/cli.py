@@ -164,6 +164,15 @@ def parser() -> Any:
     )
     p.add_argument("--metrics-addr", default="0.0.0.0", help="the address --metrics-port binds to")
     p.add_argument(
+        "--fault",
+        action="append",
+        default=None,
+        metavar="KIND@STEP[:RANK]",
+        help="fire a real fault in the script's own step (comma-separated or repeated; the chaos "
+        "harness's plan: kind@step[:rank][=arg][xN], e.g. exception@12:1, hang@20:0, oom@8:1, "
+        "segfault@15:1; `chaos kinds` lists the kinds); each fires once per job",
+    )
+    p.add_argument(
         "--metrics-linger",
         type=nonnegative,
         default=0.0,
@@ -198,6 +207,24 @@ def _forward_preemption(agent: ResilientAgent) -> None:
                     continue
 
     agent.forward_signals = forward
+
+
+FAULT_PLANS = "resilient.fault_plans"  # the entry point group the chaos harness registers in
+
+
+def fault_plan(p: argparse.ArgumentParser, plan: str, injections: Path) -> dict[str, str]:
+    """The workers' environment that fires ``plan`` (``--fault``), from the harness registered
+    under :data:`FAULT_PLANS`; a plan that does not parse is a usage error naming it."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group=FAULT_PLANS))
+    if not found:
+        p.error(f"argument --fault: no fault harness is installed (entry point group {FAULT_PLANS})")
+    try:
+        env: dict[str, str] = found[0].load()(plan, str(injections), os.environ)
+    except ValueError as e:
+        p.error(f"argument --fault: {e}")
+    return env
 
 
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's own: one worker per device of that kind
@@ -252,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.events_dir = Path("resilient_runs")
     os.environ[Var.PREEMPT_SIGNALS] = "SIGUSR1"  # SIGTERM from the agent means "stop now"
+    if args.fault:
+        injections = (args.events_dir / config.run_id / "injections.jsonl").resolve()
+        os.environ.update(fault_plan(p, ",".join(args.fault), injections))
     shm_name = f"{config.run_id}-{os.getpid()}"
     os.environ[Var.SHM_NAME] = shm_name  # workers snapshot there; kept across relaunches
     slurm = SlurmPlace.from_environ()  # (srun's task: the agent's events name its node too)

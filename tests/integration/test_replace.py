@@ -121,9 +121,10 @@ def _replaced_alone(run: Launch, victim_rank: int, nproc: int = 2) -> dict[str, 
 def test_gil_holding_hang_is_replaced_alone(
     tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
-    # rank 1 enters a C-level regex backtrack that never releases the GIL (its first process only):
-    # its heartbeat stops, the agent kills and replaces it
-    run = _example(tmp_path, "--fault", "gil_hang@10:1", "--fault-attempt", "0", replace="rank")
+    # rank 1 enters a C-level regex backtrack that never releases the GIL: its heartbeat stops, the
+    # agent kills and replaces it. The fault is the launcher's (--fault): it fires once per job, so
+    # the replacement, which resumes at step 10, does not hang again
+    run = _example(tmp_path, replace="rank", launch=("--fault", "gil_hang@10:1"))
     assert run.finish() == 0, run.output()
     replaced = _replaced_alone(run, 1)
     assert "no heartbeat" in replaced["cause"], replaced
