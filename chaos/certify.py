@@ -9,7 +9,9 @@ follows are its kind's (chaos/faults, ``chaos kinds``):
 
 - in-process kinds (exception, hang, oom, …) are fired at the start of the step by the harness's
   step hook (``CHAOS_PLAN``, chaos/hooks.py), so any wrapped script can be certified unchanged;
-  the injector appends what it did, and when, to ``injections.jsonl``;
+  the injector appends what it did, and when, to ``injections.jsonl``, and that a fault had nothing
+  to act on in the script (a ``desync`` in a step that issues no collective): its trial is then
+  SKIPPED with that reason, as one that needs a capability this machine lacks;
 - harness kinds are done by this harness to the rank's process when the rank's ``step_completed``
   event shows it reached the step: SIGKILL, SIGSTOP; ``corrupt_checkpoint`` flips bytes in the
   newest committed checkpoint, kills the whole job and starts it again (fresh shared memory), so
@@ -18,7 +20,8 @@ follows are its kind's (chaos/faults, ``chaos kinds``):
 Figures per trial, from ``events.jsonl`` (every rank and agent) and ``injections.jsonl``:
 time to detect (injection → first detection event: ``fault_detected``, ``worker_died``,
 ``heartbeat_missed``, ``checkpoint_rejected``), time to recover (injection → every rank
-completed a step in its new generation or process), steps lost (steps done again), goodput
+completed a step in its new generation or process), steps lost (steps done again: those done
+before the fault, or the first recovery's ``steps_rerun`` where more, for a fault found late), goodput
 (the steps' worth of fault-free time / wall time from the first step to the end), bit-exact
 (final state vs a fault-free run).
 """
@@ -38,6 +41,7 @@ from chaos.arranged import Unavailable, arranged_job
 from chaos.compare import assert_bit_exact
 from chaos.faults import CRASH, REGISTRY
 from chaos.hooks import first_divergence
+from chaos.inject import NotActed, outcomes
 from chaos.job import Job, checkpoints, events, fresh, jsonl, own_checkpoints
 from chaos.runner import standby_at
 from chaos.schedule import Certification, Planned
@@ -79,7 +83,9 @@ class Trial:
     lost_checkpoints: int | None = None  # committed checkpoints that no longer load
     fired: int = 0
     error: str = ""
-    skipped: str = ""  # a capability this machine lacks (never replaced by a pretend fault)
+    # a capability this machine lacks (never replaced by a pretend fault), or why the fault had
+    # nothing to act on in the script (chaos.inject.outcomes)
+    skipped: str = ""
     time_by_cause: dict[str, float] = field(default_factory=dict)  # resilient.metrics' accounting
     failed_slos: list[str] = field(default_factory=list)
     # an in-process recovery's phases (resilient/metrics/phases.py): seconds, and the rank that
@@ -126,12 +132,15 @@ def measure(
         got = incident_phases([e for e in evs if e["ts"] >= detect["ts"] - 1.0], injected_ts)
         if got is not None:
             out["phases"] = got
+    first = first_recovery(evs, injected_ts)  # (its restores: what this fault cost)
     if len(first_after) == nproc:
         out["recover_s"] = max(e["ts"] for e in first_after.values()) - injected_ts
-        out["steps_lost"] = max(0, last_done + 1 - min(e["step"] for e in first_after.values()))
-    restores = [e for e in evs if e["event"] == Event.STATE_RESTORED and e["ts"] >= injected_ts]
-    if restores:  # (the first recovery's: what this fault cost)
-        first = [e for e in restores if e["generation"] == restores[0]["generation"]]
+        # the steps done before the fault and again after it; a fault found late (a flipped bit,
+        # a skipped all-reduce) re-runs the steps since too, which the runtime counts itself
+        redone = last_done + 1 - min(e["step"] for e in first_after.values())
+        rerun = [int(e["steps_rerun"]) for e in first if e.get("steps_rerun") is not None]
+        out["steps_lost"] = max(0, redone, *rerun)
+    if first:
         out["source"] = "+".join(sorted({str(e.get("source")) for e in first}))
         lost = [e["work_lost_s"] for e in first if e.get("work_lost_s") is not None]
         out["work_lost_s"] = max(lost) if lost else None
@@ -140,6 +149,20 @@ def measure(
         end = max(e["ts"] for e in evs if e["event"] in (Event.RUN_FINISHED, Event.STEP_COMPLETED))
         wall = end - steps[0]["ts"] + ref_step_s  # the first step's own time counts too
         out["goodput"] = min(1.0, distinct * ref_step_s / wall) if wall > 0 else None
+    return out
+
+
+def first_recovery(evs: list[dict[str, Any]], since: float) -> list[dict[str, Any]]:
+    """The ``state_restored`` events of the first recovery after ``since``: those of the first one's
+    generation, one per rank, up to the first of another generation or a rank restored again (a
+    restarted job's processes count their generations from 0 again, with other pids)."""
+    out: list[dict[str, Any]] = []
+    for e in evs:
+        if e["event"] != Event.STATE_RESTORED or e["ts"] < since:
+            continue
+        if out and (e["generation"] != out[0]["generation"] or e["rank"] in {o["rank"] for o in out}):
+            break
+        out.append(e)
     return out
 
 
@@ -192,7 +215,9 @@ def replay_verdict(evs: list[dict[str, Any]]) -> tuple[str | None, str]:
         return "diverged", f"step {e['first_step']}: {', '.join(sorted(e['objects']))} (rank {e['rank']})"
     verified = [e for e in said if e["event"] == Event.REPLAY_VERIFIED]
     if verified:
-        return "verified", f"{max(e['steps_checked'] for e in verified)} steps"
+        cut = [e["reference_end"] for e in verified if "reference_end" in e]
+        up_to = f", up to step {min(cut)}, where the silent fault's window began" if cut else ""
+        return "verified", f"{max(e['steps_checked'] for e in verified)} steps{up_to}"
     if said:
         return "unchecked", said[0]["why"]
     return None, ""
@@ -233,11 +258,11 @@ def _run_trial(
         t.error = f"did not finish within {j.timeout_s:g} s"
     elif rc != 0:
         t.error = f"launcher exited {rc}"
-    injections = jsonl(cwd / "injections.jsonl")
+    injections, idle = outcomes(jsonl(cwd / "injections.jsonl"))
     t.fired = len(injections)
     evs = events(cwd)
     if not injections:
-        t.error = t.error or f"the fault never fired (the rank never reached step {step}?)"
+        unacted(t, idle)
         return t
     inj = injections[0]
     t.standby = inj.get("standby")
@@ -279,6 +304,19 @@ def _run_trial(
     }  # fmt: skip
     t.failed_slos = _check(t, cert)
     return t
+
+
+def unacted(t: Trial, idle: list[NotActed]) -> None:
+    """A trial whose fault never acted: SKIPPED, naming why, where the fault said it had nothing
+    to act on in the script (a kind that cannot fire there is no detector's failure), and the job
+    finished without it; else an error (the rank never reached the step, or the job failed)."""
+    why = "; ".join(dict.fromkeys(str(n) for n in idle))
+    if idle and t.ok:
+        t.skipped = why
+    elif idle:
+        t.error = f"{t.error} ({why})"
+    else:
+        t.error = t.error or f"the fault never fired (the rank never reached step {t.fault_step}?)"
 
 
 def run_trial(

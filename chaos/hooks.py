@@ -5,7 +5,8 @@ Loaded only in a chaos job: the harness names :data:`FACTORY` in the job's ``RES
 training process never imports ``chaos``. :func:`from_env` returns a hook when the job's
 environment asks for one (the variables of :class:`Var`, which ``chaos/job.py`` sets). The hook
 
-- fires the plan's faults at the start of their step, in their rank (:mod:`chaos.inject`);
+- fires the plan's faults at the start of their step, in their rank, and ends a fault that lasts
+  its step once the step completed (:mod:`chaos.inject`);
 - writes a ``step_completed`` event per step (the certificate's timeline);
 - dumps the final tracked state of each rank, which the certificate compares bit for bit with a
   fault-free run's;
@@ -142,11 +143,15 @@ class ChaosHook(Hook):
                 self.injector.maybe_fire(self.rank, step, where, objects=objects)
 
     def after_step(self, generation: int, step: int, step_s: float | None) -> None:
+        if self.injector is not None:  # (a one-step fault ends with its step, and says if it acted)
+            self.injector.step_over()
         if self._events is not None:
             ev = Event.STEP_COMPLETED
             self._events.emit(ev, generation=generation, step=step, step_s=step_s, log=False)
 
     def on_finish(self, final_state: Callable[[], Mapping[str, Any]]) -> None:
+        if self.injector is not None:
+            self.injector.step_over()
         if self.final_state is None:
             return
         import torch

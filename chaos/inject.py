@@ -6,6 +6,12 @@ re-run after a restart, up to N); without it a fault fires once. ``/forwardM`` (
 fires it inside the step, at the stage's microbatch M's forward (backward), chaos/points.py.
 ``kind`` is one of the in-process kinds of :data:`chaos.faults.REGISTRY` (``chaos kinds`` lists
 them, and what each one does): the injector finds the kind there and lets it fire.
+
+What fired, and when, is appended to ``$CHAOS_INJECTIONS`` (the certificate's t0). A fault whose
+change lasts its step may find nothing to act on there (a ``desync`` in a step that issues no
+collective, a point inside the step that never comes): once the step is over the injector appends
+that it did not act, and why; :func:`outcomes` reads the two apart, and the certificate skips such
+a trial, naming the reason, instead of failing a detector that had nothing to detect.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from chaos.faults import REGISTRY, InjectedFault, Undo, Where
 from chaos.points import Point
@@ -29,7 +36,8 @@ _SPEC = re.compile(
     r"(?:/(?P<at>forward|backward)(?P<mb>\d+))?$"
 )
 
-__all__ = ["KINDS", "Fault", "InjectedFault", "Injector"]
+__all__ = ["KINDS", "Fault", "InjectedFault", "Injector", "NotActed", "outcomes"]
+IDLE = "did_not_act"  # the key of an injections record that says a fault did not act, and why
 
 
 @dataclass(frozen=True)
@@ -47,13 +55,22 @@ class Fault:
         return REGISTRY[self.kind].where
 
 
+class _Change(NamedTuple):
+    """A change that lasts its step: a fault's (``fired``), or the hooks of a point armed for one."""
+
+    step: int
+    fault: Fault
+    undo: Undo
+    fired: bool
+
+
 @dataclass
 class Injector:
     """Fires the faults of a plan when ``(rank, step, where)`` matches; counts what fired."""
 
     faults: list[Fault] = field(default_factory=list)
     fired: Counter[Fault] = field(default_factory=Counter)
-    _undo: list[tuple[int, Undo]] = field(default_factory=list)  # (step, undo) of one-step changes
+    _changes: list[_Change] = field(default_factory=list)  # the one-step changes not yet undone
 
     @classmethod
     def parse(cls, plan: str | None) -> Injector:
@@ -80,21 +97,33 @@ class Injector:
 
     def maybe_fire(self, rank: int, step: int, where: str = "step", objects: Iterable[object] = ()) -> None:
         """Fire the faults planned for ``(rank, step, where)``. ``objects``: the state the runtime
-        tracks (a ``desync`` acts on a DDP model among them)."""
-        for s, undo in [u for u in self._undo if u[0] != step]:  # a one-step change (desync) ends
-            undo()
-            self._undo.remove((s, undo))
+        tracks (a ``desync`` acts on a DDP model among them). A step's start ends the one-step
+        changes made before it (a re-run of the same step's too); a later place, other steps'."""
+        self._end(lambda s: where == "step" or s != step)
         objects = list(objects)
         for f in self.faults:
             if f.rank == rank and f.step == step and f.where == where and self.fired[f] < f.times:
                 if f.at != "step":  # armed on the stage's module, fired inside the step
-                    disarm = Point(f.at, f.microbatch).arm(
-                        objects, functools.partial(self._fire, f, step, objects)
-                    )
-                    if disarm is not None:
-                        self._undo.append((step, disarm))
+                    point = Point(f.at, f.microbatch)
+                    disarm = point.arm(objects, functools.partial(self._fire, f, step, objects))
+                    if disarm is None:
+                        _record_idle(f, f"no tracked torch.nn.Module to arm its point ({point}) on", False)
+                    else:
+                        self._changes.append(_Change(step, f, disarm, fired=False))
                     continue
                 self._fire(f, step, objects)
+
+    def step_over(self) -> None:
+        """The step is over (it completed, or the run did): its one-step changes end, and a fault
+        that did not act in it is recorded with why."""
+        self._end(lambda s: True)
+
+    def _end(self, which: Callable[[int], bool]) -> None:
+        for change in [c for c in self._changes if which(c.step)]:
+            self._changes.remove(change)
+            why = change.undo()
+            if why is not None:
+                _record_idle(change.fault, why, change.fired)
 
     def _fire(self, f: Fault, step: int, objects: Iterable[object]) -> None:
         if self.fired[f] >= f.times:
@@ -103,9 +132,9 @@ class Injector:
         if _fired_in_job(f) >= f.times:  # an earlier process of this job fired it already
             return
         _record(f)
-        until_next_step = REGISTRY[f.kind].inject(f, objects)
-        if until_next_step is not None:
-            self._undo.append((step, until_next_step))
+        until_step_over = REGISTRY[f.kind].inject(f, objects)
+        if until_step_over is not None:
+            self._changes.append(_Change(step, f, until_step_over, fired=True))
 
     def counts(self) -> dict[str, int]:
         return {f"{f.kind}@{f.step}:{f.rank}": self.fired[f] for f in self.faults}
@@ -117,8 +146,9 @@ def _fired_in_job(f: Fault) -> int:
     path = os.environ.get("CHAOS_INJECTIONS")  # chaos.hooks.Var.INJECTIONS
     if not path:
         return 0
+    planned = (f.kind, f.step, f.rank)
     return sum(
-        r.get("by") == "injector" and (r["kind"], r["step"], r["rank"]) == (f.kind, f.step, f.rank)
+        r.get("by") == "injector" and IDLE not in r and (r["kind"], r["step"], r["rank"]) == planned
         for r in read_events(path)
     )
 
@@ -131,6 +161,49 @@ def _record(f: Fault) -> None:
     # (fsync: the next thing may be a hang, an OOM-kill or a GIL-bound loop)
     append_line(path, {"ts": time.time(), "kind": f.kind, "rank": f.rank, "step": f.step, "pid": os.getpid(),
                        "by": "injector"}, fsync=True)  # fmt: skip
+
+
+def _record_idle(f: Fault, why: str, fired: bool) -> None:
+    """Append to ``$CHAOS_INJECTIONS`` that ``f`` did not act, and why (``fired``: it fired, and
+    found nothing to act on; else the point it was armed for never came)."""
+    path = os.environ.get("CHAOS_INJECTIONS")
+    if not path:
+        return
+    append_line(path, {"ts": time.time(), "kind": f.kind, "rank": f.rank, "step": f.step, "pid": os.getpid(),
+                       "by": "injector", IDLE: why, "fired": fired})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NotActed:
+    """A planned fault that did not act where it was planned, and why."""
+
+    kind: str
+    step: int
+    rank: int
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.step}:{self.rank} did not act: {self.why}"
+
+
+def outcomes(records: Iterable[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[NotActed]]:
+    """A job's injections record (in the order it was written) read apart: the records of the
+    faults that acted (the harness's, and each of the injector's firings that no did-not-act
+    record of the same fault in the same process follows) and the faults that did not act."""
+    acted: list[dict[str, Any]] = []
+    idle: list[NotActed] = []
+    for r in records:
+        if IDLE not in r:
+            acted.append(dict(r))
+            continue
+        idle.append(NotActed(r["kind"], r["step"], r["rank"], r[IDLE]))
+        if r.get("fired"):  # (its firing, the last one of the same fault and process, did not act)
+            same = (r["kind"], r["step"], r["rank"], r.get("pid"))
+            at = [i for i, a in enumerate(acted) if a.get("by") == "injector" and
+                  (a["kind"], a["step"], a["rank"], a.get("pid")) == same]  # fmt: skip
+            if at:
+                del acted[at[-1]]
+    return acted, idle
 
 
 def append_line(path: str | os.PathLike[str], record: dict[str, object], fsync: bool = False) -> None:

@@ -21,9 +21,13 @@ class Point:
     def __init__(self, at: str, index: int) -> None:
         self.at, self.index = at, index
 
-    def arm(self, objects: Iterable[object], fire: Fire) -> Callable[[], None] | None:
+    def __str__(self) -> str:
+        return f"{self.at} of microbatch {self.index}"
+
+    def arm(self, objects: Iterable[object], fire: Fire) -> Callable[[], str | None] | None:
         """Hook the first module of ``objects`` to call ``fire`` there; returns the hooks'
-        removal (None: no module is tracked, nothing is armed)."""
+        removal, which says why the point never came in the step, if it did not (None: no module
+        is tracked, nothing is armed)."""
         import torch
 
         module = next((o for o in objects if isinstance(o, torch.nn.Module)), None)
@@ -50,9 +54,12 @@ class Point:
 
         hooks = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
-        def disarm() -> None:
+        def disarm() -> str | None:
             for h in hooks:
                 h.remove()
+            if fired[0]:
+                return None
+            return f"its point, the {self} of the stage's module, never came: the step ran {seen[0]} forwards"
 
         return disarm
 

@@ -12,7 +12,7 @@ writes throttled), a dropped link (the rank runs behind a veth link of its own),
 checkpoint (the whole job killed, bytes flipped, the job started again on the same directory).
 Each as its kind says (chaos/faults), in one job started by :func:`chaos.arranged.arranged_job`,
 the same context a certificate's trial runs in; a fault this machine cannot do is left out and
-named in ``skipped``.
+named in ``skipped``, as is one that had nothing to act on in the script (chaos.inject.outcomes).
 
 Reported: faults planned / injected (what fired, from ``injections.jsonl``) / detected /
 recovered, per kind; goodput (productive time over the running job's wall time: its first
@@ -33,6 +33,7 @@ from chaos.arranged import arranged_job
 from chaos.certify import _finals, measure, reference, unloadable_checkpoints
 from chaos.compare import assert_bit_exact
 from chaos.faults import REGISTRY
+from chaos.inject import outcomes
 from chaos.job import checkpoints, events, fresh, jsonl, own_checkpoints
 from chaos.schedule import Certification, Planned
 from resilient.events import Event
@@ -105,7 +106,7 @@ def _report(
 ) -> dict[str, Any]:
     j = cert.job
     evs = events(cwd)
-    injected = jsonl(cwd / "injections.jsonl")
+    injected, idle = outcomes(jsonl(cwd / "injections.jsonl"))  # (idle: nothing to act on, no fault)
     steps_ev = [e for e in evs if e["event"] == Event.STEP_COMPLETED]
     per_fault = []
     by_kind: dict[str, dict[str, int]] = {}
@@ -167,7 +168,7 @@ def _report(
         # the steps' pace against the fault-free reference run's (a machine's load moves it both ways)
         "pace_vs_reference": distinct * ref_step_s / wall if wall > 0 else None, "steps": j.steps,
         "lost_committed_checkpoints": lost, "bit_exact": exact, "by_kind": by_kind, "wall_s": wall,
-        "skipped": skipped, "faults": per_fault, "accounting": accounting,
+        "skipped": [*skipped, *dict.fromkeys(map(str, idle))], "faults": per_fault, "accounting": accounting,
     }  # fmt: skip
     return report
 

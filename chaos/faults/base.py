@@ -31,7 +31,11 @@ if TYPE_CHECKING:
     from chaos.runner import Runner
     from chaos.schedule import Planned
 
-Undo = Callable[[], None]  # undoes a one-step change (desync) once its step is over
+# Undoes a one-step change (desync, a hook on the model) once its step is over, and says whether
+# the fault acted in that step: why it did not (the collective it skips was never issued, the
+# gradient it poisons never flowed), or None. The injector records the reason; the certificate
+# then skips the trial, naming it, rather than failing a detector that had nothing to detect.
+Undo = Callable[[], str | None]
 
 
 class InjectedFault(Exception):
@@ -116,7 +120,8 @@ class FaultKind:
         return None
 
     def inject(self, fault: Fault, objects: Iterable[object]) -> Undo | None:
-        """Fire ``fault`` in this process (``objects``: the state the runtime tracks)."""
+        """Fire ``fault`` in this process (``objects``: the state the runtime tracks). A change that
+        lasts the step returns its :data:`Undo`, which also says whether the fault acted."""
         raise TypeError(f"{self.name} is not fired in-process")
 
     def by_harness(self, run: Runner, f: Planned, done: int, pid: int) -> float | None:

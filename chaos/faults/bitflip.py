@@ -67,9 +67,18 @@ class Bitflip(InProcess):
             flip_bit(param)
             return None
 
+        flipped: list[bool] = []
+
         def after_step(*_: Any) -> None:
             handle.remove()
             flip_bit(param)
+            flipped.append(True)
+
+        def undo() -> str | None:
+            handle.remove()
+            if flipped:
+                return None
+            return f"the tracked optimizer took no step in step {fault.step}: no weight flipped"
 
         handle = optimizer.register_step_post_hook(after_step)
-        return handle.remove  # (the step ended without an optimizer step: nothing flipped)
+        return undo

@@ -38,24 +38,35 @@ def _first_grad_tensor(out: Any) -> torch.Tensor | None:
     return None
 
 
-def _on_output_gradient(objects: Iterable[object], fn: Callable[[torch.Tensor], torch.Tensor]) -> Undo:
-    """``fn`` changes the gradient that flows back into each tracked model's output this step."""
+def _on_output_gradient(
+    objects: Iterable[object], fn: Callable[[torch.Tensor], torch.Tensor], step: int
+) -> Undo:
+    """``fn`` changes the gradient that flows back into each tracked model's output this step; the
+    undo says so when none flowed (no backward through a tracked model in the step)."""
     import torch
 
     modules = [o for o in objects if isinstance(o, torch.nn.Module)]
     if not modules:
         raise ValueError("no tracked model (torch.nn.Module) whose gradient could be faulted")
+    changed: list[bool] = []
+
+    def counted(g: torch.Tensor) -> torch.Tensor:
+        changed.append(True)
+        return fn(g)
 
     def hook(_module: torch.nn.Module, _args: Any, out: Any) -> None:
         t = _first_grad_tensor(out)
         if t is not None:
-            t.register_hook(fn)
+            t.register_hook(counted)
 
     handles = [m.register_forward_hook(hook) for m in modules]
 
-    def remove() -> None:
+    def remove() -> str | None:
         for h in handles:
             h.remove()
+        if changed:
+            return None
+        return f"no gradient flowed back into a tracked model's output in step {step}: nothing to change"
 
     return remove
 
@@ -74,7 +85,7 @@ class NanGradient(InProcess):
             g.view(-1)[0] = float("nan")
             return g
 
-        return _on_output_gradient(objects, poison)
+        return _on_output_gradient(objects, poison, fault.step)
 
 
 class GradSpike(InProcess):
@@ -89,4 +100,4 @@ class GradSpike(InProcess):
 
     def inject(self, fault: Fault, objects: Iterable[object]) -> Undo | None:
         factor = fault.arg if fault.arg is not None else self.FACTOR
-        return _on_output_gradient(objects, lambda g: g * factor)
+        return _on_output_gradient(objects, lambda g: g * factor, fault.step)

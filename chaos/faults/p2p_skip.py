@@ -29,12 +29,17 @@ class P2pSkip(InProcess):
         import torch.distributed as dist
 
         send = dist.ProcessGroup.send  # (the collective count's wrapper, where it is installed)
+        sends: list[str] = []
 
-        def restore() -> None:
+        def restore() -> str | None:
             if dist.ProcessGroup.send is skipped:
                 dist.ProcessGroup.send = send  # type: ignore[method-assign]
+            if sends:
+                return None
+            return f"the rank sent nothing point-to-point in step {fault.step}: no send to skip"
 
         def skipped(*_args: Any, **_kwargs: Any) -> Any:
+            sends.append("skipped")
             restore()
             return _Sent()
 

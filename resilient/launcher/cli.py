@@ -246,6 +246,29 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Any]:
     return args, p
 
 
+def _workers_environ(
+    args: argparse.Namespace, p: argparse.ArgumentParser, run_id: str, hb_dir: Path, shm_name: str
+) -> None:
+    """What the workers inherit from this process's environment (the contract, launch_env.py);
+    ``args.events_dir`` is set to where the events go."""
+    # a worker's script imports torch before us: the pynvml shim's warning is filtered for it here
+    quiet = f"ignore:{PYNVML_NOISE}:FutureWarning"
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
+    os.environ[Var.HEARTBEAT_DIR] = str(hb_dir)
+    os.environ[Var.LAUNCHER_PID] = str(os.getpid())  # workers die with the launcher (PDEATHSIG)
+    os.environ[Var.HEARTBEAT_INTERVAL] = str(max(0.05, min(1.0, args.heartbeat_timeout / 5)))
+    os.environ[Var.RUN_ID] = run_id
+    if args.events_dir is not None:  # the workers' logs beside the agent's
+        os.environ[Var.EVENTS_DIR] = str(args.events_dir.resolve())
+    else:
+        args.events_dir = Path("resilient_runs")
+    os.environ[Var.PREEMPT_SIGNALS] = "SIGUSR1"  # SIGTERM from the agent means "stop now"
+    if args.fault:
+        injections = (args.events_dir / run_id / "injections.jsonl").resolve()
+        os.environ.update(fault_plan(p, ",".join(args.fault), injections))
+    os.environ[Var.SHM_NAME] = shm_name  # workers snapshot there; kept across relaunches
+
+
 def main(argv: list[str] | None = None) -> int:
     args, p = parse(argv)
     if os.environ.get(Var.STORE_NAME_LOOKUPS) != "1":
@@ -267,23 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     if not config.run_id or config.run_id == "none":
         config.run_id = uuid.uuid4().hex[:12]
     hb_dir = heartbeat_dir(config.run_id, os.getpid())
-    # a worker's script imports torch before us: the pynvml shim's warning is filtered for it here
-    quiet = f"ignore:{PYNVML_NOISE}:FutureWarning"
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
-    os.environ[Var.HEARTBEAT_DIR] = str(hb_dir)  # inherited by the workers
-    os.environ[Var.LAUNCHER_PID] = str(os.getpid())  # workers die with the launcher (PDEATHSIG)
-    os.environ[Var.HEARTBEAT_INTERVAL] = str(max(0.05, min(1.0, args.heartbeat_timeout / 5)))
-    os.environ[Var.RUN_ID] = config.run_id
-    if args.events_dir is not None:  # the workers' logs beside the agent's
-        os.environ[Var.EVENTS_DIR] = str(args.events_dir.resolve())
-    else:
-        args.events_dir = Path("resilient_runs")
-    os.environ[Var.PREEMPT_SIGNALS] = "SIGUSR1"  # SIGTERM from the agent means "stop now"
-    if args.fault:
-        injections = (args.events_dir / config.run_id / "injections.jsonl").resolve()
-        os.environ.update(fault_plan(p, ",".join(args.fault), injections))
     shm_name = f"{config.run_id}-{os.getpid()}"
-    os.environ[Var.SHM_NAME] = shm_name  # workers snapshot there; kept across relaunches
+    _workers_environ(args, p, config.run_id, hb_dir, shm_name)
     slurm = SlurmPlace.from_environ()  # (srun's task: the agent's events name its node too)
     where = slurm.fields() if slurm is not None else {}
     events = EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1, **where)

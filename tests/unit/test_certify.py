@@ -34,6 +34,77 @@ def test_a_rank_that_never_comes_back_has_no_recovery_figure() -> None:
     assert "recover_s" not in m and m["detect_ts"] is None
 
 
+def _restored(ts: float, rank: int, step: int, pid: int, gen: int, **detail: object) -> dict:
+    return {"ts": ts, "event": "state_restored", "rank": rank, "step": step, "pid": pid, "generation": gen,
+            **detail}  # fmt: skip
+
+
+def test_a_fault_found_late_loses_every_step_it_sends_the_run_back() -> None:
+    # a bit flips on rank 1 at step 31's start (t=13.05); the replicas' digests differ at step 59,
+    # the newest snapshot whose digests agreed is step 8's: 51 steps run again, of which only 23
+    # (8-30) were done before the flip
+    evs = [_step(10 + 0.1 * s, r, s, pid=100 + r) for s in range(59) for r in (0, 1)]
+    evs.append({"ts": 15.95, "event": "fault_detected", "rank": 0, "step": 59, "pid": 100, "generation": 0})
+    evs += [_restored(16.2, r, 8, 100 + r, 1, steps_rerun=51, source="ring") for r in (0, 1)]
+    evs += [_step(16.3 + 0.1 * (s - 8), r, s, pid=100 + r, gen=1) for s in range(8, 80) for r in (0, 1)]
+    # a later fault's recovery, further back still: not this fault's cost
+    evs += [_restored(30.0, r, 5, 100 + r, 2, steps_rerun=70, source="ring") for r in (0, 1)]
+    m = certify.measure(sorted(evs, key=lambda e: e["ts"]), injected_ts=13.05, nproc=2, ref_step_s=0.1)
+    assert m["steps_lost"] == 51 and m["source"] == "ring"
+    assert m["detect_step"] == 59
+
+
+def test_a_replaced_rank_loses_the_steps_since_the_snapshot() -> None:
+    # rank 1 SIGKILLed after step 14; rank 0 stays (pid 100) and restores step 13 from its ring,
+    # the replacement (pid 201) from the shared-memory mirror: steps 13 and 14 run again
+    evs = [_step(10 + 0.1 * s, r, s, pid=100 + r) for s in range(15) for r in (0, 1)]
+    evs.append({"ts": 11.5, "event": "worker_died", "rank": -1, "pid": 1})
+    evs.append(_restored(12.0, 0, 13, 100, 1, steps_rerun=2, source="ring"))
+    evs.append(_restored(12.1, 1, 13, 201, 1, steps_rerun=0, source="shm"))
+    evs += [
+        _step(12.2 + 0.1 * (s - 13), r, s, pid=(100, 201)[r], gen=1) for s in range(13, 20) for r in (0, 1)
+    ]
+    m = certify.measure(sorted(evs, key=lambda e: e["ts"]), injected_ts=11.45, nproc=2, ref_step_s=0.1)
+    assert m["steps_lost"] == 2 and m["source"] == "ring+shm"
+
+
+def test_an_exception_resumed_live_loses_nothing() -> None:
+    # rank 1 raises in step 15 (t=11.45); every rank resumes step 15 from its live state
+    evs = [_step(10 + 0.1 * s, r, s, pid=100 + r) for s in range(15) for r in (0, 1)]
+    evs.append({"ts": 11.46, "event": "fault_detected", "rank": 1, "step": 15, "pid": 101, "generation": 0})
+    evs += [_restored(11.5, r, 15, 100 + r, 1, steps_rerun=0, source="live") for r in (0, 1)]
+    evs += [_step(11.6 + 0.1 * (s - 15), r, s, pid=100 + r, gen=1) for s in range(15, 20) for r in (0, 1)]
+    m = certify.measure(sorted(evs, key=lambda e: e["ts"]), injected_ts=11.45, nproc=2, ref_step_s=0.1)
+    assert m["steps_lost"] == 0 and m["source"] == "live"
+
+
+def test_the_first_recovery_is_one_restore_per_rank_of_one_generation() -> None:
+    # a relaunched job restores at generation 0 in new processes, and again after a second relaunch
+    evs = [_restored(5.0, 0, 3, 1, 0, source="old")]  # (before the fault)
+    evs += [_restored(10.0 + r, r, 13, 200 + r, 0, source="shm") for r in (0, 1)]
+    evs += [_restored(20.0 + r, r, 10, 300 + r, 0, source="disk") for r in (0, 1)]
+    assert [e["pid"] for e in certify.first_recovery(evs, 6.0)] == [200, 201]
+    evs = [_restored(10.0, 0, 13, 100, 1), _restored(11.0, 0, 12, 100, 2), _restored(11.5, 1, 12, 101, 2)]
+    assert [e["generation"] for e in certify.first_recovery(evs, 6.0)] == [1]
+    assert certify.first_recovery(evs, 12.0) == []
+
+
+def test_a_fault_with_nothing_to_act_on_is_skipped_with_why_never_failed() -> None:
+    from chaos.inject import NotActed
+
+    why = [NotActed("desync", 15, 1, "the rank had no gradient all-reduce to skip")]
+    t = certify.Trial("k", 0, 15, ok=True)
+    certify.unacted(t, why)
+    assert t.skipped == "desync@15:1 did not act: the rank had no gradient all-reduce to skip"
+    assert not t.error
+    t = certify.Trial("k", 0, 15, ok=False, error="launcher exited 1")  # the job failed on its own
+    certify.unacted(t, why)
+    assert not t.skipped and t.error.startswith("launcher exited 1 (desync@15:1 did not act")
+    t = certify.Trial("k", 0, 15, ok=True)
+    certify.unacted(t, [])  # nothing fired at all: the rank never got there
+    assert not t.skipped and "never fired" in t.error
+
+
 def _cert(**slo: object) -> schedule.Certification:
     classes = {"k": {"fault": "sigkill", "step": 5, "slo": slo}}
     return schedule.Certification.model_validate({"classes": classes})

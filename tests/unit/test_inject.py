@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chaos import inject
-from chaos.inject import Fault, InjectedFault, Injector
+from chaos.inject import Fault, InjectedFault, Injector, outcomes
 
 PLAN = "exception@5:1,hang@7:0,stall@4:1=2.5,exception@6:1x3"
 
@@ -98,22 +98,95 @@ def test_desync_skips_exactly_one_collective_call_then_restores(monkeypatch, tmp
     assert '"kind": "desync"' in (tmp_path / "inj.jsonl").read_text()
 
 
-def test_desync_on_a_ddp_model_turns_off_one_steps_gradient_sync():
-    class FakeDDP:  # the injector only touches DDP's documented no_sync switch
-        require_backward_grad_sync = True
+def _idle(path) -> list[dict]:
+    import json
 
-    import torch.nn.parallel as par
+    return [r for r in map(json.loads, path.read_text().splitlines()) if inject.IDLE in r]
 
-    m = FakeDDP()
-    inj = Injector.parse("desync@2:1")
-    orig = par.DistributedDataParallel
-    try:
-        par.DistributedDataParallel = FakeDDP  # type: ignore[misc,assignment]
-        inj.maybe_fire(1, 2, objects=[m])
-        assert m.require_backward_grad_sync is False
-        inj.maybe_fire(1, 2, "before_collective", objects=[m])  # same step: still off
-        assert m.require_backward_grad_sync is False
-        inj.maybe_fire(1, 3, objects=[m])  # the next step syncs again
-        assert m.require_backward_grad_sync is True
-    finally:
-        par.DistributedDataParallel = orig  # type: ignore[misc]
+
+def test_a_desync_in_a_step_with_no_collective_is_recorded_as_not_acted(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("CHAOS_INJECTIONS", str(tmp_path / "inj.jsonl"))
+    original = dist.all_reduce
+    inj = Injector.parse("desync@3:0")
+    inj.maybe_fire(0, 3)
+    assert dist.all_reduce is not original
+    inj.step_over()  # the step ended without a collective: nothing was skipped, nothing stays patched
+    assert dist.all_reduce is original
+    (idle,) = _idle(tmp_path / "inj.jsonl")
+    assert (idle["kind"], idle["step"], idle["rank"], idle["fired"]) == ("desync", 3, 0, True)
+    assert "no torch.distributed collective in step 3" in idle[inject.IDLE]
+    assert inject._fired_in_job(Fault("desync", 3, 0)) == 1  # (fired: a relaunch does not fire it again)
+
+
+def test_a_re_run_of_the_faulted_step_ends_its_change_first(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("CHAOS_INJECTIONS", str(tmp_path / "inj.jsonl"))
+    original = dist.all_reduce
+    inj = Injector.parse("desync@3:0")
+    inj.maybe_fire(0, 3)
+    inj.maybe_fire(0, 3, "before_collective")  # the same step, later: still patched
+    assert dist.all_reduce is not original
+    inj.maybe_fire(0, 3)  # the step starts again (it raised): the change of its first run ends
+    assert dist.all_reduce is original and len(_idle(tmp_path / "inj.jsonl")) == 1
+
+
+def test_a_gradient_fault_without_a_backward_and_a_point_that_never_came_say_why(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setenv("CHAOS_INJECTIONS", str(tmp_path / "inj.jsonl"))
+    m = torch.nn.Linear(3, 1)
+    inj = Injector.parse("nan@2:0,exception@2:0/forward3")
+    inj.maybe_fire(0, 2, objects=[m])
+    with torch.no_grad():
+        m(torch.ones(1, 3))  # one forward, no backward: no gradient to poison, no 4th forward
+    inj.step_over()
+    idle = {r["kind"]: r for r in _idle(tmp_path / "inj.jsonl")}
+    assert "no gradient flowed back" in idle["nan"][inject.IDLE] and idle["nan"]["fired"]
+    assert "forward of microbatch 3" in idle["exception"][inject.IDLE] and not idle["exception"]["fired"]
+    assert "ran 1 forwards" in idle["exception"][inject.IDLE]
+    assert inject._fired_in_job(Fault("exception", 2, 0)) == 0  # never fired: a re-run arms it again
+    assert not m._forward_hooks and not m._forward_pre_hooks
+
+
+def test_a_fault_that_acted_leaves_no_idle_record(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setenv("CHAOS_INJECTIONS", str(tmp_path / "inj.jsonl"))
+    m = torch.nn.Linear(3, 1)
+    inj = Injector.parse("nan@2:0")
+    inj.maybe_fire(0, 2, objects=[m])
+    m(torch.ones(1, 3)).sum().backward()
+    inj.step_over()
+    assert torch.isnan(m.weight.grad).all() and _idle(tmp_path / "inj.jsonl") == []
+
+
+def test_outcomes_pair_each_did_not_act_record_with_its_firing():
+    fired = {"by": "injector", "kind": "desync", "step": 3, "rank": 1}
+    idle = {**fired, inject.IDLE: "nothing to skip", "fired": True}
+    harness = {"by": "harness", "kind": "sigkill", "step": 9, "rank": 0, "ts": 1.0}
+    # pid 10 fired it and found nothing; pid 11 (the re-run after a restart) fired it and it acted
+    records = [{**fired, "pid": 10}, {**idle, "pid": 10}, {**fired, "pid": 11}, harness]
+    acted, not_acted = outcomes(records)
+    assert acted == [{**fired, "pid": 11}, harness]
+    assert [str(n) for n in not_acted] == ["desync@3:1 did not act: nothing to skip"]
+    acted, not_acted = outcomes(records[:2])
+    assert acted == [] and len(not_acted) == 1
+    point = {**fired, inject.IDLE: "its point never came", "fired": False}  # (no firing to take back)
+    assert outcomes([point, {**fired, "pid": 12}])[0] == [{**fired, "pid": 12}]
+
+
+def test_the_chaos_hook_ends_a_step_s_change_when_the_step_completes(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    from chaos.hooks import ChaosHook
+
+    monkeypatch.setenv("CHAOS_INJECTIONS", str(tmp_path / "inj.jsonl"))
+    original = dist.all_reduce
+    hook = ChaosHook(Injector.parse("desync@3:0"), step_events=False, final_state=None)
+    hook.before_step(3, [])
+    assert dist.all_reduce is not original
+    hook.after_step(0, 3, 0.1)
+    assert dist.all_reduce is original and len(_idle(tmp_path / "inj.jsonl")) == 1
