@@ -48,6 +48,7 @@ from chaos.schedule import Certification, Planned
 from resilient.events import Event
 from resilient.metrics import account
 from resilient.metrics.phases import incident_phases
+from resilient.metrics.report import untracked_rows
 
 DETECTION = CRASH.detection  # a kind's own: REGISTRY[kind].evidence.detection
 
@@ -287,15 +288,7 @@ def _run_trial(
     if kind.breaks_checkpoint:
         loaded = [e for e in evs if e["event"] == Event.CHECKPOINT_LOADED]
         t.previous_loaded = bool(loaded) and all(e["step"] < inj["step"] for e in loaded)
-    finals = _finals(cwd, j.nproc)
-    if finals is not None and t.ok:
-        try:
-            assert_bit_exact(ref, finals)
-            t.bit_exact = True
-        except AssertionError:
-            t.bit_exact = False
-    if t.bit_exact is False and ref_dir is not None:
-        t.divergence = first_divergence(ref_dir / "digests", cwd / "digests")
+    _compare(t, ref, cwd, j.nproc, ref_dir, evs)
     t.replay, t.replay_note = replay_verdict(evs)
     t.timeline = {
         "injected": inj["ts"], "detected": m.get("detect_ts"), "restored": restored,
@@ -304,6 +297,29 @@ def _run_trial(
     }  # fmt: skip
     t.failed_slos = _check(t, cert)
     return t
+
+
+def _compare(
+    t: Trial,
+    ref: list[dict[str, Any]],
+    cwd: Path,
+    nproc: int,
+    ref_dir: Path | None,
+    evs: list[dict[str, Any]],
+) -> None:
+    """The trial's final state against the fault-free run's; where they differ, the first step
+    whose start differs, with what the runtime found untracked named first."""
+    finals = _finals(cwd, nproc)
+    if finals is not None and t.ok:
+        try:
+            assert_bit_exact(ref, finals)
+            t.bit_exact = True
+        except AssertionError:
+            t.bit_exact = False
+    if t.bit_exact is False and ref_dir is not None:
+        t.divergence = first_divergence(ref_dir / "digests", cwd / "digests")
+        if t.divergence is not None:
+            t.divergence["untracked"] = [r["name"] for r in untracked_rows(evs)]
 
 
 def unacted(t: Trial, idle: list[NotActed]) -> None:

@@ -146,8 +146,7 @@ def table(rows: list[dict[str, Any]]) -> Any:
             + "".join(f" {s}" for s in r.get("sources", []))
             + ("" if r.get("work_lost_max_s") is None else f"\n{r['work_lost_max_s']:.2f} s of work"),
             "—" if r["goodput_min"] is None else f"{r['goodput_min']:.0%}",
-            "✓" if r["bit_exact"] else "✗" + "".join(
-                f"\nfrom step {d['step']}: {', '.join(d['objects'])}" for d in r.get("divergences", [])[:2]),
+            "✓" if r["bit_exact"] else "✗" + "".join(_divergence(d) for d in r.get("divergences", [])[:2]),
             _replay_cell(r.get("replay", [])),
             "[green]PASS[/]" if not r["failed"] else f"[red]FAIL[/] {','.join(r['failed'])}",
         )  # fmt: skip
@@ -156,6 +155,13 @@ def table(rows: list[dict[str, Any]]) -> Any:
     from rich.console import Group
 
     return Group(tb, phase_table(rows))  # (the phases under the verdicts: what to look at when one fails)
+
+
+def _divergence(d: dict[str, Any]) -> str:
+    """Where a trial left the fault-free run: what the runtime found untracked first, then the
+    objects that differ at the first divergent step."""
+    untracked = "".join(f"\nuntracked: {name}" for name in d.get("untracked", [])[:3])
+    return f"{untracked}\nfrom step {d['step']}: {', '.join(d['objects'])}"
 
 
 def _replay_cell(said: list[str]) -> str:

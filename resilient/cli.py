@@ -194,7 +194,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from resilient.metrics import account
-    from resilient.metrics.report import fault_blocks, fault_rows, write_png
+    from resilient.metrics.report import fault_blocks, fault_rows, untracked_rows, write_png
 
     log = _log_or_exit("report", args.path)
     if log is None:
@@ -207,9 +207,10 @@ def cmd_report(args: argparse.Namespace) -> int:
                                            "steps_rerun", "noticed_by", "signature")}, **row}
             for i, row in zip(acc.incidents, fault_rows(events, acc), strict=True)
         ]  # fmt: skip
-        print(json.dumps({"log": str(log), "wall_s": acc.wall_s, "goodput": acc.goodput, "steps": acc.steps,
-                          "exact_steps": acc.exact_steps, "seconds": acc.seconds, "faults": faults},
-                         indent=2))  # fmt: skip
+        out = {"log": str(log), "wall_s": acc.wall_s, "goodput": acc.goodput, "steps": acc.steps,
+               "exact_steps": acc.exact_steps, "seconds": acc.seconds, "faults": faults,
+               "untracked": untracked_rows(events)}  # fmt: skip
+        print(json.dumps(out, indent=2))
     else:
         gp = "—" if acc.goodput is None else f"{acc.goodput:.2%}"
         t = Table(title=f"{log.parent.name}: {acc.wall_s:.1f} s, {acc.steps} steps, "
@@ -221,6 +222,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         Console().print(t)
         if acc.incidents:
             Console().print(_fault_table(fault_rows(events, acc)))
+        _print_untracked(untracked_rows(events))
         if not acc.exact_steps:
             print("steps: from progress records (events.steps: true gives every step)")
         for block in fault_blocks(events, acc) if args.faults else []:
@@ -238,6 +240,21 @@ def cmd_report(args: argparse.Namespace) -> int:
             return 1
         print(f"wrote {png}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _print_untracked(rows: list[dict[str, Any]]) -> None:
+    """The ``untracked_state`` findings: what a restart of this run loses, and the line to add."""
+    if not rows:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="state a restart loses (found in the first steps; docs/recovery.md)")
+    for col in ("value", "type", "ranks", "the line that keeps it"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["name"], r["type"], ",".join(str(x) for x in r["ranks"]), r["fix"])
+    Console().print(t)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -71,6 +71,9 @@ class Event(str, enum.Enum):
     REPLAY_VERIFIED = "replay_verified"
     REPLAY_DIVERGED = "replay_diverged"
     REPLAY_UNCHECKED = "replay_unchecked"
+    # state the function keeps that changes every step and is neither tracked nor carried, found in
+    # its first steps (runtime/steps/untracked_watch.py): each value's name and the line that fixes it
+    UNTRACKED_STATE = "untracked_state"
 
 
 class EventLog:

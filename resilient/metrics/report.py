@@ -111,6 +111,20 @@ def fault_blocks(events: list[dict[str, Any]], acc: Accounting | None = None) ->
     return out
 
 
+def untracked_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """State the function keeps that a restart loses (``untracked_state``), one row per value:
+    its name, type, the line that fixes it and the ranks that reported it."""
+    rows: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e.get("event") != Event.UNTRACKED_STATE:
+            continue
+        for f in e.get("findings") or []:
+            row = rows.setdefault(f["name"], {**f, "ranks": []})
+            if e.get("rank") not in row["ranks"]:
+                row["ranks"].append(e.get("rank"))
+    return list(rows.values())
+
+
 REPLAY_EVENTS = (Event.REPLAY_VERIFIED, Event.REPLAY_DIVERGED, Event.REPLAY_UNCHECKED)
 
 

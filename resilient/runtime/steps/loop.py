@@ -17,6 +17,7 @@ engine's hard-hang timer, pinging NVRx's progress watchdog) is ``liveness``.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
@@ -42,6 +43,7 @@ from resilient.runtime.steps.handover import Handover
 from resilient.runtime.steps.keeper import Keeper
 from resilient.runtime.steps.live import LiveResume
 from resilient.runtime.steps.replay import ReplayCheck
+from resilient.runtime.steps.untracked_watch import UntrackedWatch
 from resilient.runtime.steps.verdicts import Verdicts
 from resilient.state import SnapshotRing
 from resilient.state.carry import CARRY, Carried
@@ -87,7 +89,9 @@ class StepLoop:
         self.collectives = self.detectors.get(CollectiveCheck)
         self.verdicts = Verdicts(ring, self.sdc, session.rank)
         snap = session.cfg.snapshot  # (``live``: the engine resumes a soft fault from the live state)
-        self.replay = ReplayCheck(session.cfg.verify_replay, session.events.emit)
+        emit, joining = session.events.emit, session.launch.join_generation is not None
+        self.untracked = UntrackedWatch(session.rank, emit, enabled=not joining)  # (its predecessor's did)
+        self.replay = ReplayCheck(session.cfg.verify_replay, emit, suspects=self.untracked.causes)
         self.live = LiveResume(live and snap.live, snap.live_max_bytes, capture=self.replay.enabled)
         self.handover = Handover(session.rank)  # (across a hard fault: the engine's, handover.py)
         self._job_start: bool | None = None
@@ -354,6 +358,8 @@ class StepLoop:
         gen.registry.step_begins()
         if self.session.heartbeat is not None:  # the step a hard fault hits, exactly, for the agent
             self.session.heartbeat.beat(step)
+        if self.untracked.active:  # (the caller: the steps generator, whose caller is the function)
+            self.untracked.at_start(sys._getframe(1), gen, step)
         if gen.count is not None:
             gen.count.begin(step)
         if hooks:

@@ -98,8 +98,10 @@ class ReplayCheck:
         emit: Callable[..., Any],
         clock: Callable[[], float] = time.monotonic,
         budget: float | None = None,
+        suspects: Callable[[], list[str]] = list,
     ) -> None:
         self.mode = mode
+        self.suspects = suspects  # what the run is known to keep untracked: the first causes named
         self.budget = BUDGET if budget is None else budget
         self.emit = emit
         self.clock = clock
@@ -284,15 +286,16 @@ class ReplayCheck:
         self._window = None
         what = "the restored state" if step == w.restored else f"the replay of step {step - 1}"
         objects = {k: v[:8] + ([f"... {len(v) - 8} more"] if len(v) > 8 else []) for k, v in differ.items()}
+        causes = [*self.suspects(), *CAUSES]
         self.emit(
             Event.REPLAY_DIVERGED, generation=w.generation, step=step, restored_step=w.restored,
             fault_step=w.fault, first_step=step, objects=objects, steps_checked=len(w.checked),
-            causes=list(CAUSES),
+            causes=causes,
         )  # fmt: skip
         msg = (
             f"the replay after the fault at step {w.fault} diverged: {what} differs from the run it "
             f"replays at step {step} ({', '.join(f'{k}: {len(v)}' for k, v in differ.items())} leaves). "
-            f"Likely causes: {'; '.join(CAUSES)}"
+            f"Likely causes: {'; '.join(causes)}"
         )
         logger.warning(msg)
         if self.mode == "stop":
