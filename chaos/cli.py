@@ -45,6 +45,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     cert.add_argument(
         "--trials", type=count(1, 10**4), default=None, help="override every class's trial count"
     )
+    cert.add_argument(
+        "--steps",
+        type=count(4, 10**9),
+        default=None,
+        help="the job's length in steps, over the config's job.steps (your script's, with -- ...): "
+        "a class's step given as '30%%' lands at that share of it",
+    )
     run = sub.add_parser(
         "run", help="the config's `schedule:` of faults in one job, vs a fault-free run", epilog=after
     )
@@ -114,7 +121,7 @@ def _certify(args: Any) -> int:
 
     from chaos import certify, report, schedule
 
-    cert = schedule.load(args.config)
+    cert = schedule.load(args.config, steps=args.steps)
     cert = _with_command(cert, args.command)
     only = [c for c in args.classes.split(",") if c]
     unknown = [c for c in only if c not in cert.classes]

@@ -97,7 +97,9 @@ Point = Literal["step", "forward", "backward"]
 
 class FaultClass(_Model):
     fault: KindName
-    step: int = Field(..., ge=1, description="the step the fault fires at (first attempt)")
+    step: int = Field(
+        ..., ge=1, description="the step the fault fires at (first attempt); '30%': that share of job.steps"
+    )
     rank: int = Field(1, ge=0)
     at: Point = Field(
         "step", description="in-process faults: at the step's start, or inside it at a microbatch's "
@@ -229,6 +231,26 @@ class Certification(_Model):
     stream: Stream | None = None
     schedule: list[Planned] = Field(default_factory=list, description="`chaos run`: these faults, in one job")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _share_of_the_job(cls, raw: Any) -> Any:
+        """A class's ``step: "30%"`` is that share of its job's steps (``chaos certify --steps``
+        fits a config to a script's length), at least step 1."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("classes"), dict):
+            return raw
+        steps = (raw.get("job") or {}).get("steps", Job.model_fields["steps"].default)
+        classes = {}
+        for name, c in raw["classes"].items():
+            if isinstance(c, dict) and isinstance(c.get("step"), str) and c["step"].endswith("%"):
+                total = (c.get("job") or {}).get("steps", steps)
+                try:
+                    share = float(c["step"][:-1]) / 100
+                except ValueError:
+                    raise ValueError(f"classes.{name}.step: {c['step']!r} is not a share like '30%'") from None
+                c = {**c, "step": max(1, round(share * total))}
+            classes[name] = c
+        return {**raw, "classes": classes}
+
     @model_validator(mode="after")
     def _ranks_exist(self) -> Certification:
         for name, c in self.classes.items():
@@ -273,8 +295,9 @@ class Certification(_Model):
         return self.classes[name].trials or self.trials
 
 
-def load(path: Path | str) -> Certification:
-    """The certificate config at ``path``; errors name the file and the bad field."""
+def load(path: Path | str, steps: int | None = None) -> Certification:
+    """The certificate config at ``path`` (``steps``: the job's length, over the file's); errors
+    name the file and the bad field."""
     p = Path(path)
     try:
         raw = yaml.safe_load(p.read_text())
@@ -282,8 +305,11 @@ def load(path: Path | str) -> Certification:
         raise BadInput(f"{p}: cannot read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise BadInput(f"{p}: not valid YAML: {yaml_problem(e)}") from None
+    raw = raw or {}
+    if steps is not None and isinstance(raw, dict):
+        raw = {**raw, "job": {**(raw.get("job") or {}), "steps": steps}}
     try:
-        return Certification.model_validate(raw or {})
+        return Certification.model_validate(raw)
     except ValidationError as e:
         lines = [f"{p}: invalid chaos config"]
         for err in e.errors():

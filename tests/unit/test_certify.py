@@ -333,3 +333,21 @@ def test_a_budget_for_a_phase_that_is_not_one_is_refused_by_name(tmp_path: Path)
     cfg.write_text(f"job: {{steps: 40}}\nclasses:\n  k: {{fault: exception, step: 5, {slo}}}\n")
     with pytest.raises(schedule.BadInput, match=r"classes\.k\.slo\.phase_p50_s\.fre"):
         schedule.load(cfg)
+
+
+def test_a_class_step_given_as_a_share_fits_the_job_length_given_on_the_command_line(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "job: {steps: 200}\n"
+        "classes:\n"
+        "  early: {fault: exception, step: '30%'}\n"
+        "  late: {fault: exception, step: '75%', job: {steps: 40}}\n"
+        "  fixed: {fault: exception, step: 12}\n"
+    )
+    steps = {n: c.step for n, c in schedule.load(cfg).classes.items()}
+    assert steps == {"early": 60, "late": 30, "fixed": 12}  # (a class's own job.steps decides its)
+    steps = {n: c.step for n, c in schedule.load(cfg, steps=60).classes.items()}
+    assert steps == {"early": 18, "late": 30, "fixed": 12}
+    cfg.write_text("classes:\n  bad: {fault: exception, step: 'lots%'}\n")
+    with pytest.raises(schedule.BadInput, match="not a share"):
+        schedule.load(cfg)
