@@ -246,7 +246,8 @@ class Certification(_Model):
                 try:
                     share = float(c["step"][:-1]) / 100
                 except ValueError:
-                    raise ValueError(f"classes.{name}.step: {c['step']!r} is not a share like '30%'") from None
+                    why = f"classes.{name}.step: {c['step']!r} is not a share like '30%'"
+                    raise ValueError(why) from None
                 c = {**c, "step": max(1, round(share * total))}
             classes[name] = c
         return {**raw, "classes": classes}
