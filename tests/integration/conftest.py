@@ -54,6 +54,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[s
             res = run_example(d, nproc)
             assert res.ok, res.describe()
             assert not res.of("fault_detected")
+            assert not res.of("untracked_state"), res.of("untracked_state")  # (the example keeps none)
             self[nproc] = load_states(d, nproc)
             return self[nproc]
 

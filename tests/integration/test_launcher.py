@@ -373,7 +373,7 @@ def test_restarts_exhausted_exit_fatal_with_a_summary(tmp_path: Path) -> None:
     assert run.finish() == ExitCode.FATAL
     events = run.events()
     assert [e["event"] for e in events].count("relaunched") == 2
-    assert "giving up after 2 restarts" in run.output() and "exit code 75" in run.output()
+    assert "giving up after 2 group restarts" in run.output() and "exit code 75" in run.output()
 
 
 @pytest.mark.parametrize("window", [None, "0.5"])

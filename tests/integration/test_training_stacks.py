@@ -36,6 +36,7 @@ def _run(
     assert res.ok, res.describe()
     fired = res.of("fault_detected")
     assert bool(fired) == bool(plan), fired
+    assert not res.of("untracked_state"), res.of("untracked_state")  # (the examples keep none)
     if restored is not None:  # every rank restored the same step: that one, or one of those
         allowed = restored if isinstance(restored, tuple) else (restored,)
         steps = {e["step"] for e in res.of("state_restored")}
