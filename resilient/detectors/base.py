@@ -66,7 +66,7 @@ class Run(Protocol):
 
 
 class AgreedFault(Protocol):
-    """The fault every rank agreed ended a generation (a :class:`~resilient.runtime.detection.
+    """The fault every rank agreed ended a generation (a :class:`~resilient.runtime.leave.
     faults.FaultRecord`), as the recovery tells the detectors."""
 
     kind: str

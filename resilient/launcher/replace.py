@@ -103,7 +103,7 @@ class Replacer:
     def _post_death(self, env: dict[str, str], global_rank: int, beat: Beat, message: str) -> bool:
         """The dead rank's fault in the workers' store: its survivors' listeners wake at once."""
         from resilient.runtime.coordination.coordinator import Coordinator, client
-        from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom, signature
+        from resilient.runtime.faults.records import FaultRecord, Severity, Symptom, signature
 
         try:
             if self._store_client is None:

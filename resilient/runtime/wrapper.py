@@ -14,9 +14,9 @@ from resilient.launch_env import Var
 from resilient.runtime import hooks as hooks_mod
 from resilient.runtime.context import Context
 from resilient.runtime.engine.builtin import BuiltinEngine, freeze_gc
-from resilient.runtime.engine.exits import excepthook_exit_codes
-from resilient.runtime.engine.wiring import Setup, numeric_names
+from resilient.runtime.faults.exits import excepthook_exit_codes
 from resilient.runtime.hooks import StepHook
+from resilient.runtime.run.wiring import Setup, numeric_names
 from resilient.runtime.standby import park_until_promoted, parking
 from resilient.runtime.steps.loop import StepLoop
 

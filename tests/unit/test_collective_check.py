@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from resilient.detectors import collectives as fingerprint
 from resilient.detectors.collectives import CollectiveCount, CollectiveDesync
-from resilient.runtime.detection.faults import classify
+from resilient.runtime.faults.records import classify
 
 
 class _Seq:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from resilient.errors import CoordinationError, PeerAborted, SetupFailed, StateRestoreError
 from resilient.runtime.coordination.agreement import plan_step
 from resilient.runtime.coordination.coordinator import Coordinator, Endpoint, agree_run_id, endpoint_from_env
-from resilient.runtime.detection.faults import FaultRecord
+from resilient.runtime.faults.records import FaultRecord
 
 NS = "resilient/run1/a0"
 

@@ -26,8 +26,8 @@ from resilient.launch_env import LaunchEnv
 from resilient.runtime.context import Context
 from resilient.runtime.coordination.agreement import common_restore_step
 from resilient.runtime.engine.builtin import BuiltinEngine
-from resilient.runtime.engine.wiring import Setup, Wiring
 from resilient.runtime.hooks import Hook, RunInfo
+from resilient.runtime.run.wiring import Setup, Wiring
 from resilient.runtime.steps.loop import StepLoop
 
 STEPS = 12
@@ -242,7 +242,7 @@ def test_the_restore_step_is_the_newest_every_rank_holds() -> None:
 
 def test_a_rank_holding_no_snapshot_failed_before_its_first_step() -> None:
     from resilient.errors import ExitCode, SetupFailed
-    from resilient.runtime.detection.faults import FaultRecord
+    from resilient.runtime.faults.records import FaultRecord
 
     culprit = FaultRecord(1, 0, None, "exception", "soft", "exception: ImportError: x", "ImportError: x")
     with pytest.raises(SetupFailed, match=r"^rank 1 failed before the first step: ImportError: x$") as e:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.errors import StepInterrupted
-from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom, classify, signature
+from resilient.runtime.faults.records import FaultRecord, Severity, Symptom, classify, signature
 
 GLOO_CLOSED = (
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"

@@ -12,7 +12,7 @@ import torch
 from resilient.detectors.guard import GuardConfig, NonFiniteStep, SpikeStep, StepGuard, Window, grad_norm
 from resilient.errors import FaultRepeats
 from resilient.runtime.context import Context
-from resilient.runtime.detection.faults import FaultRecord, classify
+from resilient.runtime.faults.records import FaultRecord, classify
 
 
 class Events:

@@ -312,7 +312,7 @@ _OPT_OUT = textwrap.dedent(
     import torch
     from resilient.config import load_config
     from resilient.native import _numeric_names as ext, names
-    from resilient.runtime.engine.wiring import numeric_names
+    from resilient.runtime.run.wiring import numeric_names
     cpu = os.path.realpath(os.path.join(names._torch_lib()[0], "libtorch_cpu.so"))
     ours = lambda: {{held == ext.address() for _, held, _ in ext.slots(cpu)}}
     numeric_names(load_config(None, store_name_lookups=True), False)  # the config's opt-out

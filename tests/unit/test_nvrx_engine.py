@@ -31,7 +31,7 @@ def test_bad_engine_names_the_field() -> None:
 def test_durable_checkpoints_under_nvrx_are_refused_with_the_reason(tmp_path, monkeypatch) -> None:
     from resilient.launch_env import LaunchEnv
     from resilient.runtime.engine.nvrx import NvrxEngine
-    from resilient.runtime.engine.wiring import Setup
+    from resilient.runtime.run.wiring import Setup
 
     cfg = load_config(None, engine="nvrx", checkpoint={"dir": tmp_path})
     with pytest.raises(ConfigError, match="engine: nvrx does not write durable checkpoints"):

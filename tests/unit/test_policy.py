@@ -12,7 +12,7 @@ import pytest
 
 from resilient.config import RestartConfig
 from resilient.errors import FaultRepeats, RestartBudgetExhausted
-from resilient.runtime.detection.faults import FaultRecord
+from resilient.runtime.faults.records import FaultRecord
 from resilient.runtime.recovery.policy import RestartPolicy
 
 T0 = 1_000_000.0

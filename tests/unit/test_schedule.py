@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from resilient.config import SnapshotConfig
-from resilient.runtime.keeping.schedule import ADOPT_AT, SAMPLES, SnapshotSchedule
+from resilient.runtime.run.schedule import ADOPT_AT, SAMPLES, SnapshotSchedule
 
 
 def _run(sched: SnapshotSchedule, total: int, step_s: float, capture_s: float) -> list[int]:

@@ -22,7 +22,7 @@ from resilient.contract import mark_replace, take_replace
 from resilient.detectors import collectives as fingerprint
 from resilient.detectors.collectives import CollectiveCount
 from resilient.detectors.replicas import CorruptReplica, ReplicaCheck, SdcConfig, SilentCorruption
-from resilient.runtime.detection.faults import Severity, classify
+from resilient.runtime.faults.records import Severity, classify
 from resilient.state import SnapshotRing
 from resilient.state import digest as dg
 from resilient.state.snapshot import CorruptSnapshot

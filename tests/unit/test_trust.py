@@ -417,7 +417,7 @@ def test_a_malformed_fault_record_is_a_fault_of_its_own_not_a_dead_listener() ->
     import torch.distributed as dist
 
     from resilient.runtime.coordination.coordinator import Coordinator
-    from resilient.runtime.detection.faults import FaultRecord, MalformedRecord, Symptom
+    from resilient.runtime.faults.records import FaultRecord, MalformedRecord, Symptom
 
     with pytest.raises(MalformedRecord, match=r"rank='zero'"):
         FaultRecord.from_json(

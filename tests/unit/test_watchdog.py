@@ -10,7 +10,7 @@ import pytest
 
 from resilient.config import Timeouts
 from resilient.errors import StepInterrupted
-from resilient.runtime.detection.watchdog import MainThreadInterrupter, Monitor
+from resilient.runtime.leave.watchdog import MainThreadInterrupter, Monitor
 
 TIMEOUTS = Timeouts.derive(10.0, None)  # hang 10 s, startup 50 s
 
@@ -271,8 +271,8 @@ def test_fault_listener_reports_a_posted_fault_and_releases_on_close():
     import torch.distributed as dist
 
     from resilient.runtime.coordination.coordinator import Coordinator
-    from resilient.runtime.detection.faults import FaultRecord
-    from resilient.runtime.detection.watchdog import FaultListener
+    from resilient.runtime.faults.records import FaultRecord
+    from resilient.runtime.leave.watchdog import FaultListener
 
     store = dist.HashStore()
     coord0, coord1 = (Coordinator(store, "ns", r, 2, 2.0) for r in (0, 1))

@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from resilient.errors import CoordinationError, SetupFailed, StateRestoreError
-from resilient.runtime.detection.faults import FaultRecord
+from resilient.runtime.faults.records import FaultRecord
 
 
 def restore_plan(payloads: list[str]) -> str:

@@ -42,7 +42,7 @@ from resilient.errors import CoordinationError, PeerAborted
 from resilient.launch_env import Endpoint, LaunchEnv
 from resilient.runtime.coordination.agreement import REDUCE, restore_plan
 from resilient.runtime.coordination.node import NodeLink, NodeLinkLost
-from resilient.runtime.detection.faults import FaultRecord
+from resilient.runtime.faults.records import FaultRecord
 
 OK = "ok"
 _NEVER = "\x00never"  # an expected value no key holds: compare_set(k, _NEVER, _NEVER) only reads k

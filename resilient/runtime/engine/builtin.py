@@ -7,12 +7,12 @@ Lifecycle per generation g (states are :class:`Phase`; transitions in brackets):
                                        └──── fault ──→ RECOVERING ←┘
     RECOVERING: post fault → abort group → policy → health → barrier → agree restore step → g+1 → RUNNING
 
-:class:`BuiltinEngine` is configured with a :class:`~resilient.runtime.engine.wiring.Setup`; each run
+:class:`BuiltinEngine` is configured with a :class:`~resilient.runtime.run.wiring.Setup`; each run
 builds its collaborators from the wiring (:func:`collaborators`, the one factory) and a
 :class:`BuiltinRun` composes its parts from them: the step loop
 (:class:`~resilient.runtime.steps.loop.StepLoop`), the keeper of snapshots beyond the ring
 (:class:`~resilient.runtime.keeping.mirrors.Mirrors`), fault detection
-(:class:`~resilient.runtime.detection.notice.Detection`) and what a recovery does between two generations
+(:class:`~resilient.runtime.leave.notice.Detection`) and what a recovery does between two generations
 (:class:`~resilient.runtime.recovery.recovery.Recovery`, with the restart policy).
 """
 
@@ -45,17 +45,17 @@ from resilient.errors import (
 from resilient.events import Event
 from resilient.runtime.coordination import coordinator as coord_mod
 from resilient.runtime.coordination import node as node_mod
-from resilient.runtime.detection.notice import Detection
-from resilient.runtime.detection.watchdog import HardHangTimer
-from resilient.runtime.engine.session import Session
 from resilient.runtime.engine.warmup import first_use_imports
-from resilient.runtime.engine.wiring import Setup, Wiring, WiringFactory, wire
 from resilient.runtime.keeping import resume
 from resilient.runtime.keeping.mirrors import Mirrors, ring_share
 from resilient.runtime.keeping.persist import Persistence
+from resilient.runtime.leave.notice import Detection
+from resilient.runtime.leave.watchdog import HardHangTimer
 from resilient.runtime.recovery.policy import RestartPolicy
 from resilient.runtime.recovery.recovery import Recovery
-from resilient.runtime.steps.generation import PendingRestore
+from resilient.runtime.run.generation import PendingRestore
+from resilient.runtime.run.session import Session
+from resilient.runtime.run.wiring import Setup, Wiring, WiringFactory, wire
 from resilient.runtime.steps.handover import Handover
 from resilient.runtime.steps.loop import StepLoop
 from resilient.runtime.steps.mirror import LiveMirror

@@ -52,11 +52,11 @@ from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhauste
 from resilient.events import Event
 from resilient.runtime.coordination import pg
 from resilient.runtime.coordination.agreement import common_restore_step
-from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom
-from resilient.runtime.detection.stacks import main_thread_where
-from resilient.runtime.engine.session import Session
-from resilient.runtime.engine.wiring import Setup, WiringFactory, wire
+from resilient.runtime.faults.records import FaultRecord, Severity, Symptom
+from resilient.runtime.faults.stacks import main_thread_where
 from resilient.runtime.recovery.policy import RestartPolicy
+from resilient.runtime.run.session import Session
+from resilient.runtime.run.wiring import Setup, WiringFactory, wire
 from resilient.runtime.steps.keeper import RingOnly
 from resilient.runtime.steps.loop import StepLoop
 from resilient.state import SnapshotRing

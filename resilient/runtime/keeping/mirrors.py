@@ -27,11 +27,11 @@ from resilient.errors import CheckpointError, StateRestoreError, StepInterrupted
 from resilient.events import Event
 from resilient.launch_env import LaunchEnv
 from resilient.runtime.coordination.coordinator import Coordinator
-from resilient.runtime.engine.session import Session
 from resilient.runtime.keeping import resume
 from resilient.runtime.keeping.persist import Persistence
-from resilient.runtime.keeping.schedule import SnapshotSchedule
-from resilient.runtime.steps.generation import Generation
+from resilient.runtime.run.generation import Generation
+from resilient.runtime.run.schedule import SnapshotSchedule
+from resilient.runtime.run.session import Session
 from resilient.state import Registry, SnapshotRing, layout
 from resilient.state.digest import Leaf
 from resilient.state.dtensor import live_meshes

@@ -18,7 +18,7 @@ from resilient.backoff import Backoff
 from resilient.config import RestartConfig
 from resilient.errors import FaultRepeats, RestartBudgetExhausted
 from resilient.restarts import RestartWindow, repeats
-from resilient.runtime.detection.faults import FaultRecord
+from resilient.runtime.faults.records import FaultRecord
 
 
 def _where(fault: FaultRecord) -> tuple[int | None, str]:

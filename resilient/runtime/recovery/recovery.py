@@ -30,13 +30,13 @@ from resilient.errors import (
 from resilient.events import Event
 from resilient.runtime.coordination.agreement import plan_step
 from resilient.runtime.coordination.coordinator import Coordinator
-from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom
-from resilient.runtime.detection.notice import Detection
-from resilient.runtime.engine.exits import raised_as_itself
+from resilient.runtime.faults.exits import raised_as_itself
+from resilient.runtime.faults.records import FaultRecord, Severity, Symptom
 from resilient.runtime.keeping.buckets import agreed
 from resilient.runtime.keeping.mirrors import Mirrors
+from resilient.runtime.leave.notice import Detection
 from resilient.runtime.recovery.policy import RestartPolicy
-from resilient.runtime.steps.generation import PendingRestore
+from resilient.runtime.run.generation import PendingRestore
 from resilient.runtime.steps.loop import StepLoop
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from resilient.events import Event
-from resilient.runtime.engine.session import Session
+from resilient.runtime.run.session import Session
 
 
 class Cost:

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from resilient.contract import mark_replace
-
-if TYPE_CHECKING:
-    from resilient.runtime.steps.loop import StepLoop
+from resilient.runtime.run.session import Session
 
 
 class DetectorRun:
     """What a detector reaches of this run (:class:`resilient.detectors.Run`): the session's
-    identity and event log, the step loop's step and batch, the launcher's replace mark."""
+    identity and event log, the step being run and its batch (``step``, ``where``: the step
+    loop's, asked when a detector wants them), the launcher's replace mark."""
 
-    def __init__(self, loop: StepLoop) -> None:
-        self._loop, self._s = loop, loop.session
-        self.rank, self.world_size, self.local_rank = self._s.rank, self._s.world_size, self._s.local_rank
-        self.events = self._s.events
+    def __init__(
+        self, session: Session, step: Callable[[], int | None], where: Callable[[], str | None]
+    ) -> None:
+        self._s, self._step, self._where = session, step, where
+        self.rank, self.world_size, self.local_rank = session.rank, session.world_size, session.local_rank
+        self.events = session.events
 
     @property
     def generation(self) -> int:
@@ -25,10 +27,10 @@ class DetectorRun:
 
     @property
     def step(self) -> int | None:
-        return self._loop.step
+        return self._step()
 
     def where(self) -> str | None:
-        return self._loop.gen.batch()
+        return self._where()
 
     def mark_replace(self, detail: dict[str, Any]) -> bool:
         beats = self._s.launch.heartbeat_dir

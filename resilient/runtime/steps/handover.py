@@ -32,7 +32,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from resilient.runtime.keeping.resume import StoreReplica, fingerprint, recv_tree, send_tree
-from resilient.runtime.steps.generation import PendingRestore
+from resilient.runtime.run.generation import PendingRestore
 from resilient.runtime.steps.live import LiveResume
 from resilient.runtime.steps.mirror import LiveMirror, Mirrored
 from resilient.state.registry import RNG, Registry

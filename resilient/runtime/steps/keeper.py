@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from resilient.runtime.steps.generation import Generation
+from resilient.runtime.run.generation import Generation
 from resilient.state import SnapshotRing
 from resilient.state.digest import Leaf
 

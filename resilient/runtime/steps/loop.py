@@ -4,7 +4,7 @@ engines.
 Each step begins (the heartbeat, the hooks, the collective count's window) and completes (the
 liveness signal, the collective check where state is kept, the in-memory snapshot when the
 schedule says so, the events). The state of the generation being run is a
-:class:`~resilient.runtime.steps.generation.Generation`; what outlives generations (the snapshot ring,
+:class:`~resilient.runtime.run.generation.Generation`; what outlives generations (the snapshot ring,
 the cost) is here.
 
 The engines differ in a step at one seam, a :class:`Keeper`: where the state goes besides the
@@ -33,12 +33,12 @@ from resilient.detectors.guard import StepGuard
 from resilient.detectors.replicas import ReplicaCheck
 from resilient.errors import ResilienceError
 from resilient.events import Event
-from resilient.runtime.engine.session import Session
 from resilient.runtime.hooks import Tracked
 from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
+from resilient.runtime.run.generation import EpochPosition, Generation, PendingRestore
+from resilient.runtime.run.session import Session
 from resilient.runtime.steps.cost import Cost
 from resilient.runtime.steps.detector_run import DetectorRun
-from resilient.runtime.steps.generation import EpochPosition, Generation, PendingRestore
 from resilient.runtime.steps.handover import Handover
 from resilient.runtime.steps.keeper import Keeper
 from resilient.runtime.steps.live import LiveResume
@@ -80,11 +80,10 @@ class StepLoop:
         self.step: int | None = None  # the step being run; across generations, the one a fault hit
         self.began_at: dict[int, float] = {}  # when each recent step began (its first run)
         self.cost = Cost(session)
-        self.detectors = Detectors.build(session.detectors, session.cfg, DetectorRun(self))
+        run = DetectorRun(session, lambda: self.step, lambda: self.gen.batch())
+        self.detectors = Detectors.build(session.detectors, session.cfg, run)
         guard = self.detectors.get(StepGuard)  # (ctx.observe reports to it)
-        self.guard = (
-            guard if guard is not None else StepGuard.build(StepGuard.section_of(None), DetectorRun(self))
-        )
+        self.guard = guard if guard is not None else StepGuard.build(StepGuard.section_of(None), run)
         self.sdc = self.detectors.get(ReplicaCheck)
         self.collectives = self.detectors.get(CollectiveCheck)
         self.verdicts = Verdicts(ring, self.sdc, session.rank)

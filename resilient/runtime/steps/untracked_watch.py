@@ -21,7 +21,7 @@ from typing import Any
 from loguru import logger
 
 from resilient.events import Event
-from resilient.runtime.steps.generation import Generation
+from resilient.runtime.run.generation import Generation
 from resilient.state.carry import CARRY, Carried
 from resilient.state.untracked import Finding, UntrackedScan, message
 

@@ -1,7 +1,7 @@
 """The run in this process: who this rank is, what the wiring connected it to, and what the run
 reports about itself — the part both engines share, outliving every generation.
 
-A :class:`Session` is built from a :class:`~resilient.runtime.engine.wiring.Wiring` (the store, the run
+A :class:`Session` is built from a :class:`~resilient.runtime.run.wiring.Wiring` (the store, the run
 id agreed with the peers, the event log, the group builder, the launcher's heartbeat) with no
 side effects; :meth:`Session.open` then starts the heartbeat and writes ``run_started``;
 :meth:`Session.close` releases what the wiring brought, the event log last. In between, the
@@ -29,16 +29,16 @@ from resilient.health import HealthInput, run_checks
 from resilient.launch_env import Var
 from resilient.native import names
 from resilient.runtime.coordination.agreement import all_hold
-from resilient.runtime.detection.faults import FaultRecord
-from resilient.runtime.detection.stacks import main_thread_where
-from resilient.runtime.engine.wiring import Setup, Wiring
+from resilient.runtime.faults.records import FaultRecord
+from resilient.runtime.faults.stacks import main_thread_where
 from resilient.runtime.hooks import RunInfo
-from resilient.runtime.keeping.schedule import SnapshotSchedule
+from resilient.runtime.run.schedule import SnapshotSchedule
+from resilient.runtime.run.wiring import Setup, Wiring
 
 
 class Session:
     """See the module docstring. ``generation``: the generation being run or recovered from, the
-    one counter both engines advance (a :class:`~resilient.runtime.steps.generation.Generation` is
+    one counter both engines advance (a :class:`~resilient.runtime.run.generation.Generation` is
     what one of them holds)."""
 
     def __init__(

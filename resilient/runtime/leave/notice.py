@@ -12,7 +12,7 @@ handler raises :class:`~resilient.errors.StepInterrupted`):
   re-arms at every step kills the process, for the launcher.
 
 :class:`Detection` owns those threads and the interrupter, and answers the monitor
-(:class:`~resilient.runtime.detection.watchdog.Watched`). The engine tells it which generation may be
+(:class:`~resilient.runtime.leave.watchdog.Watched`). The engine tells it which generation may be
 interrupted (``running``); the step loop tells it where the step is.
 """
 
@@ -29,10 +29,10 @@ from loguru import logger
 from resilient.detectors.collectives import DESYNC, CollectiveDesync, PeerWait
 from resilient.events import Event
 from resilient.runtime.coordination.coordinator import Coordinator
-from resilient.runtime.detection.faults import FaultRecord, Severity, Symptom
-from resilient.runtime.detection.stacks import all_stacks, main_thread_where
-from resilient.runtime.detection.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
-from resilient.runtime.engine.session import Session
+from resilient.runtime.faults.records import FaultRecord, Severity, Symptom
+from resilient.runtime.faults.stacks import all_stacks, main_thread_where
+from resilient.runtime.leave.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
+from resilient.runtime.run.session import Session
 from resilient.runtime.steps.loop import StepLoop
 
 # how long a rank past its optimizer's update may take to finish its step after a peer's fault
