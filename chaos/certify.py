@@ -175,8 +175,9 @@ def rate_back(steps: list[dict[str, Any]], since: float, ref_step_s: float, n: i
     for e in steps:  # a step is done when its last rank completed it (the last time, after a replay)
         done[e["step"]] = max(done.get(e["step"], 0.0), e["ts"])
     order = sorted(done.items())
-    times = [(s, t, t - order[i - 1][1]) for i, (s, t) in enumerate(order)
-             if i > 0 and order[i - 1][0] == s - 1]  # fmt: skip
+    times = [
+        (s, t, t - order[i - 1][1]) for i, (s, t) in enumerate(order) if i > 0 and order[i - 1][0] == s - 1
+    ]
     for i, (_, t, _) in enumerate(times):
         window = [d for _, _, d in times[i : i + n]]
         if t >= since and len(window) == n and statistics.median(window) <= 1.1 * ref_step_s:
@@ -291,10 +292,12 @@ def _run_trial(
     _compare(t, ref, cwd, j.nproc, ref_dir, evs)
     t.replay, t.replay_note = replay_verdict(evs)
     t.timeline = {
-        "injected": inj["ts"], "detected": m.get("detect_ts"), "restored": restored,
+        "injected": inj["ts"],
+        "detected": m.get("detect_ts"),
+        "restored": restored,
         "lasting": kind.lasting,
         "steps": [(e["ts"], e["rank"], e["step"]) for e in evs if e["event"] == Event.STEP_COMPLETED],
-    }  # fmt: skip
+    }
     t.failed_slos = _check(t, cert)
     return t
 

@@ -129,8 +129,9 @@ def _certify(args: Any) -> int:
         raise BadInput(f"--classes: {unknown} not in {args.config} (it has {sorted(cert.classes)})")
     if args.trials is not None:
         cert = cert.model_copy(update={"trials": args.trials})
-        cert = cert.model_copy(update={"classes": {
-            n: c.model_copy(update={"trials": None}) for n, c in cert.classes.items()}})  # fmt: skip
+        cert = cert.model_copy(
+            update={"classes": {n: c.model_copy(update={"trials": None}) for n, c in cert.classes.items()}}
+        )
     trials = certify.certify(cert, args.out, only)
     rows = report.write(cert, trials, args.out)
     console = Console(width=max(120, Console().width))
@@ -153,8 +154,14 @@ def _print_report(report: dict[str, Any], title: str) -> None:
             tb.add_column(col)
         for f in report["faults"]:
             fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
-            tb.add_row(f["kind"], str(f["rank"]), str(f["step"]), f["detected_by"] or "[red]not detected[/]",
-                       fmt(f["detect_s"]), fmt(f["recover_s"]))  # fmt: skip
+            tb.add_row(
+                f["kind"],
+                str(f["rank"]),
+                str(f["step"]),
+                f["detected_by"] or "[red]not detected[/]",
+                fmt(f["detect_s"]),
+                fmt(f["recover_s"]),
+            )
         console.print(tb)
     kinds = Table(title="per kind")
     for col in ("kind", "injected", "detected", "recovered"):

@@ -159,8 +159,18 @@ def _record(f: Fault) -> None:
     if not path:
         return
     # (fsync: the next thing may be a hang, an OOM-kill or a GIL-bound loop)
-    append_line(path, {"ts": time.time(), "kind": f.kind, "rank": f.rank, "step": f.step, "pid": os.getpid(),
-                       "by": "injector"}, fsync=True)  # fmt: skip
+    append_line(
+        path,
+        {
+            "ts": time.time(),
+            "kind": f.kind,
+            "rank": f.rank,
+            "step": f.step,
+            "pid": os.getpid(),
+            "by": "injector",
+        },
+        fsync=True,
+    )
 
 
 def _record_idle(f: Fault, why: str, fired: bool) -> None:
@@ -169,8 +179,19 @@ def _record_idle(f: Fault, why: str, fired: bool) -> None:
     path = os.environ.get("CHAOS_INJECTIONS")
     if not path:
         return
-    append_line(path, {"ts": time.time(), "kind": f.kind, "rank": f.rank, "step": f.step, "pid": os.getpid(),
-                       "by": "injector", IDLE: why, "fired": fired})  # fmt: skip
+    append_line(
+        path,
+        {
+            "ts": time.time(),
+            "kind": f.kind,
+            "rank": f.rank,
+            "step": f.step,
+            "pid": os.getpid(),
+            "by": "injector",
+            IDLE: why,
+            "fired": fired,
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -199,8 +220,11 @@ def outcomes(records: Iterable[Mapping[str, Any]]) -> tuple[list[dict[str, Any]]
         idle.append(NotActed(r["kind"], r["step"], r["rank"], r[IDLE]))
         if r.get("fired"):  # (its firing, the last one of the same fault and process, did not act)
             same = (r["kind"], r["step"], r["rank"], r.get("pid"))
-            at = [i for i, a in enumerate(acted) if a.get("by") == "injector" and
-                  (a["kind"], a["step"], a["rank"], a.get("pid")) == same]  # fmt: skip
+            at = [
+                i
+                for i, a in enumerate(acted)
+                if a.get("by") == "injector" and (a["kind"], a["step"], a["rank"], a.get("pid")) == same
+            ]
             if at:
                 del acted[at[-1]]
     return acted, idle

@@ -90,10 +90,22 @@ class Job:
         cwd.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
         command = j.command or [
-            str(EXAMPLE), "--steps", str(j.steps), "--step-ms", str(j.step_ms), "--pad-at", j.pad_at,
-            "--hang-timeout", str(j.hang_timeout), "--ckpt-dir", j.checkpoint_dir,
-            "--ckpt-every", str(j.checkpoint_every), "--backend", j.backend,
-        ]  # fmt: skip
+            str(EXAMPLE),
+            "--steps",
+            str(j.steps),
+            "--step-ms",
+            str(j.step_ms),
+            "--pad-at",
+            j.pad_at,
+            "--hang-timeout",
+            str(j.hang_timeout),
+            "--ckpt-dir",
+            j.checkpoint_dir,
+            "--ckpt-every",
+            str(j.checkpoint_every),
+            "--backend",
+            j.backend,
+        ]
         if j.runtime and not j.command:
             import yaml
 
@@ -109,13 +121,30 @@ class Job:
             # named from where chaos runs are handed over whole
             command = [str(Path(a).resolve()) if _a_file(a) else a for a in command]
         argv = [
-            sys.executable, "-m", "resilient.cli", "launch", "--standalone",
-            "--nproc-per-node", str(j.nproc), "--max-restarts", str(j.max_restarts),
-            "--max-replacements", str(j.max_replacements),
-            "--monitor-interval", "0.1", "--heartbeat-timeout", str(j.heartbeat_timeout),
-            "--startup-timeout", "60", "--backoff-initial", "0", "--events-dir", str(cwd / "resilient_runs"),
-            *(["-m", "chaos.netns"] if link else []), *command,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "resilient.cli",
+            "launch",
+            "--standalone",
+            "--nproc-per-node",
+            str(j.nproc),
+            "--max-restarts",
+            str(j.max_restarts),
+            "--max-replacements",
+            str(j.max_replacements),
+            "--monitor-interval",
+            "0.1",
+            "--heartbeat-timeout",
+            str(j.heartbeat_timeout),
+            "--startup-timeout",
+            "60",
+            "--backoff-initial",
+            "0",
+            "--events-dir",
+            str(cwd / "resilient_runs"),
+            *(["-m", "chaos.netns"] if link else []),
+            *command,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         # the harness's step hook (chaos/hooks.py, loaded through RESILIENT_HOOKS) fires the fault
@@ -134,8 +163,9 @@ class Job:
         if link is not None:  # every rank starts through chaos.netns; the target one enters the netns
             env[NETNS_ENV] = link.env()
         self.log = open(cwd / "launch.log", "a")  # noqa: SIM115 - closed in stop()
-        self.p = subprocess.Popen(argv, cwd=runs_in, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
+        self.p = subprocess.Popen(
+            argv, cwd=runs_in, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def stop(self, timeout: float) -> int | None:
         try:

@@ -50,8 +50,16 @@ def _yaml(v: object) -> str:
 
 def table() -> str:
     """The markdown table of every registered kind, with its legend."""
-    cols = ("kind", "fires", "the fault", "needs (SKIPPED without)", "`=arg` (default)", "detected by",
-            "default SLO", "stream")  # fmt: skip
+    cols = (
+        "kind",
+        "fires",
+        "the fault",
+        "needs (SKIPPED without)",
+        "`=arg` (default)",
+        "detected by",
+        "default SLO",
+        "stream",
+    )
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for name, k in REGISTRY.items():
         rows.append(

@@ -36,32 +36,43 @@ def summarize(cert: Certification, trials: list[Trial]) -> list[dict[str, Any]]:
         phases = {q: {p: _pct([t.phases.get(p) for t in phased], v) for p in PHASES} for q, v in _QS}
         cpu = {q: {p: _pct([t.phase_cpu.get(p) for t in phased], v) for p in PHASES} for q, v in _QS}
         failed = sorted({f for t in ts for f in t.failed_slos}) + _class_verdicts(c.slo, recover, phases, cpu)
-        rows.append({
-            "class": name, "trials": len(ts), "finished": sum(t.ok for t in ts),
-            "detect_p50": _pct(detect, 0.5), "detect_p99": _pct(detect, 0.99),
-            "recover_p50": _pct(recover, 0.5), "recover_p99": _pct(recover, 0.99),
-            "recover_after_restore_p99": _pct([t.recover_after_restore_s for t in ts], 0.99),
-            "steps_lost_max": max((t.steps_lost for t in ts if t.steps_lost is not None), default=None),
-            "work_lost_max_s": max((t.work_lost_s for t in ts if t.work_lost_s is not None), default=None),
-            "sources": sorted({t.source for t in ts if t.source is not None}),
-            "goodput_min": min((t.goodput for t in ts if t.goodput is not None), default=None),
-            "bit_exact": all(t.bit_exact for t in ts),
-            # where not: the first step and objects that differ, per trial that differed
-            "divergences": [t.divergence for t in ts if t.divergence is not None],
-            "replay": sorted({t.replay for t in ts if t.replay is not None}),
-            "replay_notes": sorted({f"{t.replay}: {t.replay_note}" for t in ts if t.replay is not None}),
-            "slo": c.slo.model_dump(exclude_none=True),
-            "failed": failed,
-            "errors": [t.error for t in ts if t.error],
-            # (the median of each phase over the trials that recovered in-process)
-            "phases_trials": len(phased), "phases_p50": phases["p50"], "phases_p99": phases["p99"],
-            "phases_cpu_p50": cpu["p50"], "phases_cpu_p99": cpu["p99"],
-            # a hard fault's replacement with a standby waiting or not: both figures, not a blend
-            "recover_p50_by_standby": {
-                w: _pct([t.recover_s for t in ts if t.standby == w], 0.5)
-                for w in sorted({t.standby for t in ts if t.standby is not None})
-            },
-        })  # fmt: skip
+        rows.append(
+            {
+                "class": name,
+                "trials": len(ts),
+                "finished": sum(t.ok for t in ts),
+                "detect_p50": _pct(detect, 0.5),
+                "detect_p99": _pct(detect, 0.99),
+                "recover_p50": _pct(recover, 0.5),
+                "recover_p99": _pct(recover, 0.99),
+                "recover_after_restore_p99": _pct([t.recover_after_restore_s for t in ts], 0.99),
+                "steps_lost_max": max((t.steps_lost for t in ts if t.steps_lost is not None), default=None),
+                "work_lost_max_s": max(
+                    (t.work_lost_s for t in ts if t.work_lost_s is not None), default=None
+                ),
+                "sources": sorted({t.source for t in ts if t.source is not None}),
+                "goodput_min": min((t.goodput for t in ts if t.goodput is not None), default=None),
+                "bit_exact": all(t.bit_exact for t in ts),
+                # where not: the first step and objects that differ, per trial that differed
+                "divergences": [t.divergence for t in ts if t.divergence is not None],
+                "replay": sorted({t.replay for t in ts if t.replay is not None}),
+                "replay_notes": sorted({f"{t.replay}: {t.replay_note}" for t in ts if t.replay is not None}),
+                "slo": c.slo.model_dump(exclude_none=True),
+                "failed": failed,
+                "errors": [t.error for t in ts if t.error],
+                # (the median of each phase over the trials that recovered in-process)
+                "phases_trials": len(phased),
+                "phases_p50": phases["p50"],
+                "phases_p99": phases["p99"],
+                "phases_cpu_p50": cpu["p50"],
+                "phases_cpu_p99": cpu["p99"],
+                # a hard fault's replacement with a standby waiting or not: both figures, not a blend
+                "recover_p50_by_standby": {
+                    w: _pct([t.recover_s for t in ts if t.standby == w], 0.5)
+                    for w in sorted({t.standby for t in ts if t.standby is not None})
+                },
+            }
+        )
     return rows
 
 
@@ -94,8 +105,10 @@ def phase_table(rows: list[dict[str, Any]]) -> Any:
     (the last rank to end each), then CPU time (the rank where it cost most)."""
     from rich.table import Table
 
-    tb = Table(title="recovery phases, ms p50/p99: wall (the last rank to end each: they add up to the "
-               "recovery), then cpu (the rank where it cost most)")  # fmt: skip
+    tb = Table(
+        title="recovery phases, ms p50/p99: wall (the last rank to end each: they add up to the "
+        "recovery), then cpu (the rank where it cost most)"
+    )
     tb.add_column("class")
     for p in PHASES:
         tb.add_column(p, justify="right")
@@ -127,8 +140,17 @@ def table(rows: list[dict[str, Any]]) -> Any:
         return f"{x:.2f}" + (f" ≤{slo:g}" if slo is not None else "")
 
     tb = Table(title="resilient recovery certificate")
-    for col in ("class", "trials", "detect p50/p99 s", "recover p50/p99 s", "steps lost", "goodput",
-                "bit-exact", "replay verified", "SLO"):  # fmt: skip
+    for col in (
+        "class",
+        "trials",
+        "detect p50/p99 s",
+        "recover p50/p99 s",
+        "steps lost",
+        "goodput",
+        "bit-exact",
+        "replay verified",
+        "SLO",
+    ):
         tb.add_column(col)
     for r in rows:
         if r.get("skipped"):
@@ -136,11 +158,16 @@ def table(rows: list[dict[str, Any]]) -> Any:
             continue
         slo = r["slo"]
         tb.add_row(
-            r["class"], f"{r['finished']}/{r['trials']}",
+            r["class"],
+            f"{r['finished']}/{r['trials']}",
             f"{f(r['detect_p50'])}/{f(r['detect_p99'], slo.get('detect_s'))}",
-            f"{f(r['recover_p50'], slo.get('recover_p50_s'))}/{f(r['recover_p99'], slo.get('recover_s'))}" + (
-                "" if r.get("recover_after_restore_p99") is None else
-                f"\n{f(r['recover_after_restore_p99'], slo.get('recover_after_restore_s'))} after the link")
+            f"{f(r['recover_p50'], slo.get('recover_p50_s'))}/{f(r['recover_p99'], slo.get('recover_s'))}"
+            + (
+                ""
+                if r.get("recover_after_restore_p99") is None
+                else f"\n{f(r['recover_after_restore_p99'], slo.get('recover_after_restore_s'))}"
+                " after the link"
+            )
             + "".join(f"\n{f(p50)} standby {w}" for w, p50 in r.get("recover_p50_by_standby", {}).items()),
             ("—" if r["steps_lost_max"] is None else str(r["steps_lost_max"]))
             + "".join(f" {s}" for s in r.get("sources", []))
@@ -149,7 +176,7 @@ def table(rows: list[dict[str, Any]]) -> Any:
             "✓" if r["bit_exact"] else "✗" + "".join(_divergence(d) for d in r.get("divergences", [])[:2]),
             _replay_cell(r.get("replay", [])),
             "[green]PASS[/]" if not r["failed"] else f"[red]FAIL[/] {','.join(r['failed'])}",
-        )  # fmt: skip
+        )
     if not any(r.get("phases_trials") for r in rows):
         return tb
     from rich.console import Group
@@ -194,14 +221,18 @@ def timeline_png(trials: list[Trial], path: Path) -> None:
         if t.timeline.get("detected"):
             ax.axvline(t.timeline["detected"] - t0, color="orange", lw=1, label="detected")
         if t.timeline.get("restored"):
-            ax.axvspan(t.timeline["injected"] - t0, t.timeline["restored"] - t0, color="red", alpha=0.1,
-                       label=t.timeline.get("lasting", "fault lasts"))  # fmt: skip
+            ax.axvspan(
+                t.timeline["injected"] - t0,
+                t.timeline["restored"] - t0,
+                color="red",
+                alpha=0.1,
+                label=t.timeline.get("lasting", "fault lasts"),
+            )
         if t.recover_s is not None:
             ax.axvline(t.timeline["injected"] - t0 + t.recover_s, color="green", lw=1, label="recovered")
         exact = "bit-exact" if t.bit_exact else "NOT bit-exact"
         recover = "no restart" if t.restarts == 0 else f"recover {t.recover_s or float('nan'):.2f} s"
-        ax.set_title(f"{t.cls}: detect {t.detect_s or float('nan'):.2f} s, {recover}, {exact}",
-                     fontsize=9)  # fmt: skip
+        ax.set_title(f"{t.cls}: detect {t.detect_s or float('nan'):.2f} s, {recover}, {exact}", fontsize=9)
         ax.set_ylabel("step")
         ax.legend(fontsize=6, loc="lower right")
     axes[-1, 0].set_xlabel("seconds since the first step")

@@ -102,9 +102,10 @@ class FaultClass(_Model):
     )
     rank: int = Field(1, ge=0)
     at: Point = Field(
-        "step", description="in-process faults: at the step's start, or inside it at a microbatch's "
+        "step",
+        description="in-process faults: at the step's start, or inside it at a microbatch's "
         "forward or backward in the stage's module (a pipeline's: chaos/points.py)",
-    )  # fmt: skip
+    )
     microbatch: int = Field(0, ge=0, description="`at: forward|backward`: the microbatch (from 0)")
     jitter: int = Field(0, ge=0, description="trials draw the step from step ± jitter")
     arg: float | None = None  # the kind's `=arg` (`chaos kinds`: stall s, kernel_oom MiB, ...)
@@ -146,9 +147,10 @@ class Job(_Model):
     steps: int = Field(40, ge=4)
     step_ms: float = Field(50.0, ge=0)
     pad_at: Literal["tail", "forward"] = Field(
-        "tail", description="where the bundled example spends step_ms: after its optimizer step, or "
+        "tail",
+        description="where the bundled example spends step_ms: after its optimizer step, or "
         "before its backward (where a real step spends its time)",
-    )  # fmt: skip
+    )
     hang_timeout: float = Field(2.0, gt=0)
     heartbeat_timeout: float = Field(3.0, gt=0)
     checkpoint_every: int = Field(5, ge=1)
@@ -195,9 +197,12 @@ class Planned(_Model):
     def spec(self, step: int) -> str:
         """The in-process plan entry (chaos/inject.py) for this fault at ``step``."""
         arg = self.arg if self.arg is not None else REGISTRY[self.fault].default_arg
-        return f"{self.fault}@{step}:{self.rank}" + (f"={arg:g}" if arg is not None else "") + (
-            f"x{self.repeat}" if self.repeat > 1 else "") + (
-            f"/{self.at}{self.microbatch}" if self.at != "step" else "")  # fmt: skip
+        return (
+            f"{self.fault}@{step}:{self.rank}"
+            + (f"={arg:g}" if arg is not None else "")
+            + (f"x{self.repeat}" if self.repeat > 1 else "")
+            + (f"/{self.at}{self.microbatch}" if self.at != "step" else "")
+        )
 
 
 class Stream(_Model):
@@ -270,8 +275,9 @@ class Certification(_Model):
             if f.rank >= self.job.nproc:
                 raise ValueError(f"schedule.{i}.rank: {f.rank} but job.nproc is {self.job.nproc}")
             if f.step is not None and f.step >= self.job.steps - 1:
-                raise ValueError(f"schedule.{i}.step: {f.step} leaves no step after it (job.steps is "
-                                 f"{self.job.steps})")  # fmt: skip
+                raise ValueError(
+                    f"schedule.{i}.step: {f.step} leaves no step after it (job.steps is {self.job.steps})"
+                )
         links = {f.rank for f in self.schedule if REGISTRY[f.fault].on_link}
         if len(links) > 1:
             raise ValueError(

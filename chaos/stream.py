@@ -77,9 +77,14 @@ def run_schedule(
     steps = steps or cert.job.steps
     timeout = 3 * steps * probe_step_s + 30 * len(faults) + 120
     ck_every = cert.stream.checkpoint_every if cert.stream is not None else cert.job.checkpoint_every
-    update = {**(cert.stream.job if cert.stream is not None else {}),
-              "steps": steps, "checkpoint_every": ck_every, "timeout_s": timeout,
-              "max_restarts": 10 * len(faults) + 3, "max_replacements": 10 * len(faults) + 3}  # fmt: skip
+    update = {
+        **(cert.stream.job if cert.stream is not None else {}),
+        "steps": steps,
+        "checkpoint_every": ck_every,
+        "timeout_s": timeout,
+        "max_restarts": 10 * len(faults) + 3,
+        "max_replacements": 10 * len(faults) + 3,
+    }
     long = cert.model_copy(update={"job": type(cert.job).model_validate({**cert.job.model_dump(), **update})})
     ref, ref_step_s = reference(long, out / "reference")
     cwd = fresh(out / "run")
@@ -124,12 +129,19 @@ def _report(
         m = measure(window, inj["ts"], j.nproc, ref_step_s, detection)
         if not evidence.restarts:  # (a slow disk) nothing restarts: there is no recovery to time
             m.pop("recover_s", None)
-        per_fault.append({
-            "kind": kind, "rank": inj["rank"], "step": inj["step"], "detected": detected,
-            "overlapped": overlapped, "recovered": recovered, "detect_s": m.get("detect_s"),
-            "recover_s": m.get("recover_s"),
-            "detected_by": m.get("detected_by"),
-        })  # fmt: skip
+        per_fault.append(
+            {
+                "kind": kind,
+                "rank": inj["rank"],
+                "step": inj["step"],
+                "detected": detected,
+                "overlapped": overlapped,
+                "recovered": recovered,
+                "detect_s": m.get("detect_s"),
+                "recover_s": m.get("recover_s"),
+                "detected_by": m.get("detected_by"),
+            }
+        )
         k = by_kind.setdefault(kind, {"injected": 0, "detected": 0, "recovered": 0})
         k["injected"] += 1
         k["detected"] += detected
@@ -151,25 +163,34 @@ def _report(
     # the job's first start is no fault's cost: a job that runs for days pays it once
     running = acc.wall_s - acc.seconds["startup"]
     accounting = {
-        "seconds": {k: round(v, 4) for k, v in acc.seconds.items()}, "wall_s": acc.wall_s,
+        "seconds": {k: round(v, 4) for k, v in acc.seconds.items()},
+        "wall_s": acc.wall_s,
         "goodput": acc.goodput,
         "unattributed_share": acc.seconds["other"] / acc.wall_s if acc.wall_s else None,
         "incidents": len(acc.incidents),
-    }  # fmt: skip
+    }
     report: dict[str, Any] = {
-        "faults_planned": planned, "faults_injected": len(injected),
+        "faults_planned": planned,
+        "faults_injected": len(injected),
         "detected": sum(p["detected"] for p in per_fault),
         "undetected_alone": sum(not p["detected"] and not p["overlapped"] for p in per_fault),
         "undetected_overlapped": sum(not p["detected"] and p["overlapped"] for p in per_fault),
         "recovered": sum(p["recovered"] for p in per_fault),
-        "finished": rc == 0, "harness_hangs": int(hung),
+        "finished": rc == 0,
+        "harness_hangs": int(hung),
         "goodput": acc.seconds["productive"] / running if running > 0 else None,
         "goodput_with_start": acc.goodput,
         # the steps' pace against the fault-free reference run's (a machine's load moves it both ways)
-        "pace_vs_reference": distinct * ref_step_s / wall if wall > 0 else None, "steps": j.steps,
-        "lost_committed_checkpoints": lost, "bit_exact": exact, "by_kind": by_kind, "wall_s": wall,
-        "skipped": [*skipped, *dict.fromkeys(map(str, idle))], "faults": per_fault, "accounting": accounting,
-    }  # fmt: skip
+        "pace_vs_reference": distinct * ref_step_s / wall if wall > 0 else None,
+        "steps": j.steps,
+        "lost_committed_checkpoints": lost,
+        "bit_exact": exact,
+        "by_kind": by_kind,
+        "wall_s": wall,
+        "skipped": [*skipped, *dict.fromkeys(map(str, idle))],
+        "faults": per_fault,
+        "accounting": accounting,
+    }
     return report
 
 

@@ -171,11 +171,17 @@ def _fault_table(rows: list[dict[str, Any]]) -> Any:
         t.add_column(col)
     for r in rows:
         t.add_row(
-            r["kind"], str(r["rank"]), *([r.get("slurm") or "—"] if slurm else []), str(r["step"]),
-            f"{r['detect_s']:.3f}", "—" if r["recover_s"] is None else f"{r['recover_s']:.3f}",
-            r["source"] or "—", "—" if r["steps_rerun"] is None else str(r["steps_rerun"]),
-            "—" if r["work_lost_s"] is None else f"{r['work_lost_s']:.3f}", r["replay"] or "—",
-        )  # fmt: skip
+            r["kind"],
+            str(r["rank"]),
+            *([r.get("slurm") or "—"] if slurm else []),
+            str(r["step"]),
+            f"{r['detect_s']:.3f}",
+            "—" if r["recover_s"] is None else f"{r['recover_s']:.3f}",
+            r["source"] or "—",
+            "—" if r["steps_rerun"] is None else str(r["steps_rerun"]),
+            "—" if r["work_lost_s"] is None else f"{r['work_lost_s']:.3f}",
+            r["replay"] or "—",
+        )
     return t
 
 
@@ -184,8 +190,11 @@ def _log_or_exit(cmd: str, path: str) -> Path | None:
 
     log = find_log(path)
     if log is None:
-        print(f"resilient {cmd}: no event log at {path} (a run directory, its events.jsonl, or the "
-              "events directory holding runs)", file=sys.stderr)  # fmt: skip
+        print(
+            f"resilient {cmd}: no event log at {path} (a run directory, its events.jsonl, or the "
+            "events directory holding runs)",
+            file=sys.stderr,
+        )
     return log
 
 
@@ -203,18 +212,42 @@ def cmd_report(args: argparse.Namespace) -> int:
     acc = account(events)
     if args.json:
         faults = [
-            {**{k: getattr(i, k) for k in ("kind", "rank", "step", "mode", "detect_s", "recover_s",
-                                           "steps_rerun", "noticed_by", "signature")}, **row}
+            {
+                **{
+                    k: getattr(i, k)
+                    for k in (
+                        "kind",
+                        "rank",
+                        "step",
+                        "mode",
+                        "detect_s",
+                        "recover_s",
+                        "steps_rerun",
+                        "noticed_by",
+                        "signature",
+                    )
+                },
+                **row,
+            }
             for i, row in zip(acc.incidents, fault_rows(events, acc), strict=True)
-        ]  # fmt: skip
-        out = {"log": str(log), "wall_s": acc.wall_s, "goodput": acc.goodput, "steps": acc.steps,
-               "exact_steps": acc.exact_steps, "seconds": acc.seconds, "faults": faults,
-               "untracked": untracked_rows(events)}  # fmt: skip
+        ]
+        out = {
+            "log": str(log),
+            "wall_s": acc.wall_s,
+            "goodput": acc.goodput,
+            "steps": acc.steps,
+            "exact_steps": acc.exact_steps,
+            "seconds": acc.seconds,
+            "faults": faults,
+            "untracked": untracked_rows(events),
+        }
         print(json.dumps(out, indent=2))
     else:
         gp = "—" if acc.goodput is None else f"{acc.goodput:.2%}"
-        t = Table(title=f"{log.parent.name}: {acc.wall_s:.1f} s, {acc.steps} steps, "
-                  f"{len(acc.incidents)} faults, goodput {gp}")  # fmt: skip
+        t = Table(
+            title=f"{log.parent.name}: {acc.wall_s:.1f} s, {acc.steps} steps, "
+            f"{len(acc.incidents)} faults, goodput {gp}"
+        )
         for col in ("cause", "seconds", "share"):
             t.add_column(col, justify="right" if col != "cause" else "left")
         for cause, sec, share in acc.table():
@@ -232,8 +265,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         try:
             write_png(acc, png, title=log.parent.name)
         except ImportError:
-            print("resilient report: no PNG: matplotlib is not installed (pip install "
-                  "'resilient[metrics]')", file=sys.stderr)  # fmt: skip
+            print(
+                "resilient report: no PNG: matplotlib is not installed (pip install 'resilient[metrics]')",
+                file=sys.stderr,
+            )
             return 1
         except OSError as e:
             print(f"resilient report: cannot write {png}: {e.strerror or e}", file=sys.stderr)
@@ -385,8 +420,15 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             created = datetime.datetime.fromtimestamp(m.created).isoformat(timespec="seconds")
         except (OverflowError, ValueError, OSError):
             created = f"? ({m.created!r})"
-        t.add_row(name, str(m.world_size), str(len(m.files())), f"{own:,}",
-                  "yes" if m.sharded_files() else "no", created, verdict)  # fmt: skip
+        t.add_row(
+            name,
+            str(m.world_size),
+            str(len(m.files())),
+            f"{own:,}",
+            "yes" if m.sharded_files() else "no",
+            created,
+            verdict,
+        )
     Console(width=160).print(t)
     for line in why:
         print(line)

@@ -33,11 +33,30 @@ from chaos.faults.signals import Sigkill, Sigstop
 from chaos.faults.storage import CorruptCheckpoint, SlowDisk
 from chaos.faults.straggler import Straggler
 
-REGISTRY = Registry([
-    RaiseException(), Hang(), HostOom(), GilHang(), Stall(), KernelOom(), CudaOom(), Desync(), P2pSkip(),
-    Segfault(), Sigkill(), Sigstop(), CorruptCheckpoint(), SlowDisk(), LinkDrop(), LinkLoss(), NanGradient(),
-    GradSpike(), Bitflip(), Straggler(),
-])  # fmt: skip
+REGISTRY = Registry(
+    [
+        RaiseException(),
+        Hang(),
+        HostOom(),
+        GilHang(),
+        Stall(),
+        KernelOom(),
+        CudaOom(),
+        Desync(),
+        P2pSkip(),
+        Segfault(),
+        Sigkill(),
+        Sigstop(),
+        CorruptCheckpoint(),
+        SlowDisk(),
+        LinkDrop(),
+        LinkLoss(),
+        NanGradient(),
+        GradSpike(),
+        Bitflip(),
+        Straggler(),
+    ]
+)
 
 __all__ = [
     "CRASH",

@@ -78,8 +78,9 @@ class Straggler(InProcess):
         time.sleep(0.5)
         used = max(proc.cpu_percent(interval=None), 1.0) / 100  # CPUs it used just now
         quota = set_cpu_quota(cg, used / (f.arg or self.default_arg or 2.0))
-        run.record(self.name, f.rank, done + 1, pid=pid, mode="cpu quota", used_cpus=round(used, 3),
-                   quota_us=quota)  # fmt: skip
+        run.record(
+            self.name, f.rank, done + 1, pid=pid, mode="cpu quota", used_cpus=round(used, 3), quota_us=quota
+        )
         return None
 
     def inject(self, fault: Fault, objects: Iterable[object]) -> Undo | None:

@@ -101,9 +101,16 @@ class Checkpointer:
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1 (the newest checkpoint is never deleted), got {keep}")
         self.on_busy = OnBusy(on_busy)
-        cfg = _validated(root=Path(root), keep=keep, incremental=incremental, on_busy=self.on_busy.value,
-                         writer=writer, persistent_url=persistent_url, storage_options=storage_options or {},
-                         commit_timeout=commit_timeout)  # fmt: skip
+        cfg = _validated(
+            root=Path(root),
+            keep=keep,
+            incremental=incremental,
+            on_busy=self.on_busy.value,
+            writer=writer,
+            persistent_url=persistent_url,
+            storage_options=storage_options or {},
+            commit_timeout=commit_timeout,
+        )
         if backends is not None and (writer != "thread" or persistent_url or storage_options):
             raise CheckpointError("Checkpointer: pass backends= or writer=/persistent_url=, not both")
         self.root = Path(root)
@@ -153,10 +160,20 @@ class Checkpointer:
         """The ``Checkpointer`` that ``cfg`` (a runtime's ``checkpoint:`` section) describes."""
         if cfg.dir is None:
             raise CheckpointError("checkpoint.dir is not set: there is nowhere to write checkpoints")
-        return cls(cfg.dir, rank=rank, world_size=world_size, token=token, keep=cfg.keep,
-                   incremental=cfg.incremental, on_busy=cfg.on_busy, commit_timeout=cfg.commit_timeout_s,
-                   persistent_url=cfg.persistent_url, storage_options=dict(cfg.storage_options),
-                   any_busy=any_busy, writer=cfg.writer)  # fmt: skip
+        return cls(
+            cfg.dir,
+            rank=rank,
+            world_size=world_size,
+            token=token,
+            keep=cfg.keep,
+            incremental=cfg.incremental,
+            on_busy=cfg.on_busy,
+            commit_timeout=cfg.commit_timeout_s,
+            persistent_url=cfg.persistent_url,
+            storage_options=dict(cfg.storage_options),
+            any_busy=any_busy,
+            writer=cfg.writer,
+        )
 
     # ---- saving ---------------------------------------------------------------------------------
     def save(

@@ -212,10 +212,12 @@ def _matching_mesh(saved: dict[str, Any], meshes: list[Any]) -> Any:
     """Today's mesh for a leaf saved on ``saved``: same device type, dimensions and their names
     (the sizes and ranks differ: that is the point); the largest if several match."""
     fits = [
-        m for m in meshes
-        if m.device_type == saved["device_type"] and m.ndim == len(saved["shape"])
+        m
+        for m in meshes
+        if m.device_type == saved["device_type"]
+        and m.ndim == len(saved["shape"])
         and (list(m.mesh_dim_names) if m.mesh_dim_names else None) == saved.get("dims")
-    ]  # fmt: skip
+    ]
     return max(fits, key=lambda m: m.mesh.numel(), default=None)
 
 

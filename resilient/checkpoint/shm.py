@@ -105,10 +105,14 @@ class ShmSnapshot:
             except CheckpointError:
                 continue
             if meta is not None:
-                held.append({
-                    "step": int(meta["step"]), "rank": meta.get("rank"), "world": meta.get("world"),
-                    "sharded": bool(meta.get("sharded", False)),
-                })  # fmt: skip
+                held.append(
+                    {
+                        "step": int(meta["step"]),
+                        "rank": meta.get("rank"),
+                        "world": meta.get("world"),
+                        "sharded": bool(meta.get("sharded", False)),
+                    }
+                )
         return sorted(held, key=lambda m: -int(m["step"]))
 
     def drop_after(self, step: int) -> list[int]:

@@ -123,8 +123,17 @@ def persist_rank(
                 size += pad
             _write_all(fd, data)
             hasher.update(data)
-            entries.append(TensorEntry.model_construct(key=slot.key, dtype=slot.dtype, shape=slot.shape,
-                file=own, offset=size, nbytes=slot.nbytes, xxh3=h))  # fmt: skip
+            entries.append(
+                TensorEntry.model_construct(
+                    key=slot.key,
+                    dtype=slot.dtype,
+                    shape=slot.shape,
+                    file=own,
+                    offset=size,
+                    nbytes=slot.nbytes,
+                    xxh3=h,
+                )
+            )
             size += slot.nbytes
         if fd >= 0:
             os.fsync(fd)
@@ -305,8 +314,17 @@ def persist(spec: WriterSpec, job: SaveJob, staged: StagedBytes) -> tuple[Manife
     on a rank other than 0, tells rank 0 that this rank's part will never come."""
     root, step, token, rank = spec.root, job.step, spec.token, spec.rank
     try:
-        entry = persist_rank(root, step, token, rank, staged, job.slots, job.skeleton,
-                             incremental=spec.incremental, sharded_files=job.dcp_files)  # fmt: skip
+        entry = persist_rank(
+            root,
+            step,
+            token,
+            rank,
+            staged,
+            job.slots,
+            job.skeleton,
+            incremental=spec.incremental,
+            sharded_files=job.dcp_files,
+        )
     except Exception as e:
         # give the space back (a full disk); rank 0 will not commit, so the whole directory goes
         discard(root, step, token, None if rank == 0 else rank)
@@ -316,8 +334,9 @@ def persist(spec: WriterSpec, job: SaveJob, staged: StagedBytes) -> tuple[Manife
     if rank != 0:
         return None, []
     try:
-        manifest = commit(root, step, token, spec.world_size, timeout=spec.commit_timeout,
-                          extra=job.extra, own=entry)  # fmt: skip
+        manifest = commit(
+            root, step, token, spec.world_size, timeout=spec.commit_timeout, extra=job.extra, own=entry
+        )
     except Exception:
         discard(root, step, token, None)
         raise

@@ -306,9 +306,12 @@ class StepGuard(Detector):
                 for p in group["params"]:
                     p.grad = None  # the optimizer passes over a parameter without a gradient
             self.events.emit(
-                Event.BATCH_SKIPPED, generation=self._generation(), step=step, optimizer=name,
+                Event.BATCH_SKIPPED,
+                generation=self._generation(),
+                step=step,
+                optimizer=name,
                 batch=self._where(),
-            )  # fmt: skip
+            )
             return
         self.checks += 1
         clipped = None if applied else self.clips.norm_of(optimizer)
@@ -348,15 +351,22 @@ class StepGuard(Detector):
             if median > 0 and value > factor * median:
                 if self.faulted.get(s) == SPIKE and self.cfg.on_spike == "accept":
                     self.events.emit(
-                        Event.SPIKE_ACCEPTED, generation=self._generation(), step=step, value=value,
-                        median=median, what=what, batch=self._where(),
-                    )  # fmt: skip
+                        Event.SPIKE_ACCEPTED,
+                        generation=self._generation(),
+                        step=step,
+                        value=value,
+                        median=median,
+                        what=what,
+                        batch=self._where(),
+                    )
                 else:
                     self._reject(
-                        SpikeStep, step, value,
+                        SpikeStep,
+                        step,
+                        value,
                         f"{what} {value:.4g} is {value / median:.1f}x the median of the last {len(window)} "
                         f"({median:.4g}; guard.{'spike' if name != LOSS else 'loss_spike'}: {factor:g})",
-                    )  # fmt: skip
+                    )
         window.add(s, value)
 
     def _reject(self, cls: type[StepRejected], step: int | None, value: float, what: str) -> None:

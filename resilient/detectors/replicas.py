@@ -163,9 +163,15 @@ class ReplicaCheck(Detector):
                 else:  # (two replicas, or no majority): the replay decides
                     self.awaiting[step] = {**self.awaiting.get(step, {}), group: seen}
                     s.events.emit(
-                        Event.SDC_DETECTED, generation=gen, step=step, ranks=[], suspects=sorted(seen),
-                        group=list(group), digests={str(m): d for m, d in seen.items()}, how="replay pending",
-                    )  # fmt: skip
+                        Event.SDC_DETECTED,
+                        generation=gen,
+                        step=step,
+                        ranks=[],
+                        suspects=sorted(seen),
+                        group=list(group),
+                        digests={str(m): d for m, d in seen.items()},
+                        how="replay pending",
+                    )
                 break  # (the first window that differs: later ones inherit it)
 
     def agreed(self, step: int) -> None:
@@ -182,19 +188,31 @@ class ReplicaCheck(Detector):
                 self._named(self.session.generation, step, group, other, seen, "replay")
             else:
                 self.session.events.emit(
-                    Event.SDC_DETECTED, generation=self.session.generation, step=step, ranks=[],
-                    suspects=sorted(seen), group=list(group), digests={str(m): d for m, d in seen.items()},
-                    how="undecided", replayed=now,
-                )  # fmt: skip
+                    Event.SDC_DETECTED,
+                    generation=self.session.generation,
+                    step=step,
+                    ranks=[],
+                    suspects=sorted(seen),
+                    group=list(group),
+                    digests={str(m): d for m, d in seen.items()},
+                    how="undecided",
+                    replayed=now,
+                )
 
     def _named(
         self, gen: int, step: int, group: Group, corrupt: list[int], seen: Mapping[int, str], how: str
     ) -> None:
         s = self.session
         s.events.emit(
-            Event.SDC_DETECTED, generation=gen, step=step, ranks=corrupt, suspects=sorted(seen),
-            group=list(group), digests={str(m): d for m, d in seen.items()}, how=how,
-        )  # fmt: skip
+            Event.SDC_DETECTED,
+            generation=gen,
+            step=step,
+            ranks=corrupt,
+            suspects=sorted(seen),
+            group=list(group),
+            digests={str(m): d for m, d in seen.items()},
+            how=how,
+        )
         if s.rank not in corrupt:
             return
         self.strikes += 1

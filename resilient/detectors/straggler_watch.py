@@ -219,8 +219,11 @@ class StragglerWatch:
             self.store.delete_key(self.key(judged - 3))
         cfg = self.settings.current()
         if figures:
-            logger.debug("straggler check {}: work per step by rank {}", judged,
-                         {r: round(w * 1e3, 2) for r, (w, _) in sorted(figures.items())})  # fmt: skip
+            logger.debug(
+                "straggler check {}: work per step by rank {}",
+                judged,
+                {r: round(w * 1e3, 2) for r, (w, _) in sorted(figures.items())},
+            )
         found = self.rule.judge(figures, p.node_ranks, cfg.threshold, cfg.window_s)
         for s in found:
             self._report(s, cfg)
@@ -230,27 +233,44 @@ class StragglerWatch:
         """This thread's own connection to the node's store."""
         if self._node_store is None:
             self._node_store = dist.TCPStore(
-                "127.0.0.1", link.store.port, None, False,
-                timeout=timedelta(seconds=30), wait_for_workers=False,
-            )  # fmt: skip
+                "127.0.0.1",
+                link.store.port,
+                None,
+                False,
+                timeout=timedelta(seconds=30),
+                wait_for_workers=False,
+            )
         return self._node_store
 
     def _report(self, s: Straggler, cfg: StragglerConfig) -> None:
         action = cfg.action
         if action == "replace":
-            marked = self.mark is not None and self.mark(s.rank - (self.place.rank - self.place.local_rank), {
-                "slowdown": round(s.slowdown, 3), "work_s": s.work_s, "median_s": s.median_s,
-            })  # fmt: skip
+            marked = self.mark is not None and self.mark(
+                s.rank - (self.place.rank - self.place.local_rank),
+                {
+                    "slowdown": round(s.slowdown, 3),
+                    "work_s": s.work_s,
+                    "median_s": s.median_s,
+                },
+            )
             if not marked:
                 logger.warning("straggler rank {}: not replaced (only under `resilient launch`)", s.rank)
                 action = "report"
             else:
                 self.rule.forget(s.rank)
         self.emit(
-            Event.STRAGGLER_DETECTED, rank=s.rank, host=s.host, slowdown=round(s.slowdown, 3),
-            work_s=s.work_s, median_s=s.median_s, for_s=round(s.for_s, 3), action=action,
-            threshold=cfg.threshold, window_s=cfg.window_s, judged_by=self.place.rank,
-        )  # fmt: skip
+            Event.STRAGGLER_DETECTED,
+            rank=s.rank,
+            host=s.host,
+            slowdown=round(s.slowdown, 3),
+            work_s=s.work_s,
+            median_s=s.median_s,
+            for_s=round(s.for_s, 3),
+            action=action,
+            threshold=cfg.threshold,
+            window_s=cfg.window_s,
+            judged_by=self.place.rank,
+        )
 
     # -- the thread --------------------------------------------------------------------------------
     def start(self) -> None:

@@ -118,8 +118,10 @@ def _shard(name: str, shard: Any) -> Any:
             "(it draws a new seed from the global RNG); prepare it with the default loader"
         )
     if getattr(shard, "skip_batches", 0):
-        raise NotTrackable(f"{name}={type(shard).__name__} skips its first {shard.skip_batches} batches "
-                           "(accelerator.skip_first_batches): track the loader it was made from")  # fmt: skip
+        raise NotTrackable(
+            f"{name}={type(shard).__name__} skips its first {shard.skip_batches} batches "
+            "(accelerator.skip_first_batches): track the loader it was made from"
+        )
     pos = ShardPosition(shard)
     # instance attributes: DataLoaderShard forwards unknown names to its inner loader, so these
     # shadow the class's failing state_dict and the inner loader's position (one batch behind)
@@ -149,8 +151,9 @@ def trackable_one(name: str, obj: Any) -> Any:
             "DataLoaderConfiguration(dispatch_batches=False)"
         )
     if type(obj) is SkipDataLoader:
-        raise NotTrackable(f"{name}=SkipDataLoader (accelerator.skip_first_batches): track the loader "
-                           "it was made from")  # fmt: skip
+        raise NotTrackable(
+            f"{name}=SkipDataLoader (accelerator.skip_first_batches): track the loader it was made from"
+        )
     if type(obj) is DataLoaderShard:
         return _shard(name, obj)
     if isinstance(obj, Accelerator):

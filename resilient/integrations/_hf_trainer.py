@@ -287,8 +287,11 @@ class TrainerLoop:
                 if p.finished or epoch < start:  # done before the restored step
                     return None
                 # the Trainer's own resume: skip the consumed batches' indices; no RNG file here
-                a.update(resume_from_checkpoint=NO_CHECKPOINT, epochs_trained=start,
-                         steps_trained_in_current_epoch=batches)  # fmt: skip
+                a.update(
+                    resume_from_checkpoint=NO_CHECKPOINT,
+                    epochs_trained=start,
+                    steps_trained_in_current_epoch=batches,
+                )
                 if epoch == start:
                     return run_epoch(*bound.args, **bound.kwargs)
             p.epoch, p.updates, p.batches = epoch, 0, 0

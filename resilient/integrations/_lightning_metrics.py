@@ -17,8 +17,18 @@ from typing import Any
 import torch
 
 _REDUCE = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
-_META = ("fx", "name", "prog_bar", "logger", "on_step", "on_epoch", "enable_graph", "add_dataloader_idx",
-         "dataloader_idx", "metric_attribute")  # fmt: skip
+_META = (
+    "fx",
+    "name",
+    "prog_bar",
+    "logger",
+    "on_step",
+    "on_epoch",
+    "enable_graph",
+    "add_dataloader_idx",
+    "dataloader_idx",
+    "metric_attribute",
+)
 
 
 def _reduce_name(meta: Any) -> str | None:
@@ -37,13 +47,19 @@ def capture_results(results: Any) -> list[dict[str, Any]]:
         if not m.is_tensor or reduce is None:
             continue
         sync = m.meta.sync
-        out.append({
-            "key": key, "meta": {k: getattr(m.meta, k) for k in _META}, "reduce": reduce,
-            "sync": bool(sync.should), "rank_zero_only": bool(sync.rank_zero_only),
-            "state": {name: getattr(m, name) for name in m._defaults},
-            "update_count": int(m._update_count), "has_reset": bool(m.has_reset),
-            "forward_cache": m._forward_cache,
-        })  # fmt: skip
+        out.append(
+            {
+                "key": key,
+                "meta": {k: getattr(m.meta, k) for k in _META},
+                "reduce": reduce,
+                "sync": bool(sync.should),
+                "rank_zero_only": bool(sync.rank_zero_only),
+                "state": {name: getattr(m, name) for name in m._defaults},
+                "update_count": int(m._update_count),
+                "has_reset": bool(m.has_reset),
+                "forward_cache": m._forward_cache,
+            }
+        )
     return out
 
 

@@ -41,8 +41,14 @@ from resilient.integrations._lightning_metrics import (
 # what dump_checkpoint writes that is not kept here: tracked as the runtime's own objects (weights,
 # optimizers, schedulers), or constant for the run and not always encodable (hyper-parameters)
 _TRACKED = ("state_dict", "optimizer_states", "lr_schedulers")
-_CONSTANT = ("hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
-             "datamodule_hparams_name", "datamodule_hparams_type")  # fmt: skip
+_CONSTANT = (
+    "hyper_parameters",
+    "hparams_name",
+    "hparams_type",
+    "datamodule_hyper_parameters",
+    "datamodule_hparams_name",
+    "datamodule_hparams_type",
+)
 # ModelCheckpoint's counters outside its state_dict: the step it saved at last (a replayed step
 # must save again), its last file, a save deferred to the next validation
 _CHECKPOINT_COUNTERS = ("_last_global_step_saved", "_last_checkpoint_saved", "_defer_save_until_validation")

@@ -264,11 +264,18 @@ class ResilientAgent(LocalElasticAgent):
                     self._worker_started[s.local_rank] = time.monotonic()
             self._oom = oom_kills()
             return None
-        ours = RunResult(state=WorkerState.FAILED, failures={
-            s.death.global_rank: ProcessFailure(local_rank=s.local_rank if s.local_rank is not None else -1,
-                                                pid=s.pid, exitcode=s.death.exitcode, error_file="")
-            for s in seen
-        })  # fmt: skip
+        ours = RunResult(
+            state=WorkerState.FAILED,
+            failures={
+                s.death.global_rank: ProcessFailure(
+                    local_rank=s.local_rank if s.local_rank is not None else -1,
+                    pid=s.pid,
+                    exitcode=s.death.exitcode,
+                    error_file="",
+                )
+                for s in seen
+            },
+        )
         result = ours
         if not any(s.death.missed_heartbeat for s in seen):
             # torch stops the others now (SIGTERM) and reports them too, as it does without us
@@ -322,8 +329,9 @@ class ResilientAgent(LocalElasticAgent):
         return checks
 
     # ---- what died ----------------------------------------------------------------------------------
-    def _death(self, global_rank: int, local_rank: int | None, exitcode: int, beat: Beat | None,
-               **kw: bool) -> Death:  # fmt: skip
+    def _death(
+        self, global_rank: int, local_rank: int | None, exitcode: int, beat: Beat | None, **kw: bool
+    ) -> Death:
         unhealthy = local_rank is not None and is_unhealthy(self.heartbeat_dir, local_rank)
         return Death(global_rank, exitcode, beat, unhealthy=unhealthy, **kw)
 
@@ -360,8 +368,14 @@ class ResilientAgent(LocalElasticAgent):
                 self.flusher.on_death(s.local_rank, s.death.global_rank)
             if s.reported:
                 continue
-            record = {"global_rank": s.death.global_rank, "local_rank": s.local_rank, "pid": s.pid,
-                      "exitcode": s.death.exitcode, "cause": s.cause, "ts": time.time()}  # fmt: skip
+            record = {
+                "global_rank": s.death.global_rank,
+                "local_rank": s.local_rank,
+                "pid": s.pid,
+                "exitcode": s.death.exitcode,
+                "cause": s.cause,
+                "ts": time.time(),
+            }
             self.failures.append(record)
             self._emit(Event.WORKER_DIED, **record)
             logger.error(f"worker rank {s.death.global_rank} (pid {s.pid}) died: {s.cause}")
@@ -420,9 +434,15 @@ class ResilientAgent(LocalElasticAgent):
             step = beat.step if beat is not None else None
             if age <= limit:
                 continue
-            record = {"global_rank": w.global_rank, "local_rank": w.local_rank, "pid": w.id,
-                      "silent_s": round(age, 3), "limit_s": limit, "last_step": step,
-                      "ts": time.time()}  # fmt: skip
+            record = {
+                "global_rank": w.global_rank,
+                "local_rank": w.local_rank,
+                "pid": w.id,
+                "silent_s": round(age, 3),
+                "limit_s": limit,
+                "last_step": step,
+                "ts": time.time(),
+            }
             cause = f"no heartbeat for {age:.1f} s"
             self.failures.append({**record, "cause": cause})
             self._emit(Event.HEARTBEAT_MISSED, **record)
@@ -432,8 +452,15 @@ class ResilientAgent(LocalElasticAgent):
             if isinstance(w.id, int) and self.fault_stacks:
                 stacks = dump_stacks(w.id, native=self.native_stacks)
                 if stacks is not None:
-                    self._emit(Event.FAULT_REPORT, global_rank=w.global_rank, pid=w.id, kind="no_heartbeat",
-                               last_step=step, stacks=stacks, source="py-spy")  # fmt: skip
+                    self._emit(
+                        Event.FAULT_REPORT,
+                        global_rank=w.global_rank,
+                        pid=w.id,
+                        kind="no_heartbeat",
+                        last_step=step,
+                        stacks=stacks,
+                        source="py-spy",
+                    )
             if isinstance(w.id, int):
                 # a stopped or GIL-bound process never handles SIGTERM: kill its session (its own) now
                 with contextlib.suppress(ProcessLookupError, PermissionError):

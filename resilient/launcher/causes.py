@@ -76,8 +76,9 @@ def dump_stacks(pid: int, timeout_s: float = 3.0, *, native: bool = False) -> st
         modes = (("--nonblocking",),)
     for mode in modes:
         try:
-            out = subprocess.run([exe, "dump", "--pid", str(pid), *mode], capture_output=True, text=True,
-                                 timeout=timeout_s)  # fmt: skip
+            out = subprocess.run(
+                [exe, "dump", "--pid", str(pid), *mode], capture_output=True, text=True, timeout=timeout_s
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if out.returncode == 0 and out.stdout.strip():

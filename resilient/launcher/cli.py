@@ -389,8 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     ):
         cause = agent.failures[-1]["cause"] if agent.failures else "restarts exhausted"
         with EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1, **where) as log:
-            log.emit(Event.RUN_FAILED, generation=0, step=None, error=f"resilient launch: {cause}",
-                     exitcode=agent.verdict)  # fmt: skip
+            log.emit(
+                Event.RUN_FAILED,
+                generation=0,
+                step=None,
+                error=f"resilient launch: {cause}",
+                exitcode=agent.verdict,
+            )
     if agent.verdict is not None:
         if agent.verdict == int(ExitCode.FATAL) and agent.failures:
             print(f"resilient launch: giving up: {agent.failures[-1]['cause']}", file=sys.stderr)

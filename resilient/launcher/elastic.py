@@ -128,8 +128,15 @@ class Elastic:
 
         entrypoint, args = self.command(local_rank)
         stdout, stderr = self.outputs(local_rank)
-        return SubprocessHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
-                                 local_rank_id=local_rank, numa_options=None)  # fmt: skip
+        return SubprocessHandler(
+            entrypoint=entrypoint,
+            args=args,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            local_rank_id=local_rank,
+            numa_options=None,
+        )
 
     def swap(self, local_rank: int, new: Any) -> None:
         """``new`` is ``local_rank``'s process from now on: torch monitors, signals and stops it.

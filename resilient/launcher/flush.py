@@ -78,9 +78,16 @@ class Flusher:
             return
         self._copied[d] = slots
         gbps = got.nbytes / got.seconds / 1e9 if got.seconds > 0 else None
-        self._emit(Event.SNAPSHOT_FLUSHED, **fields, global_rank=got.rank, world=got.world,
-                   steps=list(got.steps), nbytes=got.nbytes, duration_s=got.seconds,
-                   gb_per_s=round(gbps, 3) if gbps is not None else None)  # fmt: skip
+        self._emit(
+            Event.SNAPSHOT_FLUSHED,
+            **fields,
+            global_rank=got.rank,
+            world=got.world,
+            steps=list(got.steps),
+            nbytes=got.nbytes,
+            duration_s=got.seconds,
+            gb_per_s=round(gbps, 3) if gbps is not None else None,
+        )
         logger.info(
             f"rank {got.rank}'s snapshots of steps {list(got.steps)} flushed to {got.path} "
             f"({got.nbytes / 1e6:.1f} MB in {got.seconds:.2f} s)"

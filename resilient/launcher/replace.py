@@ -68,8 +68,11 @@ class Replacer:
             os.killpg(old_pid, signal.SIGKILL)  # what it left in its session (loader workers)
         self.elastic.restarts_left -= 1  # a replacement is a restart for TORCHELASTIC_RESTART_COUNT
         t0 = time.time()
-        env = {**self.elastic.env(local_rank), Var.JOIN_GENERATION.value: str(beat.generation),
-               Var.PREDECESSOR_PID.value: str(old_pid)}  # fmt: skip
+        env = {
+            **self.elastic.env(local_rank),
+            Var.JOIN_GENERATION.value: str(beat.generation),
+            Var.PREDECESSOR_PID.value: str(old_pid),
+        }
         posted = self._post_death(env, worker.global_rank, beat, f"rank {worker.global_rank} {cause}")
         beat_path(self.heartbeat_dir, local_rank).unlink(missing_ok=True)
         # The dead process may still be tearing down (one SIGKILLed just now after a missed
@@ -161,8 +164,12 @@ class Replacer:
         for sb in self._standbys:
             if not sb.announced and sb.ready():
                 sb.announced = True
-                self._emit(Event.STANDBY_READY, standby_pid=sb.proc.pid, standbys=len(self._standbys),
-                           warmth=sb.warmth())  # fmt: skip
+                self._emit(
+                    Event.STANDBY_READY,
+                    standby_pid=sb.proc.pid,
+                    standbys=len(self._standbys),
+                    warmth=sb.warmth(),
+                )
         if len(self._standbys) >= self.standby_count:
             return
         if time.monotonic() - newest_start < STANDBY_DELAY_S:

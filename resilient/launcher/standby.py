@@ -23,11 +23,23 @@ from resilient.runtime.standby import ENTRY
 
 # what torch gives a worker that says who it is and where the job is: hidden from a parking
 # standby's script (its top level must not depend on them)
-RANK_VARS = frozenset({
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "RESILIENT_JOIN_GENERATION", "RESILIENT_LAUNCH_ROUND",
-})  # fmt: skip
+RANK_VARS = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RESILIENT_JOIN_GENERATION",
+        "RESILIENT_LAUNCH_ROUND",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -105,8 +117,14 @@ class Standby:
     def promote(
         self, local_rank: int, env: dict[str, str], tgt: Target, stdout: str | None, stderr: str | None
     ) -> None:
-        order = {"env": env, "module": tgt.module, "name": tgt.name, "args": list(tgt.args),
-                 "stdout": stdout, "stderr": stderr}  # fmt: skip
+        order = {
+            "env": env,
+            "module": tgt.module,
+            "name": tgt.name,
+            "args": list(tgt.args),
+            "stdout": stdout,
+            "stderr": stderr,
+        }
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(order) + "\n").encode())
         self.proc.stdin.close()

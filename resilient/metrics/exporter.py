@@ -106,8 +106,9 @@ class RunMetrics:
         except Exception as e:  # a scrape mid-restart must not take the exporter down
             self.warn_once("collect", f"a scrape failed ({type(e).__name__}: {e})")
         self.cpu_s += time.thread_time() - t0
-        yield _counter("resilient_exporter_cpu_seconds", "CPU time of this endpoint's own work",
-                       self.labels, self.cpu_s)  # fmt: skip
+        yield _counter(
+            "resilient_exporter_cpu_seconds", "CPU time of this endpoint's own work", self.labels, self.cpu_s
+        )
 
     def _collect(self) -> Iterator[Any]:
         with self._lock:
@@ -147,9 +148,11 @@ class RunMetrics:
             ready.add_metric([*self._ids, w], float(sum(v == w for v in m.standbys.values())))
         yield ready
         yield _counter(
-            "resilient_standby_fallbacks", "standbys that could not park in the script (standby_fallback)",
-            run, m.standby_fallbacks,
-        )  # fmt: skip
+            "resilient_standby_fallbacks",
+            "standbys that could not park in the script (standby_fallback)",
+            run,
+            m.standby_fallbacks,
+        )
         incidents = acc.incidents if acc is not None else []
         faults = CounterMetricFamily(
             "resilient_faults",

@@ -44,8 +44,18 @@ if TYPE_CHECKING:
 PHASES = ("detect", "leave", "health", "agree", "free", "rebuild", "restore", "reenter", "rerun")
 
 # each rank's instants, in the order they happen on it; derived ones are a record's ts less a part
-_MARKS = ("noticed", "left", "checked", "agreed", "prepared", "freed", "rebuilt", "entered", "restored",
-          "resumed")  # fmt: skip
+_MARKS = (
+    "noticed",
+    "left",
+    "checked",
+    "agreed",
+    "prepared",
+    "freed",
+    "rebuilt",
+    "entered",
+    "restored",
+    "resumed",
+)
 # phase -> the (from, to) mark pairs it is made of
 _SPANS: dict[str, tuple[tuple[str, str], ...]] = {
     "leave": (("noticed", "left"),),
@@ -195,8 +205,11 @@ def recovery_phases(events: Iterable[dict[str, Any]], generation: int, start: fl
             out.ranks[phase] = last[spans[-1][1]][1]
     if "prepared" in last:
         rec = per[last["prepared"][1]].get(Event.RESTORE_AGREED, {})
-        out.agree_parts = {k: float(v) for k, v in rec.items() if k.endswith("_s") and k != "duration_s"
-                           and isinstance(v, int | float)}  # fmt: skip
+        out.agree_parts = {
+            k: float(v)
+            for k, v in rec.items()
+            if k.endswith("_s") and k != "duration_s" and isinstance(v, int | float)
+        }
     if "resumed" in last:
         out.total = max(0.0, last["resumed"][0] - start)
     out.cpu = _phase_cpu(per)

@@ -154,12 +154,21 @@ def fault_rows(events: list[dict[str, Any]], acc: Accounting | None = None) -> l
     rows = []
     for inc in acc.incidents:
         later = min((i.start for i in acc.incidents if i.start > inc.start), default=float("inf"))
-        rows.append({
-            "kind": inc.kind, "rank": inc.rank, "step": inc.step, "mode": inc.mode,
-            "detect_s": inc.detect_s, "recover_s": inc.recover_s, "source": inc.source,
-            "steps_rerun": inc.steps_rerun, "work_lost_s": inc.work_lost_s,
-            "replay": replay_of(events, inc.start, later), "slurm": slurm_place(inc.slurm),
-        })  # fmt: skip
+        rows.append(
+            {
+                "kind": inc.kind,
+                "rank": inc.rank,
+                "step": inc.step,
+                "mode": inc.mode,
+                "detect_s": inc.detect_s,
+                "recover_s": inc.recover_s,
+                "source": inc.source,
+                "steps_rerun": inc.steps_rerun,
+                "work_lost_s": inc.work_lost_s,
+                "replay": replay_of(events, inc.start, later),
+                "slurm": slurm_place(inc.slurm),
+            }
+        )
     return rows
 
 
@@ -246,8 +255,14 @@ def write_png(acc: Accounting, path: Path, title: str = "") -> None:
         OTHER,
     ):
         if any(shares[c]):
-            ax.bar(xs, shares[c], width=width, bottom=bottom, color=COLORS[c],
-                   label=f"{c} {acc.seconds[c]:.1f} s")  # fmt: skip
+            ax.bar(
+                xs,
+                shares[c],
+                width=width,
+                bottom=bottom,
+                color=COLORS[c],
+                label=f"{c} {acc.seconds[c]:.1f} s",
+            )
             bottom = [x + y for x, y in zip(bottom, shares[c], strict=True)]
     for inc in acc.incidents:
         ax.axvline(inc.start - acc.start, color="black", lw=0.6, ls=":")
@@ -299,12 +314,15 @@ def status_table(events: list[dict[str, Any]], beats: dict[int, tuple[float, int
             step = beat[1]
         st = m.step_s.get(r)
         t.add_row(
-            str(r), str(row["host"]), str(row["pid"]), str(row["generation"]),
+            str(r),
+            str(row["host"]),
+            str(row["pid"]),
+            str(row["generation"]),
             "—" if step is None else str(step),
             "—" if st is None else f"{1e3 * st:.1f} ms",
             f"{now - row['seen']:.1f} s ago",
             "—" if beat is None else f"{beat[0]:.1f} s",
-        )  # fmt: skip
+        )
     last = acc.incidents[-1] if acc.incidents else None
     fault = (
         f"last fault: {last.kind} on rank {last.rank} at step {last.step}, {last.mode}"

@@ -196,9 +196,11 @@ class _StatefulResumable:
         state = dict(self._resilient_base.state_dict(self))  # type: ignore[attr-defined]
         gen = getattr(self, "generator", None)
         state["_resilient"] = {
-            "iterators": pos.iterators, "consumed": pos.consumed, "pass_start": pos.start,
+            "iterators": pos.iterators,
+            "consumed": pos.consumed,
+            "pass_start": pos.start,
             "generator": gen.get_state() if isinstance(gen, torch.Generator) else None,
-        }  # fmt: skip
+        }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -16,8 +16,8 @@ from resilient.errors import ConfigError, SoftFault
 from resilient.events import read_events
 from resilient.launch_env import LaunchEnv
 from resilient.runtime.engine.builtin import BuiltinEngine
-from resilient.runtime.faults.records import FaultRecord, classify, signature
 from resilient.runtime.faults import records as faults
+from resilient.runtime.faults.records import FaultRecord, classify, signature
 from resilient.runtime.run.wiring import Setup
 from resilient.sections import Section
 from tests.unit.test_core import Fakes, _train

@@ -367,9 +367,12 @@ class Coordinator:
         self.node = None
 
     def recovery_barrier(
-        self, generation: int, snapshot_steps: list[int], layout: str | None = None,
+        self,
+        generation: int,
+        snapshot_steps: list[int],
+        layout: str | None = None,
         live: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """Wait until every rank left generation ``generation``; return :func:`restore_plan` of
         every rank's snapshot steps (the newest step all hold, or who holds none). ``layout``: this
         rank's DDP bucket layouts' digest, agreed in the same barrier (``layout_same``) rather

@@ -143,10 +143,14 @@ def _straggler_watch(c: Collaborators, detector: Stragglers | None) -> Straggler
         s.events.emit(event, generation=s.generation, step=None, **fields)
 
     return StragglerWatch(
-        detector.cfg, Place(ep.rank, ep.local_rank, ep.local_world_size, s.ns), detector.meter,
-        c.straggler_store, emit, settings=s.run_dir / "straggler.yaml",
+        detector.cfg,
+        Place(ep.rank, ep.local_rank, ep.local_world_size, s.ns),
+        detector.meter,
+        c.straggler_store,
+        emit,
+        settings=s.run_dir / "straggler.yaml",
         mark=None if beats is None else lambda local_rank, detail: mark_replace(beats, local_rank, detail),
-    )  # fmt: skip
+    )
 
 
 def freeze_gc() -> None:
@@ -205,9 +209,15 @@ class BuiltinRun:
             self.loop.handover = Handover(s.rank, LiveMirror(c.shm.dir), c.replica)
         self.straggler = _straggler_watch(c, self.loop.detectors.get(Stragglers))
         self.detection = Detection(
-            s, c.coord, self.loop, self.hard_timer, running=self._running, busy=lambda: self.keeper.in_save,
-            monitor_store=c.monitor_store, listener_store=c.listener_store,
-        )  # fmt: skip
+            s,
+            c.coord,
+            self.loop,
+            self.hard_timer,
+            running=self._running,
+            busy=lambda: self.keeper.in_save,
+            monitor_store=c.monitor_store,
+            listener_store=c.listener_store,
+        )
         self.recovery = Recovery(self.loop, c.coord, self.keeper, self.detection, self.policy)
         self.pending: PendingRestore | None = None  # what the next generation restores
         self._cleanup = contextlib.ExitStack()  # what _start() set up, undone in reverse by close()
@@ -239,9 +249,14 @@ class BuiltinRun:
         if not want:
             return
         got = node_mod.link(
-            s.store, f"{s.ns}/node/{s.rank - ep.local_rank}", s.rank, ep.local_rank, ep.local_world_size,
-            self.t.barrier, coord_mod.FOREVER,
-        )  # fmt: skip
+            s.store,
+            f"{s.ns}/node/{s.rank - ep.local_rank}",
+            s.rank,
+            ep.local_rank,
+            ep.local_world_size,
+            self.t.barrier,
+            coord_mod.FOREVER,
+        )
         link = got if isinstance(got, node_mod.NodeLink) else None
         self.coord.node, self.coord.on_lost = link, self._node_lost
         s.events.emit(
@@ -261,9 +276,12 @@ class BuiltinRun:
             "rank {}: the node's store is gone ({}); the job's store alone from now on", s.rank, reason
         )
         s.events.emit(
-            Event.NODE_LINK_LOST, generation=s.generation, step=self.loop.step,
-            leader=s.rank - s.launch.endpoint.local_rank, reason=reason,
-        )  # fmt: skip
+            Event.NODE_LINK_LOST,
+            generation=s.generation,
+            step=self.loop.step,
+            leader=s.rank - s.launch.endpoint.local_rank,
+            reason=reason,
+        )
 
     def _close_session(self) -> None:
         self.loop.close()

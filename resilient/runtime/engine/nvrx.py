@@ -325,10 +325,15 @@ class NvrxRun:
         else:  # NVRx interrupted every rank before any raised: its progress timeout (a hang)
             aborted = self._aborted[1] if self._aborted[0] == gen else time.time()
             rec = FaultRecord(
-                rank=-1, generation=gen, step=self.loop.step, kind=Symptom.HANG.value,
-                severity=Severity.SOFT.value, signature="hang: NVRx soft timeout",
-                message="no rank raised: NVRx's progress timeout interrupted the ranks", ts=aborted,
-            )  # fmt: skip
+                rank=-1,
+                generation=gen,
+                step=self.loop.step,
+                kind=Symptom.HANG.value,
+                severity=Severity.SOFT.value,
+                signature="hang: NVRx soft timeout",
+                message="no rank raised: NVRx's progress timeout interrupted the ranks",
+                ts=aborted,
+            )
         self._fault = rec
         return rec
 
@@ -357,10 +362,15 @@ class NvrxRun:
         if in_collective or idle < limit:
             return None
         return FaultRecord(
-            rank=s.rank, generation=s.generation, step=self.loop.step, kind=Symptom.HANG.value,
-            severity=Severity.SOFT.value, signature="hang: no step progress", latency_s=idle,
+            rank=s.rank,
+            generation=s.generation,
+            step=self.loop.step,
+            kind=Symptom.HANG.value,
+            severity=Severity.SOFT.value,
+            signature="hang: no step progress",
+            latency_s=idle,
             message=f"no step progress for {idle:.2f}s (limit {limit:g}s); main thread at {where}",
-        )  # fmt: skip
+        )
 
     def _desync(self, store: dist.Store) -> FaultRecord | None:
         """A desync record if this rank waits in a collective its neighbour finished the step

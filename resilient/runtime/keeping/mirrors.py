@@ -135,9 +135,14 @@ class Mirrors:
                 if set(got.sources.values()) == {"shm"}:  # this rank's own snapshot, as it was
                     self._adoptable = got.step
                 step = self._apply_restored(
-                    registry, got.step, got.state, got.source, t0, world_from=got.world_from,
+                    registry,
+                    got.step,
+                    got.state,
+                    got.source,
+                    t0,
+                    world_from=got.world_from,
                     sources=got.sources,
-                )  # fmt: skip
+                )
                 return step, True
         if self.persist is None:
             return 0, False
@@ -171,9 +176,15 @@ class Mirrors:
         s.schedule.rebase(step)
         self.mirror_schedule.rebase(step)
         s.events.emit(
-            Event.STATE_RESTORED, generation=0, step=step, objects=held, source=source,
-            duration_s=time.time() - t0, world=s.world_size, **detail,
-        )  # fmt: skip
+            Event.STATE_RESTORED,
+            generation=0,
+            step=step,
+            objects=held,
+            source=source,
+            duration_s=time.time() - t0,
+            world=s.world_size,
+            **detail,
+        )
         return step
 
     def adopt_predecessor(self) -> None:
@@ -241,9 +252,14 @@ class Mirrors:
         return self.persist is not None and self.persist.preempt_requested is not None
 
     def keep(
-        self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None,
-        step_s: float | None, sums: dict[str, Leaf] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        gen: Generation,
+        nxt: int,
+        total: int | None,
+        state: dict[str, Any] | None,
+        step_s: float | None,
+        sums: dict[str, Leaf] | None = None,
+    ) -> None:
         p, registry = self.persist, gen.registry
         if p is not None and p.preempt_requested is not None:  # (kept in the ring: see stopping)
             if nxt not in self.ring.steps():  # (the signal came after the step loop asked)

@@ -265,8 +265,14 @@ class Persistence:
     def _done(self, step: int, fut: Any) -> None:
         if fut.exception() is None:  # writer thread: only record the time here
             self._write_s = time.monotonic() - self._save_started.pop(step, time.monotonic())
-            self.events.emit(Event.CHECKPOINT_DURABLE, generation=-1, step=step, write_s=self._write_s,
-                             nbytes=self.ckpt.last_nbytes, log=False)  # fmt: skip
+            self.events.emit(
+                Event.CHECKPOINT_DURABLE,
+                generation=-1,
+                step=step,
+                write_s=self._write_s,
+                nbytes=self.ckpt.last_nbytes,
+                log=False,
+            )
             if self.rank == 0 and self.cfg.flush_on_death and self.cfg.dir is not None:
                 # (rank 0's save is done once committed) a flushed snapshot older is never restored
                 with contextlib.suppress(OSError):

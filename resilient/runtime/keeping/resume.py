@@ -318,9 +318,10 @@ class _Resume:
         owners = {r: o for r in range(self.world) if (o := _owner_of(held, step, r, world_from)) is not None}
         # a rank no node holds in memory, whose agent flushed it: read back from disk by itself
         from_disk = [
-            r for r in range(self.world)
+            r
+            for r in range(self.world)
             if r not in owners and _owner_of([disk[r]], step, r, world_from) is not None
-        ]  # fmt: skip
+        ]
         orphans = [r for r in range(self.world) if r not in owners and r not in from_disk]
         moves = any(o != r for r, o in owners.items())
         if (moves or orphans) and not dist.is_initialized():

@@ -177,11 +177,17 @@ class Detection:
         now, bound = time.monotonic(), self.t.peer_report
         logger.warning("rank {}: {}", self.session.rank, wait.describe(now, bound))
         self.session.events.emit(
-            Event.PEER_WAIT, generation=generation, step=self.loop.step, peer=wait.peer, key=wait.key,
-            waited_s=round(now - wait.since, 4), cause=wait.cause(now, bound), reads=wait.reads,
+            Event.PEER_WAIT,
+            generation=generation,
+            step=self.loop.step,
+            peer=wait.peer,
+            key=wait.key,
+            waited_s=round(now - wait.since, 4),
+            cause=wait.cause(now, bound),
+            reads=wait.reads,
             slowest_request_s=round(wait.slowest_s, 4),
             request_in_flight_s=None if wait.request_since is None else round(now - wait.request_since, 4),
-        )  # fmt: skip
+        )
 
     def on_hang(self, generation: int, idle_s: float) -> None:
         where, blocked = self.main_thread_where()

@@ -186,13 +186,19 @@ class Recovery:
             since=primary.since,
         )
         lap("prepare_s")  # (last: the phases put it in the restore, docs/recovery.md#phases)
-        parts: dict[str, Any] = {"fault_step": step, "duration_s": lap.total(), **lap.laps,
-                                 **loop.prepare_parts, "source": pending.source}  # fmt: skip
+        parts: dict[str, Any] = {
+            "fault_step": step,
+            "duration_s": lap.total(),
+            **lap.laps,
+            **loop.prepare_parts,
+            "source": pending.source,
+        }
         if "live_refused" in plan:  # (why the step in flight was not enough: docs/recovery.md#live-resume)
             parts["live_refused"] = plan["live_refused"]
         cpu = time.thread_time()  # (this thread's CPU time: the phases' cost, apart from waiting)
-        s.events.emit(Event.RESTORE_AGREED, generation=gen, step=restore, cpu_s=cpu, prepare_cpu_s=cpu - cpu0,
-                      **parts)  # fmt: skip
+        s.events.emit(
+            Event.RESTORE_AGREED, generation=gen, step=restore, cpu_s=cpu, prepare_cpu_s=cpu - cpu0, **parts
+        )
         s.generation = gen + 1
         return pending
 

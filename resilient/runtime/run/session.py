@@ -162,10 +162,19 @@ class Session:
         where the main thread was, and how many collectives the group had issued."""
         where, in_collective = main_thread_where()
         self.events.emit(
-            Event.FAULT_REPORT, generation=rec.generation, step=rec.step, kind=rec.kind,
-            signature=rec.signature, message=rec.message, where=where, in_collective=in_collective,
-            collectives_issued=issued_on_default_group(), traceback=tb, stacks=stacks, log=False,
-        )  # fmt: skip
+            Event.FAULT_REPORT,
+            generation=rec.generation,
+            step=rec.step,
+            kind=rec.kind,
+            signature=rec.signature,
+            message=rec.message,
+            where=where,
+            in_collective=in_collective,
+            collectives_issued=issued_on_default_group(),
+            traceback=tb,
+            stacks=stacks,
+            log=False,
+        )
 
     def check_health(
         self, gen: int, step: int | None, store: dist.Store, tell_peers: Callable[[int, str], None]

@@ -32,8 +32,13 @@ class Cost:
             return
         self._progress_at = (now, self.steps)
         s.events.emit(
-            Event.PROGRESS, generation=s.generation, step=step, first=last is None,
+            Event.PROGRESS,
+            generation=s.generation,
+            step=step,
+            first=last is None,
             steps_completed=self.steps,
             step_s=None if last is None else (now - last[0]) / max(1, self.steps - last[1]),
-            runtime_ms_per_step=self.ms_per_step, snapshot_interval=s.schedule.interval, log=False,
-        )  # fmt: skip
+            runtime_ms_per_step=self.ms_per_step,
+            snapshot_interval=s.schedule.interval,
+            log=False,
+        )

@@ -82,9 +82,10 @@ class Handover:
         if self.mirror is None or "step" not in offer or self.since is None:
             return offer
         large = [
-            n for n, o in zip(registry.names(), registry.objects(), strict=True)
+            n
+            for n, o in zip(registry.names(), registry.objects(), strict=True)
             if isinstance(o, torch.nn.Module | torch.optim.Optimizer)
-        ]  # fmt: skip
+        ]
         return {**offer, "vouch": {"since": self.since, "prints": self._prints(large)}}
 
     def replacement_offer(self, generation: int, predecessor: int | None) -> dict[str, Any]:

@@ -29,8 +29,15 @@ class Keeper(Protocol):
         """Whether the state after ``nxt`` completed steps is kept somewhere besides the ring."""
         ...
 
-    def keep(self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None,
-             step_s: float | None, sums: dict[str, Leaf] | None = None) -> None:  # fmt: skip
+    def keep(
+        self,
+        gen: Generation,
+        nxt: int,
+        total: int | None,
+        state: dict[str, Any] | None,
+        step_s: float | None,
+        sums: dict[str, Leaf] | None = None,
+    ) -> None:
         """After each step (``state``: what was captured for the ring, if anything was; ``sums``:
         its tensor leaves' byte sums, where the replica digests took them)."""
         ...
@@ -67,8 +74,15 @@ class RingOnly:
     def due(self, nxt: int, total: int | None) -> bool:
         return False
 
-    def keep(self, gen: Generation, nxt: int, total: int | None, state: dict[str, Any] | None,
-             step_s: float | None, sums: dict[str, Leaf] | None = None) -> None:  # fmt: skip
+    def keep(
+        self,
+        gen: Generation,
+        nxt: int,
+        total: int | None,
+        state: dict[str, Any] | None,
+        step_s: float | None,
+        sums: dict[str, Leaf] | None = None,
+    ) -> None:
         return None
 
     def materialize(self, step: int) -> tuple[dict[str, Any], bool]:

@@ -150,10 +150,16 @@ class StepLoop:
         """A step check's wait that the monitor reported (``peer_wait``) is over."""
         s = self.session
         s.events.emit(
-            Event.PEER_WAIT, generation=s.generation, step=self.step, peer=wait.peer, key=wait.key,
-            waited_s=round(waited_s, 4), ended=True, reads=wait.reads,
+            Event.PEER_WAIT,
+            generation=s.generation,
+            step=self.step,
+            peer=wait.peer,
+            key=wait.key,
+            waited_s=round(waited_s, 4),
+            ended=True,
+            reads=wait.reads,
             slowest_request_s=round(wait.slowest_s, 4),
-        )  # fmt: skip
+        )
 
     def layout_digest(self) -> str:
         """DDP's bucket layouts as the generation that ended left them (offered at the recovery
@@ -340,9 +346,12 @@ class StepLoop:
         r.finish()
         self.detectors.each(lambda d: d.restored(r.step))
         self.session.events.emit(
-            Event.STATE_RESTORED, generation=self.session.generation, step=r.step,
-            snapshot_interval=self.session.schedule.interval, **r.described(self.began_at.get(r.step)),
-        )  # fmt: skip
+            Event.STATE_RESTORED,
+            generation=self.session.generation,
+            step=r.step,
+            snapshot_interval=self.session.schedule.interval,
+            **r.described(self.began_at.get(r.step)),
+        )
         self.replay.restored(r.step, r.fault_step, r.source, self.session.generation, since=r.since)
         self.gen.restore = None
         self.step = r.step

@@ -121,9 +121,16 @@ class LiveMirror:
                 return f"its predecessor's capture of step {meta['step']}: {meta['refused']}"
             parts = {k: _decode(v, f"{self.directory}: {k}") for k, v in meta["parts"].items()}
             return Mirrored(
-                int(meta["step"]), int(meta["seq"]), int(meta["generation"]), int(meta["pid"]),
-                list(meta["large"]), parts["small"], parts["buffers"], parts["groups"], _rng_in(parts["rng"]),
-            )  # fmt: skip
+                int(meta["step"]),
+                int(meta["seq"]),
+                int(meta["generation"]),
+                int(meta["pid"]),
+                list(meta["large"]),
+                parts["small"],
+                parts["buffers"],
+                parts["groups"],
+                _rng_in(parts["rng"]),
+            )
         except (CheckpointError, ValueError, KeyError, TypeError, EOFError, RecursionError) as e:
             return f"its predecessor's live capture does not parse: {type(e).__name__}: {e}"
 

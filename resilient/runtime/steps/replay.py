@@ -137,9 +137,13 @@ class ReplayCheck:
         self._abandon("another fault came before the replay reached step {fault}", generation)
         if source in self.TAKES:
             self.emit(
-                Event.REPLAY_UNCHECKED, generation=generation, step=step, restored_step=step,
-                fault_step=fault_step, why=f"resumed {source} at the faulted step: no step was replayed",
-            )  # fmt: skip
+                Event.REPLAY_UNCHECKED,
+                generation=generation,
+                step=step,
+                restored_step=step,
+                fault_step=fault_step,
+                why=f"resumed {source} at the faulted step: no step was replayed",
+            )
             return
         if fault_step is None or fault_step < step:
             return
@@ -288,10 +292,16 @@ class ReplayCheck:
         objects = {k: v[:8] + ([f"... {len(v) - 8} more"] if len(v) > 8 else []) for k, v in differ.items()}
         causes = [*self.suspects(), *CAUSES]
         self.emit(
-            Event.REPLAY_DIVERGED, generation=w.generation, step=step, restored_step=w.restored,
-            fault_step=w.fault, first_step=step, objects=objects, steps_checked=len(w.checked),
+            Event.REPLAY_DIVERGED,
+            generation=w.generation,
+            step=step,
+            restored_step=w.restored,
+            fault_step=w.fault,
+            first_step=step,
+            objects=objects,
+            steps_checked=len(w.checked),
             causes=causes,
-        )  # fmt: skip
+        )
         msg = (
             f"the replay after the fault at step {w.fault} diverged: {what} differs from the run it "
             f"replays at step {step} ({', '.join(f'{k}: {len(v)}' for k, v in differ.items())} leaves). "
@@ -303,9 +313,13 @@ class ReplayCheck:
 
     def _unchecked(self, w: _Window, why: str) -> None:
         self.emit(
-            Event.REPLAY_UNCHECKED, generation=w.generation, step=w.restored, restored_step=w.restored,
-            fault_step=w.fault, why=why,
-        )  # fmt: skip
+            Event.REPLAY_UNCHECKED,
+            generation=w.generation,
+            step=w.restored,
+            restored_step=w.restored,
+            fault_step=w.fault,
+            why=why,
+        )
 
     def _abandon(self, why: str, generation: int) -> None:
         w, self._window = self._window, None
