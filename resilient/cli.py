@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
@@ -31,6 +31,10 @@ from resilient.argtypes import positive as _positive
 from resilient.config import load_config
 from resilient.errors import ConfigError
 from resilient.events import Event, read_events
+
+if TYPE_CHECKING:
+    from resilient.checkpoint.manifest import Manifest
+    from resilient.metrics.accounting import Accounting
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -199,11 +203,7 @@ def _log_or_exit(cmd: str, path: str) -> Path | None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from resilient.metrics import account
-    from resilient.metrics.report import fault_blocks, fault_rows, untracked_rows, write_png
 
     log = _log_or_exit("report", args.path)
     if log is None:
@@ -211,69 +211,95 @@ def cmd_report(args: argparse.Namespace) -> int:
     events = read_events(log)
     acc = account(events)
     if args.json:
-        faults = [
-            {
-                **{
-                    k: getattr(i, k)
-                    for k in (
-                        "kind",
-                        "rank",
-                        "step",
-                        "mode",
-                        "detect_s",
-                        "recover_s",
-                        "steps_rerun",
-                        "noticed_by",
-                        "signature",
-                    )
-                },
-                **row,
-            }
-            for i, row in zip(acc.incidents, fault_rows(events, acc), strict=True)
-        ]
-        out = {
-            "log": str(log),
-            "wall_s": acc.wall_s,
-            "goodput": acc.goodput,
-            "steps": acc.steps,
-            "exact_steps": acc.exact_steps,
-            "seconds": acc.seconds,
-            "faults": faults,
-            "untracked": untracked_rows(events),
-        }
-        print(json.dumps(out, indent=2))
+        print(json.dumps(_report_json(log, events, acc), indent=2))
     else:
-        gp = "—" if acc.goodput is None else f"{acc.goodput:.2%}"
-        t = Table(
-            title=f"{log.parent.name}: {acc.wall_s:.1f} s, {acc.steps} steps, "
-            f"{len(acc.incidents)} faults, goodput {gp}"
+        _print_report(log, events, acc, faults=args.faults)
+    if args.png == "":
+        return 0
+    return _write_report_png(acc, log, args.png, out=sys.stderr if args.json else sys.stdout)
+
+
+# What --json gives of each fault besides its report row.
+_INCIDENT_KEYS = (
+    "kind",
+    "rank",
+    "step",
+    "mode",
+    "detect_s",
+    "recover_s",
+    "steps_rerun",
+    "noticed_by",
+    "signature",
+)
+
+
+def _report_json(log: Path, events: list[dict[str, Any]], acc: Accounting) -> dict[str, Any]:
+    """The report as one JSON object: the accounting, and each fault's incident and report row."""
+    from resilient.metrics.report import fault_rows, untracked_rows
+
+    faults = [
+        {**{k: getattr(i, k) for k in _INCIDENT_KEYS}, **row}
+        for i, row in zip(acc.incidents, fault_rows(events, acc), strict=True)
+    ]
+    return {
+        "log": str(log),
+        "wall_s": acc.wall_s,
+        "goodput": acc.goodput,
+        "steps": acc.steps,
+        "exact_steps": acc.exact_steps,
+        "seconds": acc.seconds,
+        "faults": faults,
+        "untracked": untracked_rows(events),
+    }
+
+
+def _print_report(log: Path, events: list[dict[str, Any]], acc: Accounting, faults: bool) -> None:
+    """The report as tables: wall time by cause, what each fault cost, the state a restart loses."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from resilient.metrics.report import fault_blocks, fault_rows, untracked_rows
+
+    gp = "—" if acc.goodput is None else f"{acc.goodput:.2%}"
+    t = Table(
+        title=f"{log.parent.name}: {acc.wall_s:.1f} s, {acc.steps} steps, "
+        f"{len(acc.incidents)} faults, goodput {gp}"
+    )
+    for col in ("cause", "seconds", "share"):
+        t.add_column(col, justify="right" if col != "cause" else "left")
+    for cause, sec, share in acc.table():
+        t.add_row(cause, f"{sec:.3f}", f"{share:.2%}")
+    Console().print(t)
+    if acc.incidents:
+        Console().print(_fault_table(fault_rows(events, acc)))
+    _print_untracked(untracked_rows(events))
+    if not acc.exact_steps:
+        print("steps: from progress records (events.steps: true gives every step)")
+    for block in fault_blocks(events, acc) if faults else []:
+        print(block + "\n")
+
+
+def _write_report_png(acc: Accounting, log: Path, png: str | None, out: TextIO) -> int:
+    """The report's PNG at ``png`` (None: the run directory's goodput.png). Without matplotlib,
+    only a PNG asked for by ``--png PATH`` fails the command: the default one is an extra."""
+    from resilient.metrics.report import write_png
+
+    path = Path(png) if png else log.parent / "goodput.png"
+    try:
+        write_png(acc, path, title=log.parent.name)
+    except ImportError:
+        if png is None:
+            print("no goodput.png: the plot needs matplotlib (pip install 'resilient[metrics]')", file=out)
+            return 0
+        print(
+            "resilient report: no PNG: matplotlib is not installed (pip install 'resilient[metrics]')",
+            file=sys.stderr,
         )
-        for col in ("cause", "seconds", "share"):
-            t.add_column(col, justify="right" if col != "cause" else "left")
-        for cause, sec, share in acc.table():
-            t.add_row(cause, f"{sec:.3f}", f"{share:.2%}")
-        Console().print(t)
-        if acc.incidents:
-            Console().print(_fault_table(fault_rows(events, acc)))
-        _print_untracked(untracked_rows(events))
-        if not acc.exact_steps:
-            print("steps: from progress records (events.steps: true gives every step)")
-        for block in fault_blocks(events, acc) if args.faults else []:
-            print(block + "\n")
-    png = Path(args.png) if args.png else log.parent / "goodput.png"
-    if args.png != "":
-        try:
-            write_png(acc, png, title=log.parent.name)
-        except ImportError:
-            print(
-                "resilient report: no PNG: matplotlib is not installed (pip install 'resilient[metrics]')",
-                file=sys.stderr,
-            )
-            return 1
-        except OSError as e:
-            print(f"resilient report: cannot write {png}: {e.strerror or e}", file=sys.stderr)
-            return 1
-        print(f"wrote {png}", file=sys.stderr if args.json else sys.stdout)
+        return 1
+    except OSError as e:
+        print(f"resilient report: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}", file=out)
     return 0
 
 
@@ -361,9 +387,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from resilient.checkpoint.manifest import MANIFEST, read_manifest, step_name, tmp_dirs
-    from resilient.checkpoint.reader import verify_file
-    from resilient.errors import CheckpointError
+    from resilient.checkpoint.manifest import tmp_dirs
 
     root = Path(args.path)
     if not root.is_dir():
@@ -372,67 +396,78 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     t = Table(title=f"checkpoints in {root}")
     for col in ("directory", "world", "files", "own bytes", "sharded", "created", "verified"):
         t.add_column(col)
-    bad = 0
     why: list[str] = []  # each entry that is not a valid checkpoint, in full under the table
-
-    def reject(name: str, reason: str, *cells: str) -> None:
-        nonlocal bad
-        t.add_row(name, *(cells or ("",) * 5), "✗ (below)")
-        why.append(f"{name}: {reason}")
-        bad += 1
-
     uncommitted = {path.name for _step, _token, path in tmp_dirs(root)}
     for entry in sorted(p for p in root.iterdir() if p.name.startswith("step-")):
-        name = entry.name
-        if name in uncommitted:
-            t.add_row(
-                name, "", "", "", "", "", "uncommitted: a save in progress, or left by a writer that died"
-            )
-            continue
-        if ".rejected-" in name:
-            t.add_row(name, "", "", "", "", "", "quarantined: it failed verification at a load")
-            continue
-        try:
-            step = int(name.removeprefix("step-"))
-        except ValueError:
-            step = -1
-        if not entry.is_dir() or step < 0 or name != step_name(step):
-            reject(name, "not a checkpoint directory name: resume ignores it")
-            continue
-        try:
-            m = read_manifest(entry / MANIFEST)
-            if m.step != step:
-                raise CheckpointError(f"{entry / MANIFEST}: says step {m.step}")
-        except CheckpointError as e:
-            reject(name, str(e), "?", "?", "?", "?", "?")
-            continue
-        own = sum(f.size for f in m.files() if f.path.startswith(name + "/"))
-        verdict = "—"
-        if args.verify:
-            try:
-                for f in m.files():
-                    verify_file(root, f)
-                verdict = "✓"
-            except CheckpointError as e:
-                verdict, bad = "✗ (below)", bad + 1
-                why.append(f"{name}: {e}")
-        try:
-            created = datetime.datetime.fromtimestamp(m.created).isoformat(timespec="seconds")
-        except (OverflowError, ValueError, OSError):
-            created = f"? ({m.created!r})"
-        t.add_row(
-            name,
-            str(m.world_size),
-            str(len(m.files())),
-            f"{own:,}",
-            "yes" if m.sharded_files() else "no",
-            created,
-            verdict,
-        )
+        cells, reason = _checkpoint_row(root, entry, uncommitted, verify=args.verify)
+        t.add_row(entry.name, *cells)
+        if reason is not None:
+            why.append(f"{entry.name}: {reason}")
     Console(width=160).print(t)
     for line in why:
         print(line)
-    return 1 if bad else 0
+    return 1 if why else 0
+
+
+_REJECTED = "✗ (below)"  # the verdict cell of an entry whose reason follows the table
+
+
+def _checkpoint_row(
+    root: Path, entry: Path, uncommitted: set[str], verify: bool
+) -> tuple[list[str], str | None]:
+    """One ``step-*`` entry's cells after its name, and why it is not a valid checkpoint (None: it
+    is, or it is a save in progress or a quarantined one, which its verdict cell says)."""
+    from resilient.checkpoint.manifest import MANIFEST, read_manifest, step_name
+    from resilient.errors import CheckpointError
+
+    name = entry.name
+    if name in uncommitted:
+        return [""] * 5 + ["uncommitted: a save in progress, or left by a writer that died"], None
+    if ".rejected-" in name:
+        return [""] * 5 + ["quarantined: it failed verification at a load"], None
+    try:
+        step = int(name.removeprefix("step-"))
+    except ValueError:
+        step = -1
+    if not entry.is_dir() or step < 0 or name != step_name(step):
+        return [""] * 5 + [_REJECTED], "not a checkpoint directory name: resume ignores it"
+    try:
+        m = read_manifest(entry / MANIFEST)
+        if m.step != step:
+            raise CheckpointError(f"{entry / MANIFEST}: says step {m.step}")
+    except CheckpointError as e:
+        return ["?"] * 5 + [_REJECTED], str(e)
+    verdict, reason = _verify_checkpoint(root, m) if verify else ("—", None)
+    own = sum(f.size for f in m.files() if f.path.startswith(name + "/"))
+    return [
+        str(m.world_size),
+        str(len(m.files())),
+        f"{own:,}",
+        "yes" if m.sharded_files() else "no",
+        _created(m.created),
+        verdict,
+    ], reason
+
+
+def _verify_checkpoint(root: Path, m: Manifest) -> tuple[str, str | None]:
+    """Every file of ``m`` against its size and xxh3: the verdict cell, and the first mismatch."""
+    from resilient.checkpoint.reader import verify_file
+    from resilient.errors import CheckpointError
+
+    try:
+        for f in m.files():
+            verify_file(root, f)
+    except CheckpointError as e:
+        return _REJECTED, str(e)
+    return "✓", None
+
+
+def _created(stamp: float) -> str:
+    """A manifest's creation time, or the raw value where it is no time this machine can show."""
+    try:
+        return datetime.datetime.fromtimestamp(stamp).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):
+        return f"? ({stamp!r})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -314,6 +315,22 @@ def test_report_to_an_unwritable_path_says_so(tmp_path: Path, capsys: pytest.Cap
     assert cli(["report", str(tmp_path / "runs"), "--png", str(bad)]) == 1
     err = capsys.readouterr().err
     assert f"cannot write {bad}" in err and "Traceback" not in err
+
+
+def test_report_without_matplotlib_fails_only_where_a_png_was_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = write_log(tmp_path, in_process_run())
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (an import of it raises ImportError)
+    assert cli(["report", str(log.parent)]) == 0
+    out = capsys.readouterr().out
+    assert "goodput" in out and "pip install 'resilient[metrics]'" in out
+    assert not (log.parent / "goodput.png").exists()
+    assert cli(["report", str(log.parent), "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["goodput"] is not None and "resilient[metrics]" in got.err
+    assert cli(["report", str(log.parent), "--png", str(tmp_path / "g.png")]) == 1
+    assert "matplotlib is not installed" in capsys.readouterr().err
 
 
 def test_report_and_status_name_a_missing_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
