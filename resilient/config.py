@@ -323,6 +323,11 @@ class Timeouts:
             peer_report=min(1.0, 0.25 * hang),
         )
 
+    def progress_limit(self, stepped: bool) -> float:
+        """How long a rank may go without completing a step: ``startup`` until its generation's
+        first step completed (``stepped``), ``hang`` after."""
+        return self.hang if stepped else self.startup
+
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from resilient.errors import CoordinationError, PeerAborted, SetupFailed, StateRestoreError
-from resilient.runtime.coordination.agreement import plan_step
+from resilient.runtime.coordination.agreement import RestorePlan
 from resilient.runtime.coordination.coordinator import Coordinator, Endpoint, agree_run_id, endpoint_from_env
 from resilient.runtime.faults.records import FaultRecord
 
@@ -116,7 +116,7 @@ def test_recovery_barrier_returns_the_step_every_rank_holds_read_once():
     steps = [[12, 11], [12, 11], [12, 10], [11, 12]]
     run = Concurrently.each(c, lambda co: co.recovery_barrier(0, steps[co.rank])).join()
     assert run.errors == [None] * 4
-    assert run.results == [{"step": 12, "empty": []}] * 4
+    assert run.results == [RestorePlan(step=12, empty=[])] * 4
     # the last to arrive read every payload, once; the others read only the release key
     assert store.calls["multi_get"] == 1 and store.keys_read == 4
 
@@ -130,7 +130,7 @@ def test_recovery_barrier_returns_the_step_every_rank_holds_read_once():
 )
 def test_every_rank_raises_the_same_error_from_the_plan(steps: list[list[int]], error: type, match: str):
     c = ranks(3)
-    run = Concurrently.each(c, lambda co: plan_step(co.recovery_barrier(0, steps[co.rank]))).join()
+    run = Concurrently.each(c, lambda co: co.recovery_barrier(0, steps[co.rank]).restore_step()).join()
     for e in run.errors:
         assert isinstance(e, error) and re.search(match, str(e)), e
 
@@ -186,7 +186,7 @@ def test_finish_barrier_false_when_a_fault_was_posted():
     assert run.results == [False, False]
     # all three then meet in the recovery barrier of the same generation
     rec = Concurrently.each(c, lambda co: co.recovery_barrier(2, [co.rank])).join()
-    assert rec.results == [{"step": None, "empty": [], "held": [[0], [1], [2]]}] * 3
+    assert rec.results == [RestorePlan(step=None, empty=[], held=[[0], [1], [2]])] * 3
 
 
 def test_finish_barrier_times_out():
@@ -267,11 +267,11 @@ def test_ddp_layouts_are_agreed_in_the_recovery_barrier_not_in_a_second_one() ->
     def post(steps: list[int], layout: str) -> str:
         return json.dumps({"steps": steps, "layout": layout})
 
-    same = json.loads(restore_plan([post([8, 4], "a"), post([8, 4], "a")]))
-    assert same == {"step": 8, "empty": [], "layout_same": True}
-    differ = json.loads(restore_plan([post([8, 4], "a"), post([4], "b")]))
-    assert differ["step"] == 4 and differ["layout_same"] is False
-    assert "layout_same" not in json.loads(restore_plan(["[8, 4]", "[8]"]))  # (lists: as before)
+    same = RestorePlan.parse(restore_plan([post([8, 4], "a"), post([8, 4], "a")]))
+    assert same == RestorePlan(step=8, empty=[], layout_same=True)
+    differ = RestorePlan.parse(restore_plan([post([8, 4], "a"), post([4], "b")]))
+    assert differ.step == 4 and differ.layout_same is False
+    assert RestorePlan.parse(restore_plan(["[8, 4]", "[8]"])).layout_same is None  # (lists: as before)
     asked: list[str] = []
 
     def fallback(name: str, value: str, timeout: float) -> bool:

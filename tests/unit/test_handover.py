@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resilient.runtime.coordination.agreement import restore_plan
+from resilient.runtime.coordination.agreement import RestorePlan, restore_plan
 from resilient.runtime.keeping.resume import StoreReplica
 from resilient.runtime.steps.handover import FromPeer, Handover
 from resilient.runtime.steps.live import LiveResume, _Capture, _Kept, _Later
@@ -143,8 +143,10 @@ def _joining(store: dist.Store, dead: Registry, where: Path, max_bytes: int = 64
     return Handover(1, mirror, replica)
 
 
-def _plan(offers: list[Any]) -> dict[str, Any]:
-    return json.loads(restore_plan([json.dumps({"steps": [4], "layout": None, "live": o}) for o in offers]))
+def _plan(offers: list[Any]) -> RestorePlan:
+    return RestorePlan.parse(
+        restore_plan([json.dumps({"steps": [4], "layout": None, "live": o}) for o in offers])
+    )
 
 
 def test_a_replacement_takes_a_survivor_whose_posted_fingerprints_equal_its_predecessors(
@@ -159,7 +161,7 @@ def test_a_replacement_takes_a_survivor_whose_posted_fingerprints_equal_its_pred
         joined = joining.replacement_offer(2, os.getpid())
         assert set(joined["mirrored"]["prints"]) == {"4", "6"}, joined
         plan = _plan([offer, joined])
-        assert plan["live"] == 6 and plan["live_donors"] == {"1": 0}, plan
+        assert plan.live == 6 and plan.live_donors == {"1": 0}, plan
     # what the replacement loads: the donor's model and optimizer under its own buffers, its RNG
     state = joining.replacement_state(0)
     assert isinstance(state["model"], FromPeer) and state["model"].donor == 0
@@ -180,7 +182,7 @@ def test_no_donor_where_the_copies_are_not_shown_to_be_replicas(tmp_path: Path) 
         offer = _survivor(store, survivor, since=since)
         joining = _joining(store, dead, tmp_path)
         plan = _plan([offer, joining.replacement_offer(2, None)])
-        assert plan["live"] is None and "not a replica" in plan["live_refused"]["1"], plan
+        assert plan.live is None and "not a replica" in plan.live_refused["1"], plan
     # a capture of another generation, or by another process, is not the predecessor's last
     assert "generation 2, not 3" in joining.replacement_offer(3, None)["why"]
     assert "not 1" in joining.replacement_offer(2, 1)["why"]

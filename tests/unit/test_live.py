@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from resilient.runtime.context import Context
-from resilient.runtime.coordination.agreement import restore_plan
+from resilient.runtime.coordination.agreement import RestorePlan, restore_plan
 from resilient.runtime.steps.live import LiveResume
 from resilient.runtime.steps.loop import StepLoop
 from resilient.state.registry import Registry
@@ -177,27 +177,27 @@ def test_a_fault_that_casts_doubt_on_the_state_never_resumes_live() -> None:
     assert "replaced" in live.offer("exception", registry)["why"]
 
 
-def _plan(*offers: Any, steps: list[int] | None = None) -> dict[str, Any]:
+def _plan(*offers: Any, steps: list[int] | None = None) -> RestorePlan:
     payloads = [json.dumps({"steps": steps or [4], "layout": None, "live": o}) for o in offers]
-    return json.loads(restore_plan(payloads))
+    return RestorePlan.parse(restore_plan(payloads))
 
 
 def test_the_barrier_resumes_live_only_when_every_rank_vouches_for_one_step_after_the_same_collectives() -> (
     None
 ):
-    assert _plan({"step": 6, "seq": 10}, {"step": 6, "seq": 10})["live"] == 6
+    assert _plan({"step": 6, "seq": 10}, {"step": 6, "seq": 10}).live == 6
     refused = _plan({"step": 6, "seq": 10}, {"why": "an optimizer step ran after step 6 began"})
-    assert refused["live"] is None and refused["step"] == 4
-    assert refused["live_refused"] == {"1": "an optimizer step ran after step 6 began"}
+    assert refused.live is None and refused.step == 4
+    assert refused.live_refused == {"1": "an optimizer step ran after step 6 began"}
     ahead = _plan({"step": 6, "seq": 10}, {"step": 7, "seq": 12})  # rank 1 completed step 6
-    assert ahead["live"] is None and ahead["live_refused"] == {"0": "at step 6", "1": "at step 7"}
+    assert ahead.live is None and ahead.live_refused == {"0": "at step 6", "1": "at step 7"}
     desync = _plan({"step": 6, "seq": 10}, {"step": 6, "seq": 11})
-    assert desync["live"] is None and "11 collectives" in desync["live_refused"]["1"]
+    assert desync.live is None and "11 collectives" in desync.live_refused["1"]
     # a rank that posts no offer (an older payload: steps alone) makes the plan fall back
-    mixed = json.loads(
+    mixed = RestorePlan.parse(
         restore_plan([json.dumps([4]), json.dumps({"steps": [4], "live": {"step": 6, "seq": 1}})])
     )
-    assert mixed["live"] is None and mixed["step"] == 4 and "0" in mixed["live_refused"]
+    assert mixed.live is None and mixed.step == 4 and "0" in mixed.live_refused
 
 
 def _closure_train(fault: int | None) -> Any:

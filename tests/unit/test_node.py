@@ -21,6 +21,7 @@ from resilient.detectors import collectives as fingerprint
 from resilient.detectors.collectives import CollectiveCount, CollectiveDesync
 from resilient.errors import PeerAborted
 from resilient.runtime.coordination import node as node_mod
+from resilient.runtime.coordination.agreement import RestorePlan
 from resilient.runtime.coordination.coordinator import Coordinator
 from tests.unit.test_coordinator import NS, Concurrently, Counting, record
 
@@ -70,7 +71,7 @@ def test_a_barrier_reaches_the_job_store_once_per_node(job: dist.Store) -> None:
     steps = [[12, 11], [12, 11], [12, 10], [11, 12]]
     run = Concurrently.each(c, lambda co: co.recovery_barrier(0, steps[co.rank])).join()
     assert run.errors == [None] * WORLD
-    assert run.results == [{"step": 12, "empty": []}] * WORLD
+    assert run.results == [RestorePlan(step=12, empty=[])] * WORLD
     # one rank per node (its last to arrive) carried the node's block; the others asked nothing
     talked = [co.rank for co in c if job_requests(co)]
     assert len(talked) == 2 and {r // LOCAL for r in talked} == {0, 1}, talked

@@ -435,15 +435,14 @@ def test_a_malformed_barrier_payload_fails_every_rank_alike_naming_it() -> None:
     import torch.distributed as dist
 
     from resilient.errors import CoordinationError
-    from resilient.runtime.coordination.agreement import plan_step
-    from resilient.runtime.coordination.coordinator import restore_plan
+    from resilient.runtime.coordination.agreement import RestorePlan, restore_plan
     from tests.unit.test_coordinator import Concurrently, ranks
 
     c = ranks(3, store=dist.HashStore())
     payloads = ["[4, 3]", '{"x": 1}', "[4, 3]"]  # rank 1's snapshot list is not a list of steps
 
     def recover(co: Any) -> int:
-        return plan_step(json.loads(co._barrier(0, "recover", payloads[co.rank], restore_plan)))
+        return RestorePlan.parse(co._barrier(0, "recover", payloads[co.rank], restore_plan)).restore_step()
 
     run = Concurrently(*[lambda co=co: recover(co) for co in c]).join()
     for e in run.errors:

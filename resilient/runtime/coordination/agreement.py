@@ -1,12 +1,13 @@
-"""What the ranks agree on, reduced once from every rank's payload: the step a recovery restores
-(the newest snapshot step every rank holds), the outcome of a vote, whether every rank holds the
-same value. Pure functions of the payloads, plus :func:`all_hold`, the flat count on the store
-that needs no barrier (the runtime's start-up check, before the coordinator exists)."""
+"""What the ranks agree on, reduced once from every rank's payload: the restore a recovery resumes
+from (:class:`RestorePlan`), the outcome of a vote, whether every rank holds the same value. Pure
+functions of the payloads, plus :func:`all_hold`, the flat count on the store that needs no barrier
+(the runtime's start-up check, before the coordinator exists)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -16,12 +17,58 @@ from resilient.errors import CoordinationError, SetupFailed, StateRestoreError
 from resilient.runtime.faults.records import FaultRecord
 
 
+@dataclass(frozen=True)
+class RestorePlan:
+    """The recovery barrier's verdict: reduced once from every rank's payload (:func:`restore_plan`)
+    and read by every rank alike, so that every rank restores the same step or raises the same
+    error (:meth:`restore_step`)."""
+
+    step: int | None = None  # the newest snapshot step every rank holds
+    empty: list[int] = field(default_factory=list)  # ranks holding none: failed before their first step
+    malformed: list[int] = field(default_factory=list)  # ranks whose payload is no list of steps
+    held: list[list[int]] | None = None  # every rank's steps, where no step is common (the error names them)
+    layout_same: bool | None = None  # every rank's DDP bucket layouts alike (None: none posted)
+    live: int | None = None  # the step every rank vouched for in its live state (runtime/steps/live.py)
+    live_refused: dict[str, str] | None = None  # why not, by rank ("all": for every rank)
+    live_donors: dict[str, int] | None = None  # a replacement's rank -> the survivor it takes its state from
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
+
+    @classmethod
+    def parse(cls, raw: str | bytes) -> RestorePlan:
+        return cls(**json.loads(raw))
+
+    def snapshot_step(self, primary: FaultRecord | None = None) -> int:
+        """The snapshot step every rank holds, or the error every rank raises alike (``primary``:
+        the fault, named when the rank that holds nothing is its origin)."""
+        if self.malformed:
+            raise CoordinationError(
+                f"ranks {self.malformed} posted malformed snapshot lists to the recovery barrier"
+            )
+        if self.empty:  # (a peer pulled out before its own first step holds none either: the fault names who)
+            if primary is not None and primary.rank in self.empty:
+                raise SetupFailed(
+                    f"rank {primary.rank} failed before the first step: {primary.message}", self.empty
+                )
+            raise SetupFailed(
+                f"ranks {self.empty} hold no snapshot: they failed before the first step", self.empty
+            )
+        if self.step is None:
+            raise StateRestoreError(f"no snapshot step held by every rank: {self.held}")
+        return self.step
+
+    def restore_step(self, primary: FaultRecord | None = None) -> int:
+        """The step the next generation resumes at: the live one every rank vouched for, else
+        :meth:`snapshot_step`."""
+        return self.live if self.live is not None else self.snapshot_step(primary)
+
+
 def restore_plan(payloads: list[str]) -> str:
-    """The recovery barrier's reduction: the newest snapshot step every rank holds (``step``),
-    the ranks that hold none (``empty``), and every rank's steps only when there is no common one
-    (the error names them). A payload is a list of steps, or ``{"steps": [...], "layout": digest}``:
-    then ``layout_same`` says whether every rank's DDP bucket layouts are the same; with a
-    ``"live"`` offer, :func:`live_plan` says whether they resume from the live state."""
+    """The recovery barrier's reduction, a :class:`RestorePlan` as JSON. A payload is a list of
+    steps, or ``{"steps": [...], "layout": digest}``: then ``layout_same`` says whether every
+    rank's DDP bucket layouts are the same; with a ``"live"`` offer, :func:`live_plan` says whether
+    they resume from the live state."""
     held: list[list[int]] = []
     layouts: list[object] = []
     lives: list[Any] = []
@@ -40,7 +87,7 @@ def restore_plan(payloads: list[str]) -> str:
             steps = []
         held.append(steps)
     if malformed:
-        return json.dumps({"step": None, "empty": [], "malformed": malformed})
+        return RestorePlan(malformed=malformed).to_json()
     empty = [r for r, s in enumerate(held) if not s]
     common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
     plan: dict[str, Any] = {"step": max(common) if common else None, "empty": empty}
@@ -50,7 +97,7 @@ def restore_plan(payloads: list[str]) -> str:
         plan["layout_same"] = len(layouts) == len(payloads) and len({json.dumps(v) for v in layouts}) == 1
     if any(lv is not None for lv in lives):
         plan.update(live_plan(lives, plan["step"]))
-    return json.dumps(plan)
+    return RestorePlan(**plan).to_json()
 
 
 def live_plan(offers: list[Any], ring_step: int | None) -> dict[str, Any]:
@@ -113,26 +160,11 @@ REDUCE: dict[str, Callable[[list[str]], str]] = {
 }
 
 
-def plan_step(plan: dict[str, Any], primary: FaultRecord | None = None) -> int:
-    """The step of a recovery barrier's :func:`restore_plan`, or the error every rank raises alike."""
-    if plan.get("malformed"):
-        raise CoordinationError(
-            f"ranks {plan['malformed']} posted malformed snapshot lists to the recovery barrier"
-        )
-    empty = plan["empty"]
-    if empty:  # (a peer pulled out before its own first step holds none either: the fault names who)
-        if primary is not None and primary.rank in empty:
-            raise SetupFailed(f"rank {primary.rank} failed before the first step: {primary.message}", empty)
-        raise SetupFailed(f"ranks {empty} hold no snapshot: they failed before the first step", empty)
-    if plan["step"] is None:
-        raise StateRestoreError(f"no snapshot step held by every rank: {plan.get('held')}")
-    return int(plan["step"])
-
-
 def common_restore_step(steps_by_rank: Sequence[Sequence[int]], primary: FaultRecord | None = None) -> int:
     """The newest snapshot step every rank holds. A rank holding none failed before its first
     step: :class:`SetupFailed`, naming it (and the fault, when it is that rank's)."""
-    return plan_step(json.loads(restore_plan([json.dumps(list(s)) for s in steps_by_rank])), primary)
+    plan = RestorePlan.parse(restore_plan([json.dumps(list(s)) for s in steps_by_rank]))
+    return plan.snapshot_step(primary)
 
 
 def all_hold(store: dist.Store, base: str, world_size: int, value: str, timeout: float) -> bool:

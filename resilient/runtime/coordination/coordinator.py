@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from resilient.errors import CoordinationError, PeerAborted
 from resilient.launch_env import Endpoint, LaunchEnv
-from resilient.runtime.coordination.agreement import REDUCE, restore_plan
+from resilient.runtime.coordination.agreement import REDUCE, RestorePlan, restore_plan
 from resilient.runtime.coordination.node import NodeLink, NodeLinkLost
 from resilient.runtime.faults.records import FaultRecord
 
@@ -372,8 +372,8 @@ class Coordinator:
         snapshot_steps: list[int],
         layout: str | None = None,
         live: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """Wait until every rank left generation ``generation``; return :func:`restore_plan` of
+    ) -> RestorePlan:
+        """Wait until every rank left generation ``generation``; return the :class:`RestorePlan` of
         every rank's snapshot steps (the newest step all hold, or who holds none). ``layout``: this
         rank's DDP bucket layouts' digest, agreed in the same barrier (``layout_same``) rather
         than in a second one; ``live``: this rank's live-resume offer (the plan's ``live``)."""
@@ -383,7 +383,7 @@ class Coordinator:
             if live is not None:
                 posted["live"] = live
         payload = json.dumps(posted)
-        return dict(json.loads(self._barrier(generation, "recover", payload, restore_plan)))
+        return RestorePlan.parse(self._barrier(generation, "recover", payload, restore_plan))
 
     def abort_generation(self, generation: int, reason: str) -> None:
         """Tell every rank waiting in this generation's barriers that it cannot form."""

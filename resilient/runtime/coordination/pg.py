@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -134,6 +135,54 @@ class Group:
             except Exception as e:
                 logger.warning("destroy_process_group failed after abort: {}", e)
         p2p.accept()  # (the aborted group's ops are gone with it)
+
+
+class GroupOwner:
+    """The one owner of the generation's process group: it builds it, aborts it (from any thread:
+    a listener, the monitor, an engine's abort hook) and ends it; everything else asks it. After an
+    abort the group refuses new point-to-point work (:meth:`Group.abort`) until the next is built."""
+
+    def __init__(self, build: Callable[[int], Group]) -> None:
+        self._build = build
+        self._group: Group | None = None
+
+    @property
+    def current(self) -> Group | None:
+        return self._group
+
+    def build(self, generation: int) -> None:
+        """``generation``'s group; one that fails to build leaves none."""
+        self._group = None
+        self._group = self._build(generation)
+
+    def abort(self, generation: int | None = None) -> int:
+        """(any thread) Every pending collective of ``generation``'s group (the current one:
+        ``None``) fails now, here and on the peers; an older generation's abort does nothing.
+        The connections shut down (gloo), 1 (NCCL), or 0 (none, or aborted already)."""
+        group = self._group  # (the main thread may end it concurrently)
+        if group is None or (generation is not None and group.generation != generation):
+            return 0
+        return group.abort()
+
+    def end(self) -> int:
+        """(the main thread, after it left every collective) Aborted, destroyed and gone: what the
+        abort shut down, or 0."""
+        group, self._group = self._group, None
+        if group is None:  # (never built, or a finished engine's)
+            return 0
+        n = group.abort()
+        group.destroy()
+        return n
+
+    def close(self) -> None:
+        """The run finished: destroyed without an abort (every rank left every collective)."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.destroy(abort=False)
+
+    def forget(self) -> None:
+        """Destroyed by someone else (NVRx's abort): only the reference goes."""
+        self._group = None
 
 
 _current: Group | None = None  # the generation's group: process groups created meanwhile are its too

@@ -45,6 +45,7 @@ from resilient.errors import (
 from resilient.events import Event
 from resilient.runtime.coordination import coordinator as coord_mod
 from resilient.runtime.coordination import node as node_mod
+from resilient.runtime.coordination.pg import GroupOwner
 from resilient.runtime.engine.warmup import first_use_imports
 from resilient.runtime.keeping import resume
 from resilient.runtime.keeping.mirrors import Mirrors, ring_share
@@ -204,7 +205,16 @@ class BuiltinRun:
         self.keeper = Mirrors(
             s, self.ring, c.coord, persist=c.persist, shm=c.shm, replica=c.replica, arm=self.hard_timer.arm
         )
-        self.loop = StepLoop(s, self.keeper, self.ring, liveness=self._stepped, count_via=c.coord, live=True)
+        self.groups = GroupOwner(lambda generation: s.wiring.build_group(generation, s.ns))
+        self.loop = StepLoop(
+            s,
+            self.keeper,
+            self.ring,
+            liveness=self._stepped,
+            count_via=c.coord,
+            live=True,
+            groups=self.groups,
+        )
         if c.shm is not None and c.replica is not None and s.world_size > 1:  # (handover.py)
             self.loop.handover = Handover(s.rank, LiveMirror(c.shm.dir), c.replica)
         self.straggler = _straggler_watch(c, self.loop.detectors.get(Stragglers))
@@ -212,13 +222,22 @@ class BuiltinRun:
             s,
             c.coord,
             self.loop,
+            self.groups,
             self.hard_timer,
             running=self._running,
             busy=lambda: self.keeper.in_save,
             monitor_store=c.monitor_store,
             listener_store=c.listener_store,
         )
-        self.recovery = Recovery(self.loop, c.coord, self.keeper, self.detection, self.policy)
+        self.recovery = Recovery(
+            self.loop,
+            c.coord,
+            self.keeper,
+            self.detection,
+            self.policy,
+            groups=self.groups,
+            detectors=self.loop.detectors,
+        )
         self.pending: PendingRestore | None = None  # what the next generation restores
         self._cleanup = contextlib.ExitStack()  # what _start() set up, undone in reverse by close()
 

@@ -47,7 +47,6 @@ from loguru import logger
 
 from resilient.config import Config
 from resilient.contract import die_with_launcher
-from resilient.detectors.collectives import DESYNC
 from resilient.errors import ConfigError, ResilienceError, RestartBudgetExhausted, SetupFailed
 from resilient.events import Event
 from resilient.runtime.coordination import pg
@@ -123,7 +122,8 @@ class NvrxRun:
         self.session = s = session
         self.t = s.t
         self.ring = SnapshotRing()
-        self.loop = StepLoop(s, RingOnly(self.ring), self.ring, liveness=self._ping)
+        self.groups = pg.GroupOwner(lambda generation: s.wiring.build_group(generation, s.ns))
+        self.loop = StepLoop(s, RingOnly(self.ring), self.ring, liveness=self._ping, groups=self.groups)
         self.policy = RestartPolicy(s.cfg.restart)
         self.monitor_store = monitor_store
         self.nvrx_port = -1  # NVRx's own store, hosted by rank 0 (see _nvrx_store_port)
@@ -167,9 +167,7 @@ class NvrxRun:
             def __call__(self, state: Any) -> Any:
                 rt._aborted = (rt.session.generation, time.time())
                 rt._post_diagnosis()  # before the group is gone: it reads the group's sequence number
-                group = rt.loop.gen.group
-                if group is not None:
-                    group.abort()
+                rt.groups.abort()
                 rt._nudge()
                 return state
 
@@ -307,7 +305,7 @@ class NvrxRun:
             raise
         finally:
             self._in_fn = None
-            loop.gen.group = None  # NVRx's abort destroyed it (or it finished); the next gc frees it
+            self.groups.forget()  # NVRx's abort destroyed it (or it finished); the next gc frees it
 
     def _previous_fault(self, gen: int) -> FaultRecord:
         """The first fault any rank posted for iteration ``gen``; a hang posts none (NVRx's soft
@@ -357,19 +355,12 @@ class NvrxRun:
     def _own_hang(self) -> FaultRecord | None:
         s, gen = self.session, self.loop.gen
         idle = s.clock() - gen.progress
-        limit = self.t.hang if gen.stepped else self.t.startup
+        limit = self.t.progress_limit(gen.stepped)
         where, in_collective = main_thread_where()
         if in_collective or idle < limit:
             return None
-        return FaultRecord(
-            rank=s.rank,
-            generation=s.generation,
-            step=self.loop.step,
-            kind=Symptom.HANG.value,
-            severity=Severity.SOFT.value,
-            signature="hang: no step progress",
-            latency_s=idle,
-            message=f"no step progress for {idle:.2f}s (limit {limit:g}s); main thread at {where}",
+        return FaultRecord.hang(
+            rank=s.rank, generation=s.generation, step=self.loop.step, idle_s=idle, limit_s=limit, where=where
         )
 
     def _desync(self, store: dist.Store) -> FaultRecord | None:
@@ -385,15 +376,8 @@ class NvrxRun:
             return None
         if why is None:
             return None
-        return FaultRecord(
-            rank=s.rank,
-            generation=s.generation,
-            step=count.step,
-            kind=DESYNC,
-            severity=Severity.SOFT.value,
-            signature="desync: collective count",
-            message=why,
-            since=count.window_start,
+        return FaultRecord.desync(
+            rank=s.rank, generation=s.generation, step=count.step, message=why, since=count.window_start
         )
 
     def _restore_agreed(self, it: int, t0: float) -> None:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from resilient.detectors import REGISTRY as DETECTORS
-from resilient.detectors.collectives import DESYNC
+from resilient.detectors.collectives import DESYNC, CollectiveDesync
 from resilient.errors import ResilienceError, StepInterrupted
 
 
@@ -176,6 +176,47 @@ class FaultRecord:
             signature=signature(kind, decisive(exc)),
             message=f"{type(exc).__name__}: {str(exc)[:500]}" + _cause(exc),
             since=_window_start(decisive(exc)),
+        )
+
+    @classmethod
+    def hang(
+        cls, *, rank: int, generation: int, step: int | None, idle_s: float, limit_s: float, where: str
+    ) -> FaultRecord:
+        """A rank that completed no step for ``limit_s`` (the monitor's, or NVRx's soft timeout's)."""
+        return cls(
+            rank=rank,
+            generation=generation,
+            step=step,
+            kind=Symptom.HANG.value,
+            severity=Severity.SOFT.value,
+            signature="hang: no step progress",
+            message=f"no step progress for {idle_s:.2f}s (limit {limit_s:g}s); main thread at {where}",
+            latency_s=idle_s,
+        )
+
+    @classmethod
+    def desync(
+        cls,
+        *,
+        rank: int,
+        generation: int,
+        step: int | None,
+        message: str,
+        since: int | None,
+        idle_s: float = 0.0,
+    ) -> FaultRecord:
+        """A rank waiting in a collective its neighbour's step lacked (the collective count's
+        diagnosis); ``since``: the count window's first step."""
+        return cls(
+            rank=rank,
+            generation=generation,
+            step=step,
+            kind=DESYNC,
+            severity=Severity.SOFT.value,
+            signature=CollectiveDesync.signature_text,
+            message=message,
+            latency_s=idle_s,
+            since=since,
         )
 
     def to_json(self) -> str:

@@ -26,10 +26,11 @@ from collections.abc import Callable
 import torch.distributed as dist
 from loguru import logger
 
-from resilient.detectors.collectives import DESYNC, CollectiveDesync, PeerWait
+from resilient.detectors.collectives import PeerWait
 from resilient.events import Event
 from resilient.runtime.coordination.coordinator import Coordinator
-from resilient.runtime.faults.records import FaultRecord, Severity, Symptom
+from resilient.runtime.coordination.pg import GroupOwner
+from resilient.runtime.faults.records import FaultRecord, Symptom
 from resilient.runtime.faults.stacks import all_stacks, main_thread_where
 from resilient.runtime.leave.watchdog import FaultListener, HardHangTimer, MainThreadInterrupter, Monitor
 from resilient.runtime.run.session import Session
@@ -54,6 +55,7 @@ class Detection:
         session: Session,
         coord: Coordinator,
         loop: StepLoop,
+        groups: GroupOwner,
         hard_timer: HardHangTimer,
         *,
         running: Callable[[], int | None],
@@ -65,6 +67,7 @@ class Detection:
         self.t = session.t
         self.coord = coord
         self.loop = loop
+        self.groups = groups
         self.hard_timer = hard_timer
         self._running = running
         self._busy = busy
@@ -151,10 +154,18 @@ class Detection:
             if generation in self._remote_handled:
                 return
             self._remote_handled.add(generation)
-        self._abort_group(generation)
         reason = f"peer: rank {fault.rank} faulted at step {fault.step}: {fault.signature}"
+        self.leave(generation, reason, finish_tail=fault.kind in TAIL_KINDS)
+
+    def leave(self, generation: int, reason: str, *, finish_tail: bool = False) -> None:
+        """(any thread) The one way a step of ``generation`` is ended from outside the main thread
+        (a peer's fault, this rank's hang): the group aborted, so that a blocked collective fails
+        here and on the peers, then the main thread interrupted. ``finish_tail``: a rank past its
+        optimizer's update may first finish its step (its state is then kept for a live resume),
+        for ``TAIL_GRACE_S`` at most."""
+        self.groups.abort(generation)
         live = self.loop.live
-        if fault.kind in TAIL_KINDS and live.leave_at_step_end(generation, self.loop.gen.number, reason):
+        if finish_tail and live.leave_at_step_end(generation, self.loop.gen.number, reason):
             timer = threading.Timer(TAIL_GRACE_S, self._tail_expired, (generation, reason))
             timer.daemon = True
             timer.start()
@@ -190,45 +201,37 @@ class Detection:
         )
 
     def on_hang(self, generation: int, idle_s: float) -> None:
+        rec = self._hang_record(generation, idle_s)
+        self.coord.post_fault(rec, store=self.monitor_store)
+        self.session.fault_report(rec, stacks=all_stacks())  # (before the interrupt moves the main thread)
+        self.leave(generation, f"{rec.kind}: {rec.message}")
+
+    def _hang_record(self, generation: int, idle_s: float) -> FaultRecord:
+        """This rank's hang, or the desync its collective count diagnoses."""
         where, blocked = self.main_thread_where()
         gen = self.loop.gen
-        limit = self.t.hang if gen.stepped else self.t.startup
-        msg = f"no step progress for {idle_s:.2f}s (limit {limit:g}s); main thread at {where}"
+        rank, step = self.session.rank, self.loop.step
+        limit = self.t.progress_limit(gen.stepped)
+        rec = FaultRecord.hang(
+            rank=rank, generation=generation, step=step, idle_s=idle_s, limit_s=limit, where=where
+        )
         wait = self.peer_wait()
         if wait is not None:  # (a step check's wait: the peer's, or the store's)
-            msg += f"; it {wait.describe(time.monotonic(), self.t.peer_report)}"
-        kind, sig, since = Symptom.HANG.value, "hang: no step progress", None
+            rec.message += f"; it {wait.describe(time.monotonic(), self.t.peer_report)}"
         count = gen.count
         # (a rank blocked on its peers waits a moment for theirs: a deadlock shows in both posts)
         grace = self.t.victim_grace if blocked else 0.0
         desync = count.diagnose(self.monitor_store, blocked, grace) if count is not None else None
-        if desync is not None and count is not None:  # in a collective a neighbour's step lacked
-            kind, msg = DESYNC, f"{desync} ({msg})"
-            sig = CollectiveDesync.signature_text
-            since = count.window_start
-        rec = FaultRecord(
-            rank=self.session.rank,
-            generation=generation,
-            step=self.loop.step,
-            kind=kind,
-            severity=Severity.SOFT.value,
-            signature=sig,
-            message=msg,
-            latency_s=idle_s,
-            since=since,
+        if desync is None or count is None:
+            return rec
+        # in a collective a neighbour's step lacked
+        msg = f"{desync} ({rec.message})"
+        return FaultRecord.desync(
+            rank=rank, generation=generation, step=step, message=msg, since=count.window_start, idle_s=idle_s
         )
-        self.coord.post_fault(rec, store=self.monitor_store)
-        self.session.fault_report(rec, stacks=all_stacks())  # (before the interrupt moves the main thread)
-        self._abort_group(generation)
-        self.interrupter.interrupt(generation, f"{kind}: {msg}")
 
     def nudge(self, generation: int) -> None:
         now = time.monotonic()
         if now - self._last_nudge > 0.5:
             self._last_nudge = now
             self.interrupter.resend(generation)
-
-    def _abort_group(self, generation: int) -> None:
-        group = self.loop.gen.group  # the main thread may drop it concurrently
-        if group is not None and group.generation == generation:
-            group.abort()

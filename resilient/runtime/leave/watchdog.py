@@ -83,7 +83,7 @@ class Monitor(threading.Thread):
             self._t.on_remote_fault(gen, fault)
             return short
         last, started = self._t.last_progress()
-        limit = self._timeouts.hang if started else self._timeouts.startup
+        limit = self._timeouts.progress_limit(started)
         idle = self._clock() - last
         if idle > limit:
             # A rank blocked inside a collective is usually the victim of a peer that hangs

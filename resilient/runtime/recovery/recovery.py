@@ -1,9 +1,19 @@
 """What every rank does between a failed generation and the next (the built-in engine's RECOVERING
-phase): the fault posted and reported, the group aborted, the restart policy's verdict, the health
-checks, the newest snapshot step every rank holds agreed on, and the restore prepared for the next
-generation. Also the two ways into a recovery that are not a fault of this process's: a
-replacement joining its dead predecessor's survivors, and a preemption (a final checkpoint, then
-the requeue exit)."""
+phase), in the phases the certificate reports (docs/recovery.md#phases):
+
+- **leave**: this rank's fault recorded and posted (or a peer's heard), ``fault_detected``, the
+  group ended by its owner (``group_aborted``);
+- **admit**: the restart policy's verdict on the primary fault (:func:`decision.admit`, pure);
+- **check**: the health checks, and (replicas differed) the corrupt replica named;
+- **agree**: saves in flight settled, then the recovery barrier's :class:`RestorePlan`: the live
+  step every rank vouched for, or the newest snapshot step every rank holds;
+- **prepare**: that state materialized for the next generation (``restore_agreed``).
+
+The engine then **rebuilds** the group on the next generation's store prefix, and the training
+function **re-enters**: ``ctx.track`` loads each object (**restore**) and the first ``ctx.steps``
+resumes. Also the two ways into a recovery that are not a fault of this process's: a replacement
+joining its dead predecessor's survivors, and a preemption (a final checkpoint, then the requeue
+exit)."""
 
 from __future__ import annotations
 
@@ -11,38 +21,57 @@ import contextlib
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from loguru import logger
 
 from resilient.contract import wait_exited
-from resilient.detectors.replicas import SDC, CorruptReplica
-from resilient.errors import (
-    HardFault,
-    Preempted,
-    RestartBudgetExhausted,
-    SetupFailed,
-    StateRestoreError,
-    StepInterrupted,
-)
+from resilient.detectors import Detectors
+from resilient.detectors.replicas import CorruptReplica, ReplicaCheck
+from resilient.errors import HardFault, Preempted, SetupFailed, StateRestoreError, StepInterrupted
 from resilient.events import Event
-from resilient.runtime.coordination.agreement import plan_step
+from resilient.runtime.coordination.agreement import RestorePlan
 from resilient.runtime.coordination.coordinator import Coordinator
-from resilient.runtime.faults.exits import raised_as_itself
-from resilient.runtime.faults.records import FaultRecord, Severity, Symptom
+from resilient.runtime.coordination.pg import GroupOwner
+from resilient.runtime.faults.records import FaultRecord
 from resilient.runtime.keeping.buckets import agreed
 from resilient.runtime.keeping.mirrors import Mirrors
 from resilient.runtime.leave.notice import Detection
+from resilient.runtime.recovery import decision
+from resilient.runtime.recovery.decision import Admission, Verdict
 from resilient.runtime.recovery.policy import RestartPolicy
 from resilient.runtime.run.generation import PendingRestore
 from resilient.runtime.steps.loop import StepLoop
 
 
+@dataclass
+class Left:
+    """What the leave phase established: the generation that ended, the step it was in, the
+    primary fault and this rank's own record of it (its own exception's), and when it was noticed."""
+
+    generation: int
+    step: int | None
+    primary: FaultRecord
+    own: FaultRecord | None
+    exc: BaseException | None
+    fault_ts: float
+
+
+@dataclass
+class Agreed:
+    """What the agree phase established: the plan, the step it restores, this rank's DDP layouts."""
+
+    plan: RestorePlan
+    step: int
+    layout: str
+
+
 class Recovery:
     """See the module docstring; ``recover`` and ``join_survivors`` return the restore the next
-    generation resumes from, or raise what ends the run (typed)."""
+    generation resumes from, or raise what ends the run (typed). ``clock`` and ``sleep`` are
+    injected: a test's recovery never waits on the wall clock."""
 
     def __init__(
         self,
@@ -51,6 +80,11 @@ class Recovery:
         keeper: Mirrors,
         detection: Detection,
         policy: RestartPolicy,
+        *,
+        groups: GroupOwner,
+        detectors: Detectors,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.session = loop.session
         self.t = loop.session.t
@@ -60,24 +94,49 @@ class Recovery:
         self.detection = detection
         self.hard_timer = detection.hard_timer
         self.policy = policy
+        self.groups = groups
+        self.detectors = detectors
+        self.sdc = detectors.get(ReplicaCheck)
+        self.clock = clock
+        self.sleep = sleep
         self.replacing: int | None = None  # the generation a replacement joins (it has no live state)
 
     def recover(self, exc: BaseException | None) -> PendingRestore:
-        s, loop = self.session, self.loop
-        gen, step = s.generation, loop.step
+        left = self._leave(exc)
+        admission = self._admit(left)
+        self.check_health(left.generation, left.step)
+        # the agreement's parts, for the restore_agreed event (docs/recovery.md#phases)
+        lap = Laps(self.clock)
+        if admission.attribute:
+            self._attribute(left.generation)
+            lap("attribute_s")
+        if admission.delay_s > 0:
+            self.sleep(admission.delay_s)
+            lap("backoff_s")
+        terms = self._agree(left, lap)
+        pending = self._prepare(left, terms, lap)
+        self.session.generation = left.generation + 1
+        return pending
+
+    # -- leave ----------------------------------------------------------------------------------
+    def _leave(self, exc: BaseException | None) -> Left:
+        """This rank's fault posted (or the peer's fault that released it found), ``fault_detected``,
+        and the generation's group ended."""
+        s = self.session
+        gen, step = s.generation, self.loop.step
         fault_ts = time.time()
-        rec: FaultRecord | None = None
+        own: FaultRecord | None = None
         if exc is not None:
-            rec = FaultRecord.from_exception(exc, rank=s.rank, generation=gen, step=step)
+            own = FaultRecord.from_exception(exc, rank=s.rank, generation=gen, step=step)
             # The traceback pins the failed generation's frames, and through them its model, DDP
             # reducer and process group, in a reference cycle. Left to a random GC pass (or to
             # interpreter exit, where gloo's destructors abort the process), they must go now.
             # (Its text needs only code and line numbers, not the frames' locals.)
             traceback.clear_frames(exc.__traceback__)
             # (a fault this rank already heard of is not asked of the job's store again)
-            primary = self.coord.post_fault(rec, known=self.detection.remote_fault(gen))
-            if primary.rank == s.rank and primary.kind == rec.kind:  # this rank's own fault
-                s.fault_report(rec, tb="".join(traceback.format_exception(exc)))
+            primary = self.coord.post_fault(own, known=self.detection.remote_fault(gen))
+            if primary.rank == s.rank and primary.kind == own.kind:  # this rank's own fault
+                s.fault_report(own, tb="".join(traceback.format_exception(exc)))
         else:  # we had returned; a peer faulted before everyone finished
             found = self.detection.heard(gen) or self.coord.primary_fault(gen)
             if found is None:
@@ -85,87 +144,91 @@ class Recovery:
             primary = found
         heard = self.detection.heard_at(gen)
         noticed = fault_ts if heard is None else min(fault_ts, heard)
-        s.fault_detected(gen, step, primary, rec.message if rec else "finished; a peer faulted", noticed)
-        t0 = time.time()
-        n = 0
-        group = loop.gen.group
-        if group is not None:  # (None: this generation's group was never built)
-            n = group.abort()
-            group.destroy()
-            loop.gen.group = None
+        s.fault_detected(gen, step, primary, own.message if own else "finished; a peer faulted", noticed)
+        t0 = self.clock()
+        n = self.groups.end()
         s.events.emit(
             Event.GROUP_ABORTED,
             generation=gen,
             step=step,
             connections=n,
-            duration_s=time.time() - t0,
+            duration_s=self.clock() - t0,
             cpu_s=time.thread_time(),
         )
-        if rec is not None and rec.severity == Severity.HARD.value:
-            self.coord.abort_generation(gen, f"hard fault: {rec.signature}")
-            raise HardFault(f"rank {s.rank} cannot recover in-process: {rec.message}") from exc
-        if primary.kind == Symptom.PREEMPT.value:
+        return Left(gen, step, primary, own, exc, fault_ts)
+
+    # -- admit ----------------------------------------------------------------------------------
+    def _admit(self, left: Left) -> Admission:
+        """The policy's verdict; what ends the run here is raised."""
+        s, gen, primary = self.session, left.generation, left.primary
+        admission = decision.admit(primary, left.own, self.policy, self._recovering)
+        if admission.verdict is Verdict.HARD:
+            assert left.own is not None
+            self.coord.abort_generation(gen, f"hard fault: {left.own.signature}")
+            raise HardFault(f"rank {s.rank} cannot recover in-process: {left.own.message}") from left.exc
+        if admission.verdict is Verdict.PREEMPT:
             self._preempt(gen, primary)
         self.hard_timer.arm(self.t.barrier + 10.0)
-        try:
-            history = [asdict(f) for f in [*self.policy.history, primary]]
-            for d in loop.detectors.all:  # (a guard fault seen at this step before: its verdict)
-                d.recovering(primary, history)
-            delay = self.policy.admit(primary)
-        except RestartBudgetExhausted as e:
-            try:  # diagnosis only
-                seen = "; ".join(f"rank {o['rank']}: {o['message']}" for o in self.coord.observations(gen))
-            except Exception as store_gone:
-                seen = f"unavailable ({type(store_gone).__name__}: {store_gone})"
-            logger.error("rank {}: giving up: {} (last fault as each rank saw it: {})", s.rank, e, seen)
-            # every rank reaches the same verdict from the same agreed faults, some later than
-            # others: the store's host must not leave while a slower peer still posts its fault
-            self._depart(gen)
-            raise
-        self.check_health(gen, step)
-        lap = Laps()  # the agreement's parts, for the restore_agreed event (docs/recovery.md#phases)
-        if primary.kind == SDC and primary.severity == Severity.SOFT.value:
-            self._attribute(gen)
-            lap("attribute_s")
-        if delay > 0:
-            time.sleep(delay)
-            lap("backoff_s")
+        if admission.verdict is Verdict.GIVE_UP:
+            assert admission.refusal is not None
+            self._give_up(gen, admission.refusal)
+        return admission
+
+    def _recovering(self, primary: FaultRecord, history: list[dict[str, Any]]) -> None:
+        for d in self.detectors.all:  # (a guard fault seen at this step before: its verdict)
+            d.recovering(primary, history)
+
+    def _give_up(self, gen: int, refusal: BaseException) -> None:
+        try:  # diagnosis only
+            seen = "; ".join(f"rank {o['rank']}: {o['message']}" for o in self.coord.observations(gen))
+        except Exception as store_gone:
+            seen = f"unavailable ({type(store_gone).__name__}: {store_gone})"
+        logger.error(
+            "rank {}: giving up: {} (last fault as each rank saw it: {})", self.session.rank, refusal, seen
+        )
+        # every rank reaches the same verdict from the same agreed faults, some later than
+        # others: the store's host must not leave while a slower peer still posts its fault
+        self._depart(gen)
+        raise refusal
+
+    # -- agree ----------------------------------------------------------------------------------
+    def _agree(self, left: Left, lap: Laps) -> Agreed:
+        """Saves in flight settled, this rank's offer posted, and the plan every rank reads alike."""
+        s, gen = self.session, left.generation
         persist = self.keeper.persist
         if persist is not None:
             # a write still in flight would make this rank alone wait at its next save, a wait its
             # peers see as a hang: finish it here, where the recovery barrier holds them
             self.hard_timer.arm(s.cfg.checkpoint.commit_timeout_s + self.t.barrier + 10.0)
-            persist.settle(gen, step)
+            persist.settle(gen, left.step)
             lap("saves_s")
-        loop.settle_before_restore()
+        self.loop.settle_before_restore()
         if self.replacing is None:
-            offer = loop.live_offer(primary.kind)
+            offer = self.loop.live_offer(left.primary.kind)
         else:  # (its predecessor's capture, for the survivors' live state: handover.py)
-            offer = loop.handover.replacement_offer(self.replacing, s.launch.predecessor_pid)
+            offer = self.loop.handover.replacement_offer(self.replacing, s.launch.predecessor_pid)
         lap("verify_s")
-        own: BaseException | None = None
+        layout = self.loop.layout_digest()
+        failed: SetupFailed | StateRestoreError | None = None
         try:
-            plan = self.coord.recovery_barrier(
-                gen, self.keeper.held_steps(), layout := loop.layout_digest(), live=offer
-            )
-            live = plan.get("live")
-            restore = live if live is not None else plan_step(plan, primary)
-        except SetupFailed as e:
+            plan = self.coord.recovery_barrier(gen, self.keeper.held_steps(), layout, live=offer)
+            restore = plan.restore_step(left.primary)
+        except (SetupFailed, StateRestoreError) as e:
+            failed = e
+        if failed is not None:  # (raised outside the handler: the user's exception keeps its own chain)
             self._depart(gen)
-            if exc is None or s.rank not in e.ranks or isinstance(exc, StepInterrupted):
-                raise  # (a rank pulled out by the culprit: the error names it)
-            s.events.emit(Event.RUN_FAILED, generation=gen, step=step, error=str(e))
-            own = exc
-        except StateRestoreError as e:
-            if not s.launch.under_launcher:
-                raise
-            # (a replacement whose predecessor's snapshots no survivor holds any more): the whole
-            # group restarts, and resumes from shared memory or the checkpoint
-            self._depart(gen)
-            raise HardFault(f"rank {s.rank}: {e}; the launcher restarts the group") from e
-        if own is not None:  # raised outside the handler: the user's exception keeps its own chain
-            raise raised_as_itself(own, s.rank)
+            out = decision.failed_agreement(failed, left.exc, s.rank, s.launch.under_launcher)
+            if out is left.exc:
+                s.events.emit(Event.RUN_FAILED, generation=gen, step=left.step, error=str(failed))
+            raise out
         lap("barrier_s")
+        return Agreed(plan, restore, layout)
+
+    # -- prepare --------------------------------------------------------------------------------
+    def _prepare(self, left: Left, terms: Agreed, lap: Laps) -> PendingRestore:
+        s, gen, step = self.session, left.generation, left.step
+        plan, restore = terms.plan, terms.step
+        persist = self.keeper.persist
         if persist is not None:
             # every rank settled its saves before that agreement, and none saves again before
             # the barrier in prepare_restore: rank 0 clears what did not commit in between
@@ -173,43 +236,42 @@ class Recovery:
             persist.rebase(restore)  # (a rank the fault interrupted before its save must not differ)
             lap("saves_s")
         # (DDP's layouts were agreed in the same barrier; another agreement only if they changed)
-        same = agreed(layout, plan.get("layout_same"), self.coord.same)
+        same = agreed(terms.layout, plan.layout_same, self.coord.same)
         cpu0 = time.thread_time()
-        pending = loop.prepare_restore(
+        pending = self.loop.prepare_restore(
             gen,
             restore,
             step,
-            fault_ts,
+            left.fault_ts,
             same,
-            live=live is not None,
-            donors=plan.get("live_donors"),
-            since=primary.since,
+            live=plan.live is not None,
+            donors=plan.live_donors,
+            since=left.primary.since,
         )
         lap("prepare_s")  # (last: the phases put it in the restore, docs/recovery.md#phases)
         parts: dict[str, Any] = {
             "fault_step": step,
             "duration_s": lap.total(),
             **lap.laps,
-            **loop.prepare_parts,
+            **self.loop.prepare_parts,
             "source": pending.source,
         }
-        if "live_refused" in plan:  # (why the step in flight was not enough: docs/recovery.md#live-resume)
-            parts["live_refused"] = plan["live_refused"]
+        if plan.live_refused is not None:  # (why not the step in flight: docs/recovery.md#live-resume)
+            parts["live_refused"] = plan.live_refused
         cpu = time.thread_time()  # (this thread's CPU time: the phases' cost, apart from waiting)
         s.events.emit(
             Event.RESTORE_AGREED, generation=gen, step=restore, cpu_s=cpu, prepare_cpu_s=cpu - cpu0, **parts
         )
-        s.generation = gen + 1
         return pending
 
     def _agree_restore_step(self, gen: int) -> int:
         """(A preemption's) the newest step every rank holds."""
-        return plan_step(self.coord.recovery_barrier(gen, self.keeper.held_steps()))
+        return self.coord.recovery_barrier(gen, self.keeper.held_steps()).snapshot_step()
 
     def _attribute(self, gen: int) -> None:
         """Replicas differed: every rank's digests of its last windows, exchanged, name the
         corrupt one where a majority can (detectors/replicas.py); one named twice exits."""
-        sdc = self.loop.sdc
+        sdc = self.sdc
         if sdc is None:
             return
         try:
@@ -223,7 +285,7 @@ class Recovery:
             logger.error("rank {}: {}", self.session.rank, e)
             self.session.events.emit(Event.RUN_FAILED, generation=gen, step=self.loop.step, error=str(e))
             self.hard_timer.arm(self.t.barrier + 10.0)
-            time.sleep(self.t.barrier)  # (a bound: the agent's SIGKILL ends the wait)
+            self.sleep(self.t.barrier)  # (a bound: the agent's SIGKILL ends the wait)
             raise
 
     def check_health(self, gen: int, step: int | None) -> None:

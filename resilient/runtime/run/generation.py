@@ -2,7 +2,8 @@
 
 A generation is one life of the process group: built on its own store prefix, entered by the
 training function once, ended by a fault or by the function's return. Everything that belongs to
-that life is in :class:`Generation` and goes with it: the group, the objects the function tracked
+that life is in :class:`Generation` and goes with it (its group is the
+:class:`~resilient.runtime.coordination.pg.GroupOwner`'s): the objects the function tracked
 in it, its collective count, the restore it resumes from, where ``ctx.epochs`` and ``ctx.steps``
 are. The next generation starts with a fresh one; what outlives generations (the snapshot ring,
 the schedule, the event log) belongs to the run.
@@ -19,7 +20,6 @@ import torch
 
 from resilient.detectors.collectives import CollectiveCount
 from resilient.errors import StateRestoreError
-from resilient.runtime.coordination.pg import Group
 from resilient.state import Registry
 from resilient.state.loader import batches_consumed
 from resilient.state.registry import RNG, restore_rng
@@ -113,14 +113,12 @@ class Generation:
     def __init__(
         self,
         number: int,
-        group: Group | None,
         count: CollectiveCount | None,
         restore: PendingRestore | None,
         now: float,
         restored_step: int | None = None,
     ) -> None:
         self.number = number
-        self.group = group
         self.count = count  # collective counts per check window (None: the check is off)
         self.registry = Registry()
         self.restore = restore

@@ -33,6 +33,7 @@ from resilient.detectors.guard import StepGuard
 from resilient.detectors.replicas import ReplicaCheck
 from resilient.errors import ResilienceError
 from resilient.events import Event
+from resilient.runtime.coordination.pg import GroupOwner
 from resilient.runtime.hooks import Tracked
 from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
 from resilient.runtime.run.generation import EpochPosition, Generation, PendingRestore
@@ -68,15 +69,17 @@ class StepLoop:
         liveness: Callable[[int], None] = lambda step: None,
         count_via: NodeLinkHolder | None = None,
         live: bool = False,
+        groups: GroupOwner,
     ) -> None:
         self.session = session
+        self.groups = groups  # (the generation's group: built here, aborted and ended by others through it)
         self.keeper = keeper
         self.ring = ring
         self.liveness = liveness
         self.count_via = count_via
         self.buckets = DdpBuckets(session.run_dir)
         self.prepare_parts: dict[str, float] = {}  # the last prepare_restore's parts
-        self.gen = Generation(0, None, None, None, session.clock())  # (none built yet)
+        self.gen = Generation(0, None, None, session.clock())  # (none built yet)
         self.step: int | None = None  # the step being run; across generations, the one a fault hit
         self.began_at: dict[int, float] = {}  # when each recent step began (its first run)
         self.cost = Cost(session)
@@ -125,7 +128,7 @@ class StepLoop:
         """Build generation ``number``'s group; the function's next entry tracks its objects
         afresh (and loads ``restore`` into them). A group that fails to build changes nothing."""
         s = self.session
-        group = s.wiring.build_group(number, s.ns)
+        self.groups.build(number)
         if s.heartbeat is not None:  # the generation a replacement for this rank would join
             s.heartbeat.generation = number
         count = None
@@ -140,7 +143,7 @@ class StepLoop:
             )
         if count is not None:
             count.on_wait_end = self._peer_wait_ended
-        self.gen = Generation(number, group, count, restore, s.clock())
+        self.gen = Generation(number, count, restore, s.clock())
         self.detectors.each(lambda d: d.generation(number))  # (the failed generation's objects go)
         self.live.generation()
         self.replay.generation()
@@ -210,9 +213,7 @@ class StepLoop:
     def close(self) -> None:
         self.detectors.uninstall()
         self.buckets.release()
-        group, self.gen.group = self.gen.group, None
-        if group is not None:
-            group.destroy(abort=False)
+        self.groups.close()
 
     # -- what Context calls -------------------------------------------------------------------------------
     def track(self, objects: dict[str, Any]) -> None:
