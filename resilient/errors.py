@@ -37,11 +37,17 @@ class ResilienceError(Exception):
     """Root of every error raised by resilient. A fault a detector raises names, in class
     attributes, how a fault record calls it (``symptom``; None: classified like any exception),
     whether it is recovered in-process (``severity``) and, where its message varies from run to
-    run, the signature repeats are compared by (``signature_text``)."""
+    run, the signature repeats are compared by (``signature_text``), and what the rest of the
+    house does with it: a step rolled back (``rolls_back``: goodput's ``rollback`` cause), a live
+    state not trusted after it (``doubts_state``: why), a peer allowed to finish its step's tail
+    first (``peers_finish_step``)."""
 
     symptom: ClassVar[str | None] = None
     severity: ClassVar[str] = "soft"
     signature_text: ClassVar[str | None] = None
+    rolls_back: ClassVar[bool] = False
+    doubts_state: ClassVar[str | None] = None
+    peers_finish_step: ClassVar[bool] = False
 
 
 class ConfigError(ResilienceError):

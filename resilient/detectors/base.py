@@ -172,9 +172,20 @@ class Registry(Mapping[str, type[Detector]]):
         """Every fault class a detector raises."""
         return tuple(f for d in self._by_name.values() for f in d.faults)
 
-    def symptoms(self) -> frozenset[str]:
-        """What the detectors' faults are called in a fault record (its ``kind``)."""
-        return frozenset(f.symptom for f in self.faults() if f.symptom is not None)
+    def symptoms(self, where: Callable[[type[ResilienceError]], bool] = lambda f: True) -> frozenset[str]:
+        """What the detectors' faults are called in a fault record (its ``kind``): those ``where``
+        holds of (``lambda f: f.rolls_back``: the faults whose step is rolled back)."""
+        return frozenset(f.symptom for f in self.faults() if f.symptom is not None and where(f))
+
+    def doubts(self) -> dict[str, str]:
+        """The symptoms after which the live state is not trusted, and why (runtime/steps/live.py)."""
+        return {f.symptom: f.doubts_state for f in self.faults() if f.symptom and f.doubts_state}
+
+    def evidenced_by(self, event: Event) -> frozenset[str]:
+        """The symptoms of the detectors that write ``event`` as their evidence."""
+        return frozenset(
+            f.symptom for d in self._by_name.values() if event in d.evidence for f in d.faults if f.symptom
+        )
 
 
 class Detectors:

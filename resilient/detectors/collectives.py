@@ -67,6 +67,7 @@ class CollectiveDesync(SoftFault):
 
     symptom: ClassVar[str] = "desync"
     signature_text: ClassVar[str] = "desync: ranks issued different collectives in a step"  # (counts vary)
+    doubts_state: ClassVar[str | None] = "ranks issued different collectives"  # (results paired wrongly)
 
     def __init__(self, message: str, window_end: int, window_start: int | None = None) -> None:
         super().__init__(message)

@@ -86,6 +86,9 @@ class StepRejected(SoftFault):
     snapshot and replays it. ``step``: the step; ``where``: its batch (``epoch 2, batch 17``)
     where a data position is known."""
 
+    rolls_back: ClassVar[bool] = True
+    peers_finish_step: ClassVar[bool] = True  # (their state is good: the rejected step never reached it)
+
     def __init__(self, message: str, step: int | None, value: float, where: str | None = None) -> None:
         super().__init__(message)
         self.step = step

@@ -71,6 +71,8 @@ class SilentCorruption(SoftFault):
 
     symptom: ClassVar[str] = "sdc"
     signature_text: ClassVar[str] = "sdc: SilentCorruption: replicas differ"  # (the digests vary)
+    rolls_back: ClassVar[bool] = True
+    doubts_state: ClassVar[str | None] = "replicas differed"
 
     def __init__(
         self,
@@ -92,6 +94,8 @@ class CorruptReplica(HardFault):
 
     symptom: ClassVar[str] = "sdc"
     signature_text: ClassVar[str] = "sdc: CorruptReplica: replicas differ"
+    rolls_back: ClassVar[bool] = True
+    doubts_state: ClassVar[str | None] = "replicas differed"
 
     def __init__(self, message: str, replaced: bool = False) -> None:
         super().__init__(message)

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from resilient.detectors import REGISTRY as DETECTORS
 from resilient.errors import ExitCode
 from resilient.events import Event
 
@@ -63,7 +64,8 @@ MODE_CAUSE = {
 _STEPPING = {Event.STEP_COMPLETED, Event.PROGRESS, Event.STEP_RESUMED}
 _SIGNALS = {Event.FAULT_DETECTED, Event.WORKER_DIED, Event.HEARTBEAT_MISSED}
 # faults that crash nothing: a step whose update would have been wrong, rolled back and replayed
-ROLLBACK_KINDS = frozenset({"nonfinite", "spike", "sdc"})
+# (a detector's fault says so itself: ``rolls_back``)
+ROLLBACK_KINDS = DETECTORS.symptoms(lambda f: f.rolls_back)
 
 
 @dataclass

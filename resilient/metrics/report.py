@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from resilient.detectors import REGISTRY as DETECTORS
 from resilient.events import Event
 from resilient.metrics.accounting import CAUSES, OTHER, Accounting, Incident, account
 from resilient.metrics.phases import PHASES, Phases, fmt, of_incident
@@ -200,7 +201,7 @@ def _verdicts(inc: Incident, events: list[dict[str, Any]], until: float) -> list
             ranks = e.get("ranks") or []
             who = f"rank {', '.join(map(str, ranks))} corrupt" if ranks else "no rank named yet"
             line = f"  replicas   {who} ({e.get('how')}; after step {e.get('step')})"
-        elif ev in (Event.SPIKE_ACCEPTED, Event.BATCH_SKIPPED) and inc.kind in ("spike", "nonfinite"):
+        elif ev in (Event.SPIKE_ACCEPTED, Event.BATCH_SKIPPED) and inc.kind in DETECTORS.evidenced_by(ev):
             what = "applied: it came back on replay" if ev == Event.SPIKE_ACCEPTED else "its batch skipped"
             line = f"  on replay  step {e.get('step')} {what}"
         else:

@@ -13,7 +13,7 @@ from pydantic import Field
 from resilient.config import Config, load_config
 from resilient.detectors import REGISTRY, Detector, Registry, Run
 from resilient.errors import ConfigError, SoftFault
-from resilient.events import read_events
+from resilient.events import Event, read_events
 from resilient.launch_env import LaunchEnv
 from resilient.runtime.engine.builtin import BuiltinEngine
 from resilient.runtime.faults import records as faults
@@ -113,3 +113,28 @@ def test_a_detector_in_one_class_and_one_entry_is_built_hooked_and_recovered_fro
     assert ("recovering", "toy") in Toy.seen and ("restored", 5) in Toy.seen
     assert [s for s in Toy.seen if s[0] == "generation"] == [("generation", 0), ("generation", 1)]
     assert ("tracked", "opt") in Toy.seen
+
+
+def test_what_a_detectors_fault_declares_is_what_the_runtime_and_the_metrics_take() -> None:
+    class Doubted(SoftFault):
+        symptom: ClassVar[str] = "doubted"
+        rolls_back: ClassVar[bool] = True
+        doubts_state: ClassVar[str | None] = "the toy doubts it"
+        peers_finish_step: ClassVar[bool] = True
+
+    class Doubting(Toy):
+        name, section, faults = "doubting", "doubting", (Doubted,)
+        evidence = (Event.SPIKE_ACCEPTED,)
+
+    registry = Registry([*REGISTRY.values(), Doubting])
+    assert "doubted" in registry.symptoms(lambda f: f.rolls_back)  # (goodput's rollback cause)
+    assert "doubted" in registry.symptoms(lambda f: f.peers_finish_step)  # (a peer finishes its step)
+    assert registry.doubts()["doubted"] == "the toy doubts it"  # (no live resume after it)
+    assert "doubted" in registry.evidenced_by(Event.SPIKE_ACCEPTED)  # (the report's verdict lines)
+    # the built-in ones come from their own files alone
+    from resilient.metrics.accounting import ROLLBACK_KINDS
+    from resilient.runtime.leave.notice import TAIL_KINDS
+    from resilient.runtime.steps.live import DOUBTS
+
+    assert {"nonfinite", "spike", "sdc"} == ROLLBACK_KINDS and {"nonfinite", "spike"} <= TAIL_KINDS
+    assert set(DOUBTS) == {"sdc", "desync", "malformed"}

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from loguru import logger
 
+from resilient.detectors import REGISTRY as DETECTORS
 from resilient.detectors.collectives import PeerWait
 from resilient.events import Event
 from resilient.runtime.coordination.coordinator import Coordinator
@@ -41,8 +42,11 @@ from resilient.runtime.steps.loop import StepLoop
 TAIL_GRACE_S = 0.5
 # the faults a rank finishes its step's tail for: raised in a peer's step, that peer alive and in
 # its recovery. Not a failed collective or a death (a dead peer's saves and counts never come: the
-# tail would wait out its grace in them), nor a fault that casts doubt on the state (live.py)
-TAIL_KINDS = {Symptom.EXCEPTION.value, Symptom.OOM.value, Symptom.HANG.value, "nonfinite", "spike"}
+# tail would wait out its grace in them), nor a fault that casts doubt on the state (live.py); a
+# detector's fault says so itself (``peers_finish_step``)
+TAIL_KINDS = {Symptom.EXCEPTION.value, Symptom.OOM.value, Symptom.HANG.value} | DETECTORS.symptoms(
+    lambda f: f.peers_finish_step
+)
 
 
 class Detection:

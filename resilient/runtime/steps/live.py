@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from resilient.detectors import REGISTRY as DETECTORS
 from resilient.errors import StepInterrupted
 from resilient.state import dtensor
 from resilient.state.carry import Carried, tensors_of
@@ -43,13 +44,9 @@ from resilient.state.registry import GRAD, RNG, Registry, capture_rng
 from resilient.state.snapshot import Frozen
 from resilient.state.tree import map_leaves
 
-# the faults whose state is in doubt: replicas differ (a flipped bit), collectives differ (a rank
-# skipped one: results paired wrongly), a record that does not parse
-DOUBTS = {
-    "sdc": "replicas differed",
-    "desync": "ranks issued different collectives",
-    "malformed": "unparsable",
-}
+# the faults whose state is in doubt: a detector's fault says so itself (``doubts_state``: replicas
+# that differ, collectives that differ), and a record that does not parse
+DOUBTS = {**DETECTORS.doubts(), "malformed": "unparsable"}
 
 
 @dataclass
