@@ -25,17 +25,10 @@ from loguru import logger
 
 from resilient.contract import read_beats
 from resilient.events import LogTail
-from resilient.metrics.accounting import CAUSES, OTHER
+from resilient.metrics.families import counter, families
 from resilient.metrics.model import Model, build_model
-from resilient.metrics.phases import PHASES, of_incident
 
 __all__ = ["Exporter", "LogTail", "Model", "RunMetrics", "build_model"]
-
-DETECT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-RECOVER_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-BLOCK_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
-DURABLE_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
 
 
 class RunMetrics:
@@ -106,7 +99,7 @@ class RunMetrics:
         except Exception as e:  # a scrape mid-restart must not take the exporter down
             self.warn_once("collect", f"a scrape failed ({type(e).__name__}: {e})")
         self.cpu_s += time.thread_time() - t0
-        yield _counter(
+        yield counter(
             "resilient_exporter_cpu_seconds", "CPU time of this endpoint's own work", self.labels, self.cpu_s
         )
 
@@ -115,180 +108,9 @@ class RunMetrics:
             m = self.model
         cached = self._families
         if cached is None or cached[0] is not m:  # the log's part changes only when the model does
-            cached = self._families = (m, list(self._from_model(m)))
+            cached = self._families = (m, list(families(m, self.labels)))
         yield from cached[1]
         yield from self._live(m)
-
-    def _from_model(self, m: Model) -> Iterator[Any]:
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            HistogramMetricFamily,
-            InfoMetricFamily,
-        )
-
-        acc = m.accounting
-        run = self.labels
-        labels = list(run)
-        state = GaugeMetricFamily(
-            "resilient_run_state", "1 for the run's current state", labels=[*labels, "state"]
-        )
-        for s in ("starting", "running", "recovering", "finished", "failed"):
-            state.add_metric([*self._ids, s], float(m.state == s))
-        yield state
-        yield _gauge(
-            "resilient_generation", "the newest generation (in-process restarts so far)", run, m.generation
-        )
-        ready = GaugeMetricFamily(
-            "resilient_standbys_ready",
-            "standbys that wait to take a dead rank's place, by warmth (parked in the script, or imported)",
-            labels=[*labels, "warmth"],
-        )
-        for w in ("parked", "imported"):
-            ready.add_metric([*self._ids, w], float(sum(v == w for v in m.standbys.values())))
-        yield ready
-        yield _counter(
-            "resilient_standby_fallbacks",
-            "standbys that could not park in the script (standby_fallback)",
-            run,
-            m.standby_fallbacks,
-        )
-        incidents = acc.incidents if acc is not None else []
-        faults = CounterMetricFamily(
-            "resilient_faults",
-            "faults (incidents) by kind, rank and host",
-            labels=[*labels, "kind", "rank", "host"],
-        )
-        by: dict[tuple[str, str, str], int] = {}
-        for i in incidents:
-            k = (i.kind, str(i.rank), i.host or "")
-            by[k] = by.get(k, 0) + 1
-        for (kind, rank, host), n in sorted(by.items()):
-            faults.add_metric([*self._ids, kind, rank, host], n)
-        yield faults
-        if m.info:
-            info = InfoMetricFamily(
-                "resilient_run", "the run's engine, backend and world size", labels=labels
-            )
-            info.add_metric(self._ids, m.info)
-            yield info
-        restarts = CounterMetricFamily(
-            "resilient_restarts",
-            "recovered faults by how: in_process, replacement (one rank), relaunch (the group)",
-            labels=[*labels, "mode"],
-        )
-        for mode in ("in_process", "replacement", "relaunch"):
-            restarts.add_metric(
-                [*self._ids, mode], sum(i.mode == mode and i.end is not None for i in incidents)
-            )
-        yield restarts
-        yield _histogram(
-            HistogramMetricFamily,
-            "resilient_detection_seconds",
-            "fault to first noticed",
-            run,
-            [i.detect_s for i in incidents],
-            DETECT_BUCKETS,
-        )
-        rec = HistogramMetricFamily(
-            "resilient_recovery_seconds", "noticed to every rank stepping again", labels=[*labels, "mode"]
-        )
-        for mode in ("in_process", "replacement", "relaunch"):
-            vals = [i.recover_s for i in incidents if i.mode == mode and i.recover_s is not None]
-            buckets, total = _buckets(vals, RECOVER_BUCKETS)
-            rec.add_metric([*self._ids, mode], buckets, total)
-        yield rec
-        # the in-process recoveries' phases (docs/recovery.md#phases): each ended one, once
-        phased = [p for i in incidents if i.end is not None and (p := of_incident(i)) is not None]
-        ph = HistogramMetricFamily(
-            "resilient_recovery_phase_seconds",
-            "an in-process recovery's phases (each until its last rank ended it), adding up to the recovery",
-            labels=[*labels, "phase"],
-        )
-        for name in PHASES:
-            vals = [v for p in phased if (v := p.seconds.get(name)) is not None]
-            buckets, total = _buckets(vals, PHASE_BUCKETS)
-            ph.add_metric([*self._ids, name], buckets, total)
-        yield ph
-        stragglers = CounterMetricFamily(
-            "resilient_stragglers",
-            "straggler_detected reports: a rank whose own work per step was slower than its peers'",
-            labels=[*labels, "rank", "host"],
-        )
-        slowdown = GaugeMetricFamily(
-            "resilient_straggler_slowdown",
-            "the last reported straggler's work per step / the median of its peers'",
-            labels=[*labels, "rank", "host"],
-        )
-        for (slow, where), (n, factor) in sorted(m.stragglers.items()):
-            stragglers.add_metric([*self._ids, str(slow), where], n)
-            slowdown.add_metric([*self._ids, str(slow), where], factor)
-        yield stragglers
-        yield slowdown
-        rerun = sum(i.steps_rerun or 0 for i in incidents)
-        yield _counter("resilient_steps_rerun", "steps done again after restores", run, rerun)
-        # a gauge: time is re-attributed as the log tells more (a hang's silence becomes detection)
-        t = GaugeMetricFamily(
-            "resilient_time_seconds",
-            "wall time so far by cause (goodput accounting)",
-            labels=[*labels, "cause"],
-        )
-        for c in (*CAUSES, OTHER):
-            t.add_metric([*self._ids, c], acc.seconds[c] if acc is not None else 0.0)
-        yield t
-        if acc is not None and acc.goodput is not None:
-            yield _gauge("resilient_goodput_ratio", "productive step time / wall time", run, acc.goodput)
-        if incidents:
-            last = incidents[-1]
-            info = InfoMetricFamily("resilient_last_fault", "the newest fault", labels=labels)
-            info.add_metric(
-                self._ids,
-                {
-                    "kind": last.kind,
-                    "rank": str(last.rank),
-                    "host": str(last.host or ""),
-                    "step": str(last.step),
-                    "noticed_by": last.noticed_by,
-                    "mode": last.mode,
-                    "signature": last.signature[:200],
-                },
-            )
-            yield info
-            yield _gauge(
-                "resilient_last_fault_timestamp_seconds", "when the newest fault happened", run, last.start
-            )
-        ck = CounterMetricFamily(
-            "resilient_checkpoints", "checkpoint saves by outcome (per rank)", labels=[*labels, "outcome"]
-        )
-        for o in ("saved", "failed", "rejected"):
-            ck.add_metric([*self._ids, o], m.checkpoints.get(o, 0))
-        yield ck
-        yield _histogram(
-            HistogramMetricFamily,
-            "resilient_checkpoint_blocking_seconds",
-            "time a step waited for a checkpoint save",
-            run,
-            m.block_s,
-            BLOCK_BUCKETS,
-        )
-        yield _histogram(
-            HistogramMetricFamily,
-            "resilient_checkpoint_durable_seconds",
-            "a rank's part of a checkpoint: save started to written",
-            run,
-            m.durable_s,
-            DURABLE_BUCKETS,
-        )
-        yield _gauge(
-            "resilient_checkpoint_bytes", "tensor bytes of a rank's last checkpoint", run, m.checkpoint_bytes
-        )
-        for scope, left in sorted(m.budget.items()):
-            yield _gauge(
-                "resilient_restart_budget_remaining",
-                "recoveries, group restarts or replacements left (by scope) before the run gives up",
-                {**run, "scope": scope},
-                left,
-            )
 
     def _per_rank(self, name: str, doc: str, values: dict[int, float]) -> Any:
         from prometheus_client.core import GaugeMetricFamily
@@ -336,37 +158,6 @@ class RunMetrics:
         for local, (age, _s, _gen) in sorted(beats.items()):
             hb.add_metric([*self._ids, str(g.get(local, local)), str(local)], age)
         yield hb
-
-
-def _gauge(name: str, doc: str, labels: dict[str, str], value: float) -> Any:
-    from prometheus_client.core import GaugeMetricFamily
-
-    f = GaugeMetricFamily(name, doc, labels=list(labels))
-    f.add_metric(list(labels.values()), value)
-    return f
-
-
-def _counter(name: str, doc: str, labels: dict[str, str], value: float) -> Any:
-    from prometheus_client.core import CounterMetricFamily
-
-    f = CounterMetricFamily(name, doc, labels=list(labels))
-    f.add_metric(list(labels.values()), value)
-    return f
-
-
-def _buckets(values: list[float], bounds: tuple[float, ...]) -> tuple[list[tuple[str, float]], float]:
-    out = [(repr(float(b)), float(sum(v <= b for v in values))) for b in bounds]
-    out.append(("+Inf", float(len(values))))
-    return out, float(sum(values))
-
-
-def _histogram(
-    cls: Any, name: str, doc: str, labels: dict[str, str], values: list[float], bounds: tuple[float, ...]
-) -> Any:
-    f = cls(name, doc, labels=list(labels))
-    b, s = _buckets(values, bounds)
-    f.add_metric(list(labels.values()), b, s)
-    return f
 
 
 class Exporter:

@@ -25,7 +25,6 @@ OVER = {
     "resilient/runtime/steps/loop.py:_complete": 67,
     "resilient/metrics/model.py:build_model": 67,
     "resilient/metrics/accounting.py:_incidents": 72,
-    "resilient/metrics/exporter.py:_from_model": 170,
     "resilient/launcher/cli.py:parser": 140,
     "resilient/launcher/cli.py:main": 158,
     "resilient/launcher/agent.py:ResilientAgent": 382,
