@@ -200,6 +200,8 @@ def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accou
 
 
 def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
+    """The run's faults in order: each opened by its first signal, ended when every rank it waits
+    on has stepped in a new process or generation."""
     out: list[Incident] = []
     key: dict[int, tuple[Any, Any]] = {}  # rank -> (pid, generation) of its latest step record
     open_: Incident | None = None
@@ -210,19 +212,7 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
             continue
         if open_ is not None:
             open_.records.append(e)
-            if ev == Event.RANK_REPLACED and open_.mode == "in_process":
-                open_.mode = "replacement"
-            elif ev in (Event.RELAUNCHED, Event.GROUP_STOPPED):
-                open_.mode = "relaunch"
-            elif ev == Event.STATE_RESTORED and e.get("steps_rerun") is not None:
-                open_.steps_rerun = max(open_.steps_rerun or 0, int(e["steps_rerun"]))
-                open_.source = open_.source or e.get("source")
-                if e.get("work_lost_s") is not None:
-                    open_.work_lost_s = max(open_.work_lost_s or 0.0, float(e["work_lost_s"]))
-            elif ev == Event.STATE_RESTORED and open_.step is not None and isinstance(e.get("step"), int):
-                open_.steps_rerun = max(open_.steps_rerun or 0, open_.step - e["step"])
-            elif ev == Event.RANK_REPLACED and open_.step is None:
-                open_.step = e.get("last_step")
+            _learn(open_, e)
         if ev in _STEPPING and isinstance(rank, int) and rank >= 0:
             k = (e.get("pid"), e.get("generation"))
             if open_ is not None and rank in waiting and waiting[rank] != k and e["ts"] > open_.detected:
@@ -233,37 +223,10 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
                     open_ = None
             key[rank] = k
         elif ev in _SIGNALS and open_ is None:
-            origin, noticed, kind, frank, fstep, by, sig, pid = _signal(e)
-            own = ev != Event.FAULT_DETECTED or e.get("rank") == e.get("origin_rank")
-            open_ = Incident(
-                start=origin,
-                detected=noticed,
-                end=None,
-                kind=kind,
-                rank=frank,
-                step=fstep,
-                host=e.get("host") if own else None,
-                slurm=e.get("slurm") if own else None,
-                pid=pid if not own or pid is not None else e.get("pid"),
-                noticed_by=by,
-                signature=sig,
-                records=[e],
-                agent_cause=ev != Event.FAULT_DETECTED,
-            )
-            ranks = set(key) | set(range(world))
-            waiting = {r: key.get(r) for r in ranks}
+            open_ = _opened(e)
+            waiting = {r: key.get(r) for r in set(key) | set(range(world))}
         elif ev in _SIGNALS and open_ is not None:
-            origin, noticed, kind, frank, fstep, _by, sig, pid = _signal(e)
-            open_.start, open_.detected = min(open_.start, origin), min(open_.detected, noticed)
-            if ev == Event.FAULT_DETECTED and open_.host is None and rank == open_.rank:
-                open_.host, open_.pid = e.get("host"), e.get("pid")  # the origin's own record
-                open_.slurm = e.get("slurm")
-            if ev != Event.FAULT_DETECTED and not open_.agent_cause:
-                # a dead or silent worker explains what its peers saw (a broken collective)
-                open_.kind, open_.rank, open_.signature, open_.pid = kind, frank, sig, pid
-                open_.host, open_.slurm = e.get("host"), e.get("slurm")
-                open_.step = fstep if fstep is not None else open_.step
-                open_.agent_cause = True
+            _signalled_again(open_, e)
         elif ev == Event.RUN_FAILED and open_ is not None:
             open_.mode = "failed"
     if open_ is not None:
@@ -271,6 +234,62 @@ def _incidents(evs: Sequence[dict[str, Any]], world: int) -> list[Incident]:
             open_.mode = "failed"
         out.append(open_)
     return out
+
+
+def _learn(inc: Incident, e: dict[str, Any]) -> None:
+    """What a record during an open incident tells of it: how it is recovered (a rank replaced,
+    the group relaunched), the steps re-run, where the restored state came from."""
+    ev = e["event"]
+    if ev == Event.RANK_REPLACED and inc.mode == "in_process":
+        inc.mode = "replacement"
+    elif ev in (Event.RELAUNCHED, Event.GROUP_STOPPED):
+        inc.mode = "relaunch"
+    elif ev == Event.STATE_RESTORED and e.get("steps_rerun") is not None:
+        inc.steps_rerun = max(inc.steps_rerun or 0, int(e["steps_rerun"]))
+        inc.source = inc.source or e.get("source")
+        if e.get("work_lost_s") is not None:
+            inc.work_lost_s = max(inc.work_lost_s or 0.0, float(e["work_lost_s"]))
+    elif ev == Event.STATE_RESTORED and inc.step is not None and isinstance(e.get("step"), int):
+        inc.steps_rerun = max(inc.steps_rerun or 0, inc.step - e["step"])
+    elif ev == Event.RANK_REPLACED and inc.step is None:
+        inc.step = e.get("last_step")
+
+
+def _opened(e: dict[str, Any]) -> Incident:
+    """The incident a fault's first signal opens."""
+    origin, noticed, kind, frank, fstep, by, sig, pid = _signal(e)
+    own = e["event"] != Event.FAULT_DETECTED or e.get("rank") == e.get("origin_rank")
+    return Incident(
+        start=origin,
+        detected=noticed,
+        end=None,
+        kind=kind,
+        rank=frank,
+        step=fstep,
+        host=e.get("host") if own else None,
+        slurm=e.get("slurm") if own else None,
+        pid=pid if not own or pid is not None else e.get("pid"),
+        noticed_by=by,
+        signature=sig,
+        records=[e],
+        agent_cause=e["event"] != Event.FAULT_DETECTED,
+    )
+
+
+def _signalled_again(inc: Incident, e: dict[str, Any]) -> None:
+    """A later signal of an open incident: an earlier origin, the origin's own record, or the
+    agent's record of the worker whose death its peers saw."""
+    origin, noticed, kind, frank, fstep, _by, sig, pid = _signal(e)
+    inc.start, inc.detected = min(inc.start, origin), min(inc.detected, noticed)
+    if e["event"] == Event.FAULT_DETECTED and inc.host is None and e.get("rank", -1) == inc.rank:
+        inc.host, inc.pid = e.get("host"), e.get("pid")  # the origin's own record
+        inc.slurm = e.get("slurm")
+    if e["event"] != Event.FAULT_DETECTED and not inc.agent_cause:
+        # a dead or silent worker explains what its peers saw (a broken collective)
+        inc.kind, inc.rank, inc.signature, inc.pid = kind, frank, sig, pid
+        inc.host, inc.slurm = e.get("host"), e.get("slurm")
+        inc.step = fstep if fstep is not None else inc.step
+        inc.agent_cause = True
 
 
 def _first_steps(evs: Sequence[dict[str, Any]], world: int) -> float | None:

@@ -23,7 +23,6 @@ OVER = {
     "resilient/runtime/coordination/coordinator.py:Coordinator": 337,
     "resilient/runtime/steps/loop.py:StepLoop": 419,
     "resilient/runtime/steps/loop.py:_complete": 67,
-    "resilient/metrics/accounting.py:_incidents": 72,
     "resilient/launcher/cli.py:parser": 140,
     "resilient/launcher/cli.py:main": 158,
     "resilient/launcher/agent.py:ResilientAgent": 382,
