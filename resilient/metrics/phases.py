@@ -43,19 +43,21 @@ if TYPE_CHECKING:
 
 PHASES = ("detect", "leave", "health", "agree", "free", "rebuild", "restore", "reenter", "rerun")
 
-# each rank's instants, in the order they happen on it; derived ones are a record's ts less a part
-_MARKS = (
-    "noticed",
-    "left",
-    "checked",
-    "agreed",
-    "prepared",
-    "freed",
-    "rebuilt",
-    "entered",
-    "restored",
-    "resumed",
-)
+# each rank's instants, in the order they happen on it: mark -> the record it is read from (by its
+# name in a rank's records), and the part that lies between the mark and that record's end (None:
+# it is the record's end); the one table for both clocks, the wall's ``ts`` and the CPU's ``cpu_s``
+_MARKS: dict[str, tuple[str, str | None]] = {
+    "noticed": (Event.FAULT_DETECTED, None),
+    "left": (Event.GROUP_ABORTED, None),
+    "checked": (Event.HEALTH_CHECKED, None),
+    "agreed": (Event.RESTORE_AGREED, "prepare"),
+    "prepared": (Event.RESTORE_AGREED, None),
+    "freed": (Event.GROUP_REBUILT, "build"),
+    "rebuilt": (Event.GROUP_REBUILT, None),
+    "entered": (Event.STATE_RESTORED, "load"),
+    "restored": (Event.STATE_RESTORED, None),
+    "resumed": ("step", None),
+}
 # phase -> the (from, to) mark pairs it is made of
 _SPANS: dict[str, tuple[tuple[str, str], ...]] = {
     "leave": (("noticed", "left"),),
@@ -91,60 +93,31 @@ def _num(e: dict[str, Any] | None, key: str) -> float | None:
     return float(v) if isinstance(v, int | float) else None
 
 
+def _read_marks(own: dict[str, dict[str, Any]], clock: str, suffix: str) -> dict[str, float | None]:
+    """One rank's instants on one clock (``own``: record name -> record): a record's reading of the
+    clock (its field ``clock``), less the part :data:`_MARKS` names (its field ``<part><suffix>``)."""
+    out: dict[str, float | None] = {}
+    for mark, (name, before) in _MARKS.items():
+        e = own.get(name)
+        at, d = _num(e, clock), (_num(e, before + suffix) if before is not None else None)
+        out[mark] = None if at is None else at - (d or 0.0)
+    return out
+
+
 def _marks(own: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """One rank's instants from its records of the recovery (``own``: event name -> record)."""
-    det, agreed, rebuilt, restored = (
-        own.get(k)
-        for k in (Event.FAULT_DETECTED, Event.RESTORE_AGREED, Event.GROUP_REBUILT, Event.STATE_RESTORED)
-    )
-    noticed = _num(det, "noticed_ts")
-    if noticed is None and det is not None:  # (a log from before noticed_ts: the record itself)
-        noticed = float(det["ts"])
-
-    def less(e: dict[str, Any] | None, part: str) -> float | None:
-        ts, d = _num(e, "ts"), _num(e, part)
-        return None if ts is None else ts - (d or 0.0)
-
-    step = own.get("step")
-    return {
-        "noticed": noticed,
-        "left": _num(own.get(Event.GROUP_ABORTED), "ts"),
-        "checked": _num(own.get(Event.HEALTH_CHECKED), "ts"),
-        "agreed": less(agreed, "prepare_s"),
-        "prepared": _num(agreed, "ts"),
-        "freed": less(rebuilt, "build_s"),
-        "rebuilt": _num(rebuilt, "ts"),
-        "entered": less(restored, "load_s"),
-        "restored": _num(restored, "ts"),
-        "resumed": _num(step, "ts"),
-    }
+    """One rank's instants from its records of the recovery (``own``: record name -> record)."""
+    out = _read_marks(own, "ts", "_s")
+    noticed = _num(own.get(Event.FAULT_DETECTED), "noticed_ts")
+    if noticed is not None:  # (else a log from before noticed_ts: the record's own ts)
+        out["noticed"] = noticed
+    return out
 
 
 def _cpu_marks(own: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """One rank's main-thread CPU clock at the same instants as :func:`_marks` (None where a
     record predates the stamps)."""
-    agreed, rebuilt, restored = (
-        own.get(Event.RESTORE_AGREED),
-        own.get(Event.GROUP_REBUILT),
-        own.get(Event.STATE_RESTORED),
-    )
-
-    def less(e: dict[str, Any] | None, part: str) -> float | None:
-        cpu = _num(e, "cpu_s")
-        return None if cpu is None else cpu - (_num(e, part) or 0.0)
-
-    return {
-        "noticed": _num(own.get(Event.FAULT_DETECTED), "cpu_s"),
-        "left": _num(own.get(Event.GROUP_ABORTED), "cpu_s"),
-        "checked": _num(own.get(Event.HEALTH_CHECKED), "cpu_s"),
-        "agreed": less(agreed, "prepare_cpu_s"),
-        "prepared": _num(agreed, "cpu_s"),
-        "freed": less(rebuilt, "build_cpu_s"),
-        "rebuilt": _num(rebuilt, "cpu_s"),
-        "entered": less(restored, "load_cpu_s"),
-        "restored": _num(restored, "cpu_s"),
-        "resumed": _num(own.get(Event.STEP_RESUMED), "cpu_s"),
-    }
+    # (of the step records only step_resumed carries the CPU stamp)
+    return _read_marks({**own, "step": own.get(Event.STEP_RESUMED, {})}, "cpu_s", "_cpu_s")
 
 
 def _span_cpu(m: dict[str, float | None], spans: tuple[tuple[str, str], ...]) -> float | None:
