@@ -16,7 +16,11 @@ variables): what a worker and its ``resilient launch`` agent read and write of e
   a requeue, a node failure or ``scancel``) and takes it as a preemption, a final checkpoint first.
 - **The run's namespace** in the job's store: where the runtime's keys live, and where the agent
   posts a dead rank's fault so that its survivors' listeners wake.
+- **A fault in the store**: a generation's keys, how a fault is posted there (the first is the
+  generation's primary, the done barrier released with ``fault``) and the record the agent posts
+  for a dead rank, which the runtime's ``FaultRecord`` reads as one of its own.
 - **Where the heartbeats live**: one directory per launcher in ``/dev/shm``.
+- **How a warm standby starts**: the command the agent runs and the runtime's standby serves.
 
 The runtime, the launcher and the metrics import this module; none of them imports another's.
 """
@@ -27,13 +31,14 @@ import contextlib
 import json
 import mmap
 import os
+import re
 import struct
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from resilient.launch_env import LaunchEnv
 
@@ -57,6 +62,11 @@ def run_namespace(run_id: str, attempt: str, engine: str = "") -> str:
     """The store prefix of one launch attempt's keys (``engine``: a prefix of an engine's own,
     ``nvrx/``); every rank of the attempt, and its agent, derive the same."""
     return f"resilient/{run_id}/{engine}a{attempt}"
+
+
+# how the agent starts a standby (not ``-m``: ``resilient.wrap`` imports the runtime's standby module,
+# which must be the one the standby runs in)
+STANDBY_ENTRY = (sys.executable, "-u", "-c", "from resilient.runtime.standby import main; main()")
 
 
 def beat_path(directory: Path, local_rank: int) -> Path:
@@ -278,3 +288,58 @@ def read_beat(path: Path) -> Beat | None:
     if ns == 0:
         return None
     return Beat((time.monotonic_ns() - ns) / 1e9, step, generation, bool(flags & _EXITING))
+
+
+# ---- a fault in the run's store -------------------------------------------------------------------
+DIED = "died"  # a record's kind: a rank's process died (posted by its agent, which replaces it)
+SOFT = "soft"  # a record's severity: the survivors recover in their own processes
+FAULTED = "fault"  # a done barrier's release once a fault was posted: the ranks that returned recover
+_VOLATILE = re.compile(r"0x[0-9a-fA-F]+|\[[0-9a-fA-F:.]+\]:\d+|\d+(\.\d+)?")
+
+
+class KeyStore(Protocol):
+    """What posting a fault needs of a store (torch's ``Store``)."""
+
+    def set(self, key: str, value: str, /) -> None: ...
+
+    def compare_set(self, key: str, expected: str, desired: str, /) -> bytes: ...
+
+
+def generation_key(namespace: str, generation: int, *parts: object) -> str:
+    """A key of generation ``generation`` in the run's namespace (:func:`run_namespace`)."""
+    return "/".join([namespace, f"g{generation}", *map(str, parts)])
+
+
+def publish_fault(store: KeyStore, namespace: str, generation: int, rank: int, raw: str) -> bytes:
+    """Post ``raw`` (a fault record's JSON) as rank ``rank``'s observation of ``generation``'s
+    fault; the first posted is the generation's primary, which every rank's listener waits for
+    (returned: maybe this one). Ranks that returned already and wait in the done barrier wake."""
+    store.set(generation_key(namespace, generation, "fault", rank), raw)
+    primary = store.compare_set(generation_key(namespace, generation, "fault"), "", raw)
+    store.compare_set(generation_key(namespace, generation, "done", "release"), "", FAULTED)
+    return primary
+
+
+def stable_line(text: str) -> str:
+    """The first line of ``text`` with its volatile parts (numbers, addresses, ports) as ``N``:
+    what a fault's signature compares, so the same bug at the same step signs the same twice."""
+    first = (text.strip().splitlines() or [""])[0]
+    return _VOLATILE.sub("N", first)[:160]
+
+
+def death_record(rank: int, generation: int, step: int, cause: str) -> str:
+    """The fault record (JSON, as the runtime's ``FaultRecord`` writes one) of rank ``rank``'s
+    process, dead of ``cause`` at ``step`` of ``generation``, which its agent posts."""
+    record = {
+        "rank": rank,
+        "generation": generation,
+        "step": step,
+        "kind": DIED,
+        "severity": SOFT,
+        "signature": f"{DIED}: {stable_line(cause)}",
+        "message": f"worker process of rank {rank} {cause}",
+        "ts": time.time(),
+        "latency_s": 0.0,
+        "since": None,
+    }
+    return json.dumps(record)

@@ -18,6 +18,8 @@ from typing import Any
 
 from loguru import logger
 
+from resilient.contract import KeyStore
+
 # (where, name): every private name of torch this module reaches (torch 2.13).
 PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed.elastic.agent.server.api:SimpleElasticAgent", "_remaining_restarts"),
@@ -148,6 +150,17 @@ class Elastic:
                 if f is not None:
                     f.close()
         pc.subprocess_handlers[local_rank] = new
+
+    def connect_store(self) -> KeyStore:
+        """A connection to the workers' store (torch's ``MASTER_ADDR``/``MASTER_PORT``: the agent's
+        store, or rank 0's), where the runtime's keys are."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        env = self.env(self.local_ranks()[0])
+        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        return dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=10), wait_for_workers=False)
 
     # ---- the rendezvous (c10d's DynamicRendezvousHandler) ----------------------------------------
     @property

@@ -22,7 +22,7 @@ from typing import Any
 
 from loguru import logger
 
-from resilient.contract import Beat, beat_path, read_beat, run_namespace
+from resilient.contract import Beat, beat_path, death_record, publish_fault, read_beat, run_namespace
 from resilient.events import Event
 from resilient.launch_env import Var
 from resilient.launcher.elastic import Elastic
@@ -73,7 +73,7 @@ class Replacer:
             Var.JOIN_GENERATION.value: str(beat.generation),
             Var.PREDECESSOR_PID.value: str(old_pid),
         }
-        posted = self._post_death(env, worker.global_rank, beat, f"rank {worker.global_rank} {cause}")
+        posted = self._post_death(env, worker.global_rank, beat, cause)
         beat_path(self.heartbeat_dir, local_rank).unlink(missing_ok=True)
         # The dead process may still be tearing down (one SIGKILLed just now after a missed
         # heartbeat frees its memory first): its replacement starts meanwhile, and a replacement
@@ -103,27 +103,16 @@ class Replacer:
         )
         return int(new.proc.pid)
 
-    def _post_death(self, env: dict[str, str], global_rank: int, beat: Beat, message: str) -> bool:
+    def _post_death(self, env: dict[str, str], global_rank: int, beat: Beat, cause: str) -> bool:
         """The dead rank's fault in the workers' store: its survivors' listeners wake at once."""
-        from resilient.runtime.coordination.coordinator import Coordinator, client
-        from resilient.runtime.faults.records import FaultRecord, Severity, Symptom, signature
-
         try:
             if self._store_client is None:
-                self._store_client = client(env["MASTER_ADDR"], int(env["MASTER_PORT"]), 10.0)
+                self._store_client = self.elastic.connect_store()
             run_id = os.environ.get(Var.RUN_ID.value) or env.get(Var.ELASTIC_RUN_ID.value, "")
             attempt = os.environ.get(Var.LAUNCH_ROUND.value) or env.get(Var.RESTART_COUNT.value, "0")
-            coord = Coordinator(self._store_client, run_namespace(run_id, attempt), -1, 0, 10.0)
-            rec = FaultRecord(
-                rank=global_rank,
-                generation=beat.generation,
-                step=beat.step,
-                kind=Symptom.DIED.value,
-                severity=Severity.SOFT.value,
-                signature=signature(Symptom.DIED, RuntimeError(message.split(" ", 2)[-1])),
-                message=f"worker process of {message}",
-            )
-            coord.post_fault(rec)
+            namespace = run_namespace(run_id, attempt)
+            raw = death_record(global_rank, beat.generation, beat.step, cause)
+            publish_fault(self._store_client, namespace, beat.generation, global_rank, raw)
             return True
         except Exception as e:  # the survivors still notice: their collectives with it fail
             logger.warning(f"could not post rank {global_rank}'s death to the store: {e}")

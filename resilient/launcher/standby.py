@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from resilient.runtime.standby import ENTRY
+from resilient.contract import STANDBY_ENTRY
 
 # what torch gives a worker that says who it is and where the job is: hidden from a parking
 # standby's script (its top level must not depend on them)
@@ -77,7 +77,7 @@ class Standby:
         self.announced = False
         self.fallback_seen = False
         self.target = park
-        argv = [*ENTRY, str(ready_dir)]
+        argv = [*STANDBY_ENTRY, str(ready_dir)]
         if park is not None:
             argv += ["--park", json.dumps({**asdict(park), "hide": list(hide)})]
         self.proc = subprocess.Popen(

@@ -28,9 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
-# how the agent starts a standby (not ``-m``: ``resilient.wrap`` imports this module, which must
-# be the one the standby runs in)
-ENTRY = (sys.executable, "-u", "-c", "from resilient.runtime.standby import main; main()")
+from resilient.contract import STANDBY_ENTRY
+
 PARK = "RESILIENT_STANDBY_PARK"  # set in a parking standby's script: the fd its order comes on
 PARK_READY = "RESILIENT_STANDBY_READY"  # ... and its ready file (a fallback is reported next to it)
 
@@ -146,7 +145,7 @@ def _fall_back(why: str) -> None:
     os.environ.__class__ = os._Environ
     os.environ.pop(PARK, None)
     os.environ.pop(PARK_READY, None)
-    os.execv(sys.executable, [*ENTRY, str(ready.parent)])
+    os.execv(sys.executable, [*STANDBY_ENTRY, str(ready.parent)])
 
 
 def _run(module: bool, name: str, args: list[str]) -> None:

@@ -39,6 +39,11 @@ RULES = [
     ("resilient/", ("chaos",), "the library never imports its harness"),
     ("resilient/runtime/", ("resilient.launcher",), "the runtime never imports the launcher"),
     ("resilient/integrations/", ("resilient.launcher",), "the integrations never import the launcher"),
+    (
+        "resilient/launcher/",
+        ("resilient.runtime",),
+        "the launcher never imports the runtime: what both share is the contract",
+    ),
     ("resilient/metrics/", ("resilient.launcher", "resilient.runtime"), "metrics read the event log only"),
     (
         "resilient/detectors/",

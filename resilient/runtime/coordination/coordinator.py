@@ -38,6 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from resilient.contract import FAULTED, generation_key, publish_fault
 from resilient.errors import CoordinationError, PeerAborted
 from resilient.launch_env import Endpoint, LaunchEnv
 from resilient.runtime.coordination.agreement import REDUCE, RestorePlan, restore_plan
@@ -125,7 +126,7 @@ class Coordinator:
         self._lost_lock = threading.Lock()
 
     def key(self, generation: int, *parts: object) -> str:
-        return "/".join([self.ns, f"g{generation}", *map(str, parts)])
+        return generation_key(self.ns, generation, *parts)
 
     # -- the node's store -----------------------------------------------------------------------
     def lose(self, e: BaseException) -> NodeLinkLost:
@@ -167,13 +168,11 @@ class Coordinator:
             if not posted:
                 s.set(own, raw)
             # (ranks of this node that already returned wait in the done barrier here)
-            self._node_call(lambda ns: ns.compare_set(done, "", "fault"), which)
+            self._node_call(lambda ns: ns.compare_set(done, "", FAULTED), which)
             return known
-        s.set(own, raw)
-        primary = s.compare_set(self.key(rec.generation, "fault"), "", raw)
-        # wake ranks that already returned from the function and wait in the done barrier
-        s.compare_set(done, "", "fault")
-        self._node_call(lambda ns: ns.compare_set(done, "", "fault"), which)
+        # (which also wakes the ranks that already returned and wait in the done barrier)
+        primary = publish_fault(s, self.ns, rec.generation, rec.rank, raw)
+        self._node_call(lambda ns: ns.compare_set(done, "", FAULTED), which)
         return FaultRecord.parse(primary, rec.generation)
 
     def primary_fault(self, generation: int, store: dist.Store | None = None) -> FaultRecord | None:
@@ -405,7 +404,7 @@ class Coordinator:
             ) from e
         if verdict == OK:
             return True
-        if verdict == "fault":
+        if verdict == FAULTED:
             return False
         raise PeerAborted(f"generation {generation} aborted: {verdict}")
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
+from resilient import contract
 from resilient.detectors import REGISTRY as DETECTORS
 from resilient.detectors.collectives import DESYNC, CollectiveDesync
 from resilient.errors import ResilienceError, StepInterrupted
@@ -34,12 +35,12 @@ class Symptom(str, enum.Enum):
     PEER = "peer"  # this rank was pulled out because another rank faulted
     PREEMPT = "preempt"  # a preemption signal: save a final checkpoint and exit for requeue
     CUDA = "cuda"  # a sticky CUDA error: the context is unusable, in-process recovery is impossible
-    DIED = "died"  # a rank's process died (posted by the launcher's agent, which replaces it)
+    DIED = contract.DIED  # a rank's process died (posted by the launcher's agent, which replaces it)
     MALFORMED = "malformed"  # a record a peer left in the store does not parse (reported, recovered)
 
 
 class Severity(str, enum.Enum):
-    SOFT = "soft"  # recover in-process
+    SOFT = contract.SOFT  # recover in-process
     HARD = "hard"  # exit for the launcher
 
 
@@ -56,7 +57,6 @@ _STICKY_CUDA = re.compile(
     r"illegal instruction|misaligned address|cuda error: (?!out of memory)",
     re.IGNORECASE,
 )
-_VOLATILE = re.compile(r"0x[0-9a-fA-F]+|\[[0-9a-fA-F:.]+\]:\d+|\d+(\.\d+)?")
 
 
 def _dist_errors() -> tuple[type[BaseException], ...]:
@@ -121,8 +121,7 @@ def signature(kind: str, exc: BaseException) -> str:
     fixed = exc.signature_text if isinstance(exc, ResilienceError) else _fixed(kind)
     if fixed is not None:
         return fixed
-    first = (str(exc).strip().splitlines() or [""])[0]
-    first = _VOLATILE.sub("N", first)[:160]
+    first = contract.stable_line(str(exc))
     if kind in (Symptom.HANG, Symptom.PEER, Symptom.DIED):
         return f"{kind}: {first}"
     return f"{kind}: {type(exc).__name__}: {first}"
