@@ -81,54 +81,37 @@ class Checkpointer:
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        config: CheckpointConfig | str | os.PathLike[str],
         *,
         rank: int = 0,
         world_size: int = 1,
         token: str | None = None,
-        keep: int = 3,
-        incremental: bool = True,
-        on_busy: OnBusy | str = OnBusy.WAIT,
-        commit_timeout: float = 600.0,
-        persistent_url: str | None = None,
-        storage_options: dict[str, Any] | None = None,
         any_busy: Callable[[int, bool], bool] | None = None,
-        writer: str = "thread",
         backends: Backends | None = None,
+        **fields: Any,
     ) -> None:
-        """``backends``: the writer, tier and uploader to use instead of the ones ``writer``,
-        ``persistent_url`` and ``storage_options`` describe (which must then be left unset)."""
-        if keep < 1:
-            raise CheckpointError(f"keep must be >= 1 (the newest checkpoint is never deleted), got {keep}")
-        self.on_busy = OnBusy(on_busy)
-        cfg = _validated(
-            root=Path(root),
-            keep=keep,
-            incremental=incremental,
-            on_busy=self.on_busy.value,
-            writer=writer,
-            persistent_url=persistent_url,
-            storage_options=storage_options or {},
-            commit_timeout=commit_timeout,
-        )
-        if backends is not None and (writer != "thread" or persistent_url or storage_options):
+        """``config``: a ``checkpoint:`` section, or the directory for its ``dir`` with any of its
+        other fields as keywords (``keep=3``, ``persistent_url=...``), which it validates.
+        ``backends``: the writer, tier and uploader to use instead of the ones the config's
+        ``writer``, ``persistent_url`` and ``storage_options`` describe (which must then be unset)."""
+        cfg, self.root = _config(config, fields)
+        self.config = cfg
+        if backends is not None and (cfg.writer != "thread" or cfg.persistent_url or cfg.storage_options):
             raise CheckpointError("Checkpointer: pass backends= or writer=/persistent_url=, not both")
-        self.root = Path(root)
+        self.on_busy = OnBusy(cfg.on_busy)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"checkpoint directory {self.root} cannot be created: {e}") from e
         self.rank, self.world_size = rank, world_size
         self.token = token or default_token()
-        self.keep, self.incremental = keep, incremental
-        self.commit_timeout = commit_timeout
         if backends is None:
             backends = build_backends(cfg, rank=rank, world_size=world_size, token=self.token)
         self.writer: ShardWriter = backends.writer
         self.tier: Storage | None = backends.tier
         self._uploads: Uploads | None = None  # rank 0's, with a persistent tier
         if backends.tier is not None and backends.uploader is not None:
-            self._uploads = Uploads(backends.tier, backends.uploader, keep)
+            self._uploads = Uploads(backends.tier, backends.uploader, cfg.keep)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="resilient-ckpt")
         self._inflight: Future[Manifest | None] | None = None
         self._inflight_step = -1
@@ -158,22 +141,7 @@ class Checkpointer:
         any_busy: Callable[[int, bool], bool] | None = None,
     ) -> Checkpointer:
         """The ``Checkpointer`` that ``cfg`` (a runtime's ``checkpoint:`` section) describes."""
-        if cfg.dir is None:
-            raise CheckpointError("checkpoint.dir is not set: there is nowhere to write checkpoints")
-        return cls(
-            cfg.dir,
-            rank=rank,
-            world_size=world_size,
-            token=token,
-            keep=cfg.keep,
-            incremental=cfg.incremental,
-            on_busy=cfg.on_busy,
-            commit_timeout=cfg.commit_timeout_s,
-            persistent_url=cfg.persistent_url,
-            storage_options=dict(cfg.storage_options),
-            any_busy=any_busy,
-            writer=cfg.writer,
-        )
+        return cls(cfg, rank=rank, world_size=world_size, token=token, any_busy=any_busy)
 
     # ---- saving ---------------------------------------------------------------------------------
     def save(
@@ -195,44 +163,22 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer")
         self._settle(wait=False)
-        if self._last is not None and self._last[0] == step:
-            # the same step again (a preemption's final save that the periodic one already
-            # covers): same state, and a second writer into the same temporary directory would
-            # race with rank 0 renaming it
-            return self._last[1]
-        if (self.root / step_name(step)).is_dir():
-            # committed before a recovery that replays it (see forget_unfinished): every rank
-            # sees the same directory, so every rank skips it alike
-            done: Future[Manifest | None] = Future()
-            done.set_result(read_manifest(self.root / step_name(step) / MANIFEST) if self.rank == 0 else None)
+        done = self._saved_already(step)
+        if done is not None:
             return done
         t0 = time.perf_counter()
         busy = self._inflight is not None and not self._inflight.done()
         if not busy:
             self._settle(wait=False)  # it may have ended since the first look: its error must surface
-        if self.on_busy is OnBusy.SKIP:
-            if self.world_size > 1:  # every rank must skip the same steps, or no step commits
-                busy = self._any_busy(step, busy)
-            if busy:
-                self.skipped += 1
-                logger.info(f"checkpoint at step {step} skipped: the previous one is still being written")
-                return None
+        if self.on_busy is OnBusy.SKIP and self._skips(step, busy):
+            return None
         if busy or sharded is not None:
             self._wait_inflight()  # DCP writes into the step's directory now: nothing else may be
-        dcp_files: list[str] = []
-        if sharded is not None:
-            tmp = self.root / tmp_name(step, self.token)
-            tmp.mkdir(parents=True, exist_ok=True)
-            from resilient.checkpoint.sharded import save_sharded  # DCP: ~0.5 s to import, only if used
-
-            dcp_files = [f"dcp/{p}" for p in save_sharded(sharded, tmp / "dcp")]
+        dcp_files = self._save_sharded(step, sharded) if sharded is not None else []
         skeleton, leaves = encode(state)
         self.last_nbytes = sum(leaf.tensor.nbytes for leaf in leaves)
         if pipeline:
-            for opt in pipeline:
-                if opt not in self._hooked:
-                    opt.register_step_pre_hook(self._before_optimizer_step)
-                    self._hooked.add(opt)
+            self._hook(pipeline)
             self._staged.clear()
             fut = self._pool.submit(self._save_job, step, None, leaves, skeleton, extra, dcp_files)
         else:
@@ -245,10 +191,51 @@ class Checkpointer:
         fut.add_done_callback(functools.partial(self._log_failure, step))
         return fut
 
+    def _saved_already(self, step: int) -> Future[Manifest | None] | None:
+        """The future of ``step``'s save where it needs no other: this rank's save of it, or its
+        committed checkpoint; None where it must be saved."""
+        if self._last is not None and self._last[0] == step:
+            # the same step again (a preemption's final save that the periodic one already
+            # covers): same state, and a second writer into the same temporary directory would
+            # race with rank 0 renaming it
+            return self._last[1]
+        if (self.root / step_name(step)).is_dir():
+            # committed before a recovery that replays it (see forget_unfinished): every rank
+            # sees the same directory, so every rank skips it alike
+            done: Future[Manifest | None] = Future()
+            done.set_result(read_manifest(self.root / step_name(step) / MANIFEST) if self.rank == 0 else None)
+            return done
+        return None
+
+    def _skips(self, step: int, busy: bool) -> bool:
+        """``on_busy: skip``: whether ``step`` is skipped, the previous save being still in flight
+        here (``busy``) or on another rank."""
+        if self.world_size > 1:  # every rank must skip the same steps, or no step commits
+            busy = self._any_busy(step, busy)
+        if busy:
+            self.skipped += 1
+            logger.info(f"checkpoint at step {step} skipped: the previous one is still being written")
+        return busy
+
+    def _save_sharded(self, step: int, sharded: dict[str, Any]) -> list[str]:
+        """DCP's collective write of ``sharded`` into the step's temporary directory: its files."""
+        tmp = self.root / tmp_name(step, self.token)
+        tmp.mkdir(parents=True, exist_ok=True)
+        from resilient.checkpoint.sharded import save_sharded  # DCP: ~0.5 s to import, only if used
+
+        return [f"dcp/{p}" for p in save_sharded(sharded, tmp / "dcp")]
+
+    def _hook(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """A pipelined save's pre-step hook on each optimizer, once: it waits for the copy."""
+        for opt in optimizers:
+            if opt not in self._hooked:
+                opt.register_step_pre_hook(self._before_optimizer_step)
+                self._hooked.add(opt)
+
     def _before_optimizer_step(self, *_: Any) -> None:
         if not self._staged.is_set():
             t0 = time.perf_counter()
-            if not self._staged.wait(self.commit_timeout):
+            if not self._staged.wait(self.config.commit_timeout_s):
                 raise CheckpointError("staging a pipelined checkpoint did not finish in time")
             self.last_block_s += time.perf_counter() - t0
 
@@ -285,7 +272,7 @@ class Checkpointer:
             return
         self._inflight = None
         try:
-            fut.result(timeout=self.commit_timeout + 60)
+            fut.result(timeout=self.config.commit_timeout_s + 60)
         except Exception as e:
             self._last = None
             raise CheckpointError(f"checkpoint {step_name(step)} failed: {type(e).__name__}: {e}") from e
@@ -377,17 +364,27 @@ class Checkpointer:
         return read_manifest(self.root / step_name(step) / MANIFEST)
 
 
-_ARGS = {"dir": "root", "commit_timeout_s": "commit_timeout"}  # config field -> argument name
-
-
-def _validated(*, root: Path, commit_timeout: float, **kw: Any) -> CheckpointConfig:
-    """The arguments as the one validated checkpoint config; an error names the argument."""
-    try:
-        return CheckpointConfig(dir=root, commit_timeout_s=commit_timeout, **kw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        name = _ARGS.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else "?"
-        raise CheckpointError(f"Checkpointer({name}={err.get('input')!r}): {err['msg']}") from None
+def _config(
+    config: CheckpointConfig | str | os.PathLike[str], fields: dict[str, Any]
+) -> tuple[CheckpointConfig, Path]:
+    """The one validated checkpoint config, and its directory: ``config``, or the directory it
+    names with ``fields`` (a field left None takes the config's default); an error names the field."""
+    if isinstance(config, CheckpointConfig):
+        if fields:
+            raise CheckpointError(
+                f"Checkpointer: a CheckpointConfig, or its fields as keywords, not both: {sorted(fields)}"
+            )
+        cfg = config
+    else:
+        try:
+            cfg = CheckpointConfig(dir=Path(config), **{k: v for k, v in fields.items() if v is not None})
+        except ValidationError as e:
+            err = e.errors()[0]
+            name = str(err["loc"][0]) if err["loc"] else "?"
+            raise CheckpointError(f"Checkpointer({name}={err.get('input')!r}): {err['msg']}") from None
+    if cfg.dir is None:
+        raise CheckpointError("checkpoint.dir is not set: there is nowhere to write checkpoints")
+    return cfg, Path(cfg.dir)
 
 
 def _any_rank_busy(step: int, busy: bool) -> bool:

@@ -393,7 +393,7 @@ def test_a_step_replayed_after_a_failed_commit_is_saved_afresh_on_every_rank(tmp
     Once every rank forgot what did not commit, the replayed save commits; a rank that returned
     its earlier save instead would leave rank 0 waiting for a part that never comes."""
     x = torch.arange(8.0)
-    kw: dict[str, Any] = {"token": "t", "world_size": 3, "commit_timeout": 5.0}
+    kw: dict[str, Any] = {"token": "t", "world_size": 3, "commit_timeout_s": 5.0}
     ranks = [Checkpointer(tmp_path, rank=r, **kw) for r in range(3)]
     try:
         ranks[2].save(5, {"x": x + 2})

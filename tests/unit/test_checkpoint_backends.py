@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from resilient.checkpoint.backends import WRITERS, Backends, build_backends
-from resilient.checkpoint.manager import Checkpointer
+from resilient.checkpoint.manager import Checkpointer, OnBusy
 from resilient.checkpoint.manifest import MANIFEST, Manifest, RankEntry, step_name
 from resilient.checkpoint.procwriter import ProcessWriter
 from resilient.checkpoint.staging import Arena
@@ -204,17 +204,29 @@ def test_a_writer_that_fails_to_start_stops_the_uploader_built_before_it(
 def test_from_config_builds_the_checkpointer_the_config_describes(tmp_path: Path) -> None:
     cfg = CheckpointConfig(dir=tmp_path, keep=2, incremental=False, on_busy="skip", commit_timeout_s=5)
     with Checkpointer.from_config(cfg, rank=0, world_size=1, token="t") as ck:
-        assert (ck.root, ck.keep, ck.incremental, ck.on_busy.value, ck.commit_timeout) == (
-            tmp_path, 2, False, "skip", 5)  # fmt: skip
-        assert isinstance(ck.writer, ThreadWriter) and ck.tier is None
+        assert ck.config is cfg and (ck.root, ck.on_busy) == (tmp_path, OnBusy.SKIP)
+        assert isinstance(ck.writer, ThreadWriter)
+        assert ck.writer.spec == WriterSpec(tmp_path, 0, 1, "t", keep=2, incremental=False, commit_timeout=5)
+        assert ck.tier is None
+
+
+def test_the_config_is_the_one_source_of_the_settings(tmp_path: Path) -> None:
+    cfg = CheckpointConfig(dir=tmp_path, keep=2)
+    with pytest.raises(CheckpointError, match="not both"):
+        Checkpointer(cfg, token="t", keep=3)
+    with pytest.raises(CheckpointError, match=r"checkpoint\.dir is not set"):
+        Checkpointer(CheckpointConfig(), token="t")
+    with Checkpointer(tmp_path, token="t", keep=2, storage_options=None) as ck:  # None: the default
+        assert ck.config == cfg
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"writer": "disk"}, r"Checkpointer\(writer='disk'\)"),
-        ({"commit_timeout": 0}, r"Checkpointer\(commit_timeout=0\)"),
-        ({"keep": 0}, r"keep must be >= 1"),
+        ({"commit_timeout_s": 0}, r"Checkpointer\(commit_timeout_s=0\)"),
+        ({"keep": 0}, r"Checkpointer\(keep=0\): .*greater than or equal to 1"),
+        ({"commit_timeout": 5}, r"Checkpointer\(commit_timeout=5\): Extra inputs"),
         ({"writer": "process", "backends": Backends(RecordingWriter())}, r"backends= or writer="),
     ],
 )
