@@ -97,50 +97,29 @@ def persist_rank(
     own = f"{step_name(step)}/rank{rank:05d}.bin"
     entries: list[TensorEntry] = []
     files: dict[str, FileEntry] = {}
-    fd, size, hasher = -1, 0, xxhash.xxh3_128()
-    try:
+    with _Shard(tmp / f"rank{rank:05d}.bin") as shard:
         for slot in slots:
             data = staged.bytes_of(slot)
             h = digest(data)
             prev = base_tensors.get(slot.key)
-            if (
-                prev is not None
-                and slot.nbytes >= DEDUPE_MIN_BYTES
-                and prev.xxh3 == h
-                and prev.dtype == slot.dtype
-                and prev.shape == slot.shape
-                and prev.file in base_files
-            ):
+            if prev is not None and prev.file in base_files and _unchanged(prev, slot, h):
                 entries.append(prev)  # unchanged since the last checkpoint: point at its bytes
                 files[prev.file] = base_files[prev.file]
                 continue
-            if fd < 0:
-                fd = os.open(tmp / f"rank{rank:05d}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            pad = aligned(size) - size
-            if pad:
-                _write_all(fd, memoryview(_ZEROS[:pad]))
-                hasher.update(_ZEROS[:pad])
-                size += pad
-            _write_all(fd, data)
-            hasher.update(data)
+            offset = shard.append(data)
             entries.append(
                 TensorEntry.model_construct(
                     key=slot.key,
                     dtype=slot.dtype,
                     shape=slot.shape,
                     file=own,
-                    offset=size,
+                    offset=offset,
                     nbytes=slot.nbytes,
                     xxh3=h,
                 )
             )
-            size += slot.nbytes
-        if fd >= 0:
-            os.fsync(fd)
-            files[own] = FileEntry(path=own, size=size, xxh3=hasher.hexdigest())
-    finally:
-        if fd >= 0:
-            os.close(fd)
+        if shard.written():
+            files[own] = shard.finish(own)
     sharded = []
     for rel in sharded_files:
         path = f"{step_name(step)}/{rel}"
@@ -153,6 +132,58 @@ def persist_rank(
     # no fsync: a part only matters until rank 0 folds it into the (fsynced) manifest
     write_json_durable(tmp / part_name(rank), entry.model_dump_json(), durable=False)
     return entry
+
+
+def _unchanged(prev: TensorEntry, slot: Slot, h: str) -> bool:
+    """The base checkpoint's tensor has ``slot``'s bytes (digest ``h``), and is large enough that
+    pointing at it is worth pinning its directory."""
+    return (
+        slot.nbytes >= DEDUPE_MIN_BYTES
+        and prev.xxh3 == h
+        and prev.dtype == slot.dtype
+        and prev.shape == slot.shape
+    )
+
+
+class _Shard:
+    """This rank's ``.bin`` of one save: tensors appended at aligned offsets and hashed as they are
+    written; the file is created by the first append (a save whose tensors all stayed writes none)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1
+        self.size = 0
+        self.hasher = xxhash.xxh3_128()
+
+    def __enter__(self) -> _Shard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+
+    def written(self) -> bool:
+        return self.fd >= 0
+
+    def append(self, data: memoryview) -> int:
+        """Write ``data`` at the next aligned offset (zeros before it, hashed too); return that offset."""
+        if self.fd < 0:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        pad = aligned(self.size) - self.size
+        if pad:
+            _write_all(self.fd, memoryview(_ZEROS[:pad]))
+            self.hasher.update(_ZEROS[:pad])
+            self.size += pad
+        offset = self.size
+        _write_all(self.fd, data)
+        self.hasher.update(data)
+        self.size += data.nbytes
+        return offset
+
+    def finish(self, path: str) -> FileEntry:
+        """fsync the file; its entry under ``path`` (relative to the checkpoint root)."""
+        os.fsync(self.fd)
+        return FileEntry(path=path, size=self.size, xxh3=self.hasher.hexdigest())
 
 
 def report_failure(root: Path, step: int, token: str, rank: int, error: BaseException) -> None:

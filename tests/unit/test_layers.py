@@ -26,7 +26,6 @@ OVER = {
     "resilient/launcher/cli.py:main": 158,
     "resilient/launcher/agent.py:ResilientAgent": 382,
     "resilient/integrations/_lightning_strategy.py:strategy_class": 158,
-    "resilient/checkpoint/writer.py:persist_rank": 81,
     "chaos/certify.py:_run_trial": 81,
     "chaos/stream.py:_report": 93,
     "chaos/harness.py:run_ranks": 65,
