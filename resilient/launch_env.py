@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,24 +149,7 @@ class LaunchEnv:
             predecessor_pid = int(pred) if pred else None
         except ValueError as e:
             raise CoordinationError(f"malformed launch environment: {e}") from e
-        if not 0 <= rank < world:
-            raise CoordinationError(f"{Var.RANK}={rank} is outside {Var.WORLD_SIZE}={world}")
-        if not (0 <= local_rank <= rank and local_rank < local_world <= world):
-            local_world = 1  # not torchrun's numbering: no node is assumed
-        host, port = get(Var.MASTER_ADDR), get(Var.MASTER_PORT)
-        if host is None or port is None:
-            if world > 1:
-                raise CoordinationError(
-                    f"{Var.WORLD_SIZE}={world} but {Var.MASTER_ADDR}/{Var.MASTER_PORT} are not set; "
-                    "launch with torchrun or `resilient launch`"
-                )
-            ep = Endpoint("127.0.0.1", 0, 0, 1, 0, True)
-        else:
-            agent_store = (get(Var.USE_AGENT_STORE) or "").lower() == "true"
-            hosts = rank == 0 and not agent_store
-            ep = Endpoint(
-                host, int(port), rank, world, local_rank, hosts_store=hosts, local_world_size=local_world
-            )
+        ep = _endpoint(get, rank, world, local_rank, local_world)
         run_id = get(Var.RUN_ID) or get(Var.ELASTIC_RUN_ID)
         signals = get(Var.PREEMPT_SIGNALS)
         hb_dir = get(Var.HEARTBEAT_DIR)
@@ -189,3 +172,25 @@ class LaunchEnv:
             events_dir=Path(events) if (events := get(Var.EVENTS_DIR)) else None,
             slurm=SlurmPlace.from_environ(env),
         )
+
+
+def _endpoint(
+    get: Callable[[Var], str | None], rank: int, world: int, local_rank: int, local_world: int
+) -> Endpoint:
+    """This worker's place in the job and the store's address, from the parsed numbers and the
+    rendezvous variables (``get``: a variable's value, None where unset or empty)."""
+    if not 0 <= rank < world:
+        raise CoordinationError(f"{Var.RANK}={rank} is outside {Var.WORLD_SIZE}={world}")
+    if not (0 <= local_rank <= rank and local_rank < local_world <= world):
+        local_world = 1  # not torchrun's numbering: no node is assumed
+    host, port = get(Var.MASTER_ADDR), get(Var.MASTER_PORT)
+    if host is None or port is None:
+        if world > 1:
+            raise CoordinationError(
+                f"{Var.WORLD_SIZE}={world} but {Var.MASTER_ADDR}/{Var.MASTER_PORT} are not set; "
+                "launch with torchrun or `resilient launch`"
+            )
+        return Endpoint("127.0.0.1", 0, 0, 1, 0, True)
+    agent_store = (get(Var.USE_AGENT_STORE) or "").lower() == "true"
+    hosts = rank == 0 and not agent_store
+    return Endpoint(host, int(port), rank, world, local_rank, hosts_store=hosts, local_world_size=local_world)
