@@ -18,7 +18,7 @@ import gc
 import inspect
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 from torch.nn.parallel import DistributedDataParallel
@@ -188,6 +188,14 @@ def _named(prefix: str, objs: Sequence[Any]) -> dict[str, Any]:
     return {f"{prefix}_{i}": o for i, o in enumerate(objs)}
 
 
+# The bodies below are put on each package's own base classes by strategy_class: to the type
+# checker that base is unknown (Any), so that their calls up to it are not refused.
+if TYPE_CHECKING:
+    _LightningBase = Any
+else:
+    _LightningBase = object
+
+
 @functools.cache
 def strategy_class(pl: ModuleType) -> type:
     """``ResilientDDPStrategy`` for the Lightning package ``pl`` (``lightning.pytorch`` or
@@ -198,152 +206,183 @@ def strategy_class(pl: ModuleType) -> type:
         importlib.import_module(f"{pl.__name__}.{sub}")
     ddp_base = pl.strategies.DDPStrategy
     launcher_base = pl.strategies.launchers.launcher._Launcher
-    states = pl.trainer.states
 
-    class ResilientLauncher(launcher_base):  # type: ignore[misc, valid-type]
+    class ResilientLauncher(_Launcher, launcher_base):  # type: ignore[misc, valid-type]
         """Runs ``fit`` inside ``resilient.wrap``; ``validate``/``test``/``predict`` as Lightning does."""
 
-        def __init__(self, strategy: Any) -> None:
-            self._strategy = strategy
+        _lightning = pl
 
-        @property
-        def is_interactive_compatible(self) -> bool:
-            return False
-
-        def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-            s = self._strategy
-            env = s.cluster_environment
-            # (a standby of `resilient launch` runs the script before it has a rank, its worker
-            # variables hidden: it goes on to resilient.wrap, which parks it or says why it cannot)
-            spawning = env is not None and not env.creates_processes_externally and not parking()
-            if spawning and s.num_processes * s.num_nodes > 1:
-                raise LightningSetupError(
-                    f"Trainer(devices={s.num_processes}, num_nodes={s.num_nodes}) with "
-                    f"{type(self._strategy).__name__}: start the processes with `resilient launch "
-                    f"--nproc-per-node {s.num_processes} script.py` (or torchrun); the strategy does "
-                    "not spawn them"
-                )
-            if env is not None and not parking():
-                env.validate_settings(num_devices=s.num_processes, num_nodes=s.num_nodes)
-            if trainer is None or getattr(function, "__name__", "") != "_fit_impl":
-                return function(*args, **kwargs)
-            return FitRun(s, trainer, pl).run(function, args, kwargs)
-
-        def kill(self, signum: Any) -> None:
-            return None  # (no process of its own: the launcher outside owns the workers)
-
-    class ResilientDDPStrategy(ddp_base):  # type: ignore[misc, valid-type]
+    class ResilientDDPStrategy(_Strategy, ddp_base):  # type: ignore[misc, valid-type]
         """Lightning's ``DDPStrategy`` whose ``fit`` survives faults (resilient.integrations.lightning)."""
 
-        strategy_name = "resilient_ddp"
-
-        def __init__(
-            self,
-            *,
-            config: Any = None,
-            checks: Sequence[Any] = (),
-            hooks: Sequence[Any] = (),
-            **kwargs: Any,
-        ) -> None:
-            overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_KEYS}
-            own = set(inspect.signature(ddp_base.__init__).parameters) - {"self", "kwargs"}
-            unknown = sorted(set(kwargs) - own - _DDP_KEYS)
-            if unknown:
-                raise LightningSetupError(
-                    f"ResilientDDPStrategy({unknown[0]}=...): neither a key of resilient.Config "
-                    f"({', '.join(sorted(_CONFIG_KEYS))}) nor an argument of DDPStrategy or "
-                    "DistributedDataParallel"
-                )
-            start = kwargs.get("start_method", "popen")
-            if start in _UNSUPPORTED_STARTS:
-                raise LightningSetupError(
-                    f"ResilientDDPStrategy(start_method={start!r}): the processes must be started outside "
-                    "Lightning (`resilient launch` or torchrun); leave start_method unset"
-                )
-            backend = kwargs.get("process_group_backend")
-            if backend is not None and "backend" not in overrides:
-                overrides["backend"] = backend
-            if isinstance(config, Config):  # (as resilient.wrap takes it)
-                cfg = load_config(None, **{**config.model_dump(), **overrides}) if overrides else config
-            else:
-                cfg = load_config(config, **overrides)
-            self.resilient_config = cfg
-            self.resilient_checks = tuple(checks)
-            self.resilient_hooks = tuple(hooks)
-            self._fit_run: FitRun | None = None
-            self._made_group = False  # Lightning made the default group (validate/test/predict)
-            super().__init__(**kwargs)
-
-        def _configure_launcher(self) -> None:
-            self._launcher = ResilientLauncher(self)
-
-        def setup_distributed(self) -> None:
-            import torch.distributed as dist
-
-            if self._fit_run is None or not dist.is_initialized():
-                made = not dist.is_initialized()
-                super().setup_distributed()  # (validate/test/predict: Lightning's own group)
-                self._made_group = self._made_group or (made and dist.is_initialized())
-                return
-            # the runtime made this entry's group: Lightning's init would find it and skip, but its
-            # seed reset and rank bookkeeping still apply
-            super().setup_distributed()
-            if dist.get_rank() != self.global_rank or dist.get_world_size() != self.world_size:
-                raise LightningSetupError(
-                    f"Lightning sees rank {self.global_rank} of {self.world_size}; the process group, "
-                    f"rank {dist.get_rank()} of {dist.get_world_size()}: give the Trainer devices and "
-                    "num_nodes matching the launcher's --nproc-per-node and --nnodes"
-                )
-
-        def release_group(self) -> None:
-            """Before ``fit``: the runtime makes the default group; one that Lightning made for a
-            ``validate``/``test`` before goes, one made by the script is refused."""
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                return
-            if not self._made_group:
-                raise LightningSetupError(
-                    "a default process group exists before trainer.fit: under ResilientDDPStrategy the "
-                    "runtime makes it (and remakes it after a fault); drop the script's init_process_group"
-                )
-            dist.destroy_process_group()
-            self._made_group = False
-
-        def setup(self, trainer: Any) -> None:
-            super().setup(trainer)
-            if self._fit_run is not None and trainer.state.fn == states.TrainerFn.FITTING:
-                self._fit_run.attach(trainer)
-
-        def process_dataloader(self, dataloader: Any) -> Any:
-            dataloader = super().process_dataloader(dataloader)
-            run = self._fit_run
-            if run is not None and run.trainer.state.stage == states.RunningStage.TRAINING:
-                dataloader = run.process_train_dataloader(dataloader)
-            return dataloader
-
-        def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-            super().barrier(name, *args, **kwargs)
-            if name == "run-stage" and self._fit_run is not None and self._fit_run.state is not None:
-                self._fit_run.stage_begins()
-
-        def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-            out = super().optimizer_step(*args, **kwargs)
-            if self._fit_run is not None:
-                self._fit_run.optimizer_stepped()
-            return out
-
-        def on_train_start(self) -> None:
-            super().on_train_start()
-            if self._fit_run is not None:
-                self._fit_run.on_train_start()
-
-        def on_train_end(self) -> None:
-            super().on_train_end()
-            if self._fit_run is not None:
-                self._fit_run.train_end()
+        _lightning = pl
+        _launcher_class = ResilientLauncher
 
     ResilientDDPStrategy.__module__ = "resilient.integrations.lightning"
     ResilientDDPStrategy.__qualname__ = "ResilientDDPStrategy"
     BUILT.append(ResilientDDPStrategy)
     return ResilientDDPStrategy
+
+
+class _Launcher(_LightningBase):
+    """``ResilientLauncher``: runs ``fit`` inside ``resilient.wrap`` (a :class:`FitRun`), and
+    ``validate``/``test``/``predict`` as Lightning does."""
+
+    _lightning: ModuleType  # the Lightning package of the class built on this one
+
+    def __init__(self, strategy: Any) -> None:
+        self._strategy = strategy
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return False
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        s = self._strategy
+        env = s.cluster_environment
+        # (a standby of `resilient launch` runs the script before it has a rank, its worker
+        # variables hidden: it goes on to resilient.wrap, which parks it or says why it cannot)
+        spawning = env is not None and not env.creates_processes_externally and not parking()
+        if spawning and s.num_processes * s.num_nodes > 1:
+            raise LightningSetupError(
+                f"Trainer(devices={s.num_processes}, num_nodes={s.num_nodes}) with "
+                f"{type(self._strategy).__name__}: start the processes with `resilient launch "
+                f"--nproc-per-node {s.num_processes} script.py` (or torchrun); the strategy does "
+                "not spawn them"
+            )
+        if env is not None and not parking():
+            env.validate_settings(num_devices=s.num_processes, num_nodes=s.num_nodes)
+        if trainer is None or getattr(function, "__name__", "") != "_fit_impl":
+            return function(*args, **kwargs)
+        return FitRun(s, trainer, self._lightning).run(function, args, kwargs)
+
+    def kill(self, signum: Any) -> None:
+        return None  # (no process of its own: the launcher outside owns the workers)
+
+
+def _arguments(ddp_base: Any, config: Any, kwargs: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
+    """``ResilientDDPStrategy``'s keywords split: the runtime's configuration (``config`` with the
+    keys of :class:`resilient.Config` among ``kwargs``), and what goes on to ``ddp_base`` (the
+    package's ``DDPStrategy``)."""
+    overrides = {k: v for k, v in kwargs.items() if k in _CONFIG_KEYS}
+    kwargs = {k: v for k, v in kwargs.items() if k not in _CONFIG_KEYS}
+    own = set(inspect.signature(ddp_base.__init__).parameters) - {"self", "kwargs"}
+    unknown = sorted(set(kwargs) - own - _DDP_KEYS)
+    if unknown:
+        raise LightningSetupError(
+            f"ResilientDDPStrategy({unknown[0]}=...): neither a key of resilient.Config "
+            f"({', '.join(sorted(_CONFIG_KEYS))}) nor an argument of DDPStrategy or "
+            "DistributedDataParallel"
+        )
+    start = kwargs.get("start_method", "popen")
+    if start in _UNSUPPORTED_STARTS:
+        raise LightningSetupError(
+            f"ResilientDDPStrategy(start_method={start!r}): the processes must be started outside "
+            "Lightning (`resilient launch` or torchrun); leave start_method unset"
+        )
+    backend = kwargs.get("process_group_backend")
+    if backend is not None and "backend" not in overrides:
+        overrides["backend"] = backend
+    if isinstance(config, Config):  # (as resilient.wrap takes it)
+        cfg = load_config(None, **{**config.model_dump(), **overrides}) if overrides else config
+    else:
+        cfg = load_config(config, **overrides)
+    return cfg, kwargs
+
+
+class _Strategy(_LightningBase):
+    """``ResilientDDPStrategy``: Lightning's ``DDPStrategy`` whose ``fit`` runs under the runtime
+    (the process group is the runtime's, the state tracked after ``setup``, the steps marked)."""
+
+    strategy_name = "resilient_ddp"
+    _lightning: ModuleType  # the Lightning package of the class built on this one
+    _launcher_class: type
+
+    def __init__(
+        self,
+        *,
+        config: Any = None,
+        checks: Sequence[Any] = (),
+        hooks: Sequence[Any] = (),
+        **kwargs: Any,
+    ) -> None:
+        cfg, kwargs = _arguments(self._lightning.strategies.DDPStrategy, config, kwargs)
+        self.resilient_config = cfg
+        self.resilient_checks = tuple(checks)
+        self.resilient_hooks = tuple(hooks)
+        self._fit_run: FitRun | None = None
+        self._made_group = False  # Lightning made the default group (validate/test/predict)
+        super().__init__(**kwargs)
+
+    def _configure_launcher(self) -> None:
+        self._launcher = self._launcher_class(self)
+
+    def setup_distributed(self) -> None:
+        import torch.distributed as dist
+
+        if self._fit_run is None or not dist.is_initialized():
+            made = not dist.is_initialized()
+            super().setup_distributed()  # (validate/test/predict: Lightning's own group)
+            self._made_group = self._made_group or (made and dist.is_initialized())
+            return
+        # the runtime made this entry's group: Lightning's init would find it and skip, but its
+        # seed reset and rank bookkeeping still apply
+        super().setup_distributed()
+        if dist.get_rank() != self.global_rank or dist.get_world_size() != self.world_size:
+            raise LightningSetupError(
+                f"Lightning sees rank {self.global_rank} of {self.world_size}; the process group, "
+                f"rank {dist.get_rank()} of {dist.get_world_size()}: give the Trainer devices and "
+                "num_nodes matching the launcher's --nproc-per-node and --nnodes"
+            )
+
+    def release_group(self) -> None:
+        """Before ``fit``: the runtime makes the default group; one that Lightning made for a
+        ``validate``/``test`` before goes, one made by the script is refused."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        if not self._made_group:
+            raise LightningSetupError(
+                "a default process group exists before trainer.fit: under ResilientDDPStrategy the "
+                "runtime makes it (and remakes it after a fault); drop the script's init_process_group"
+            )
+        dist.destroy_process_group()
+        self._made_group = False
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        fitting = trainer.state.fn == self._lightning.trainer.states.TrainerFn.FITTING
+        if self._fit_run is not None and fitting:
+            self._fit_run.attach(trainer)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)
+        run = self._fit_run
+        if (
+            run is not None
+            and run.trainer.state.stage == self._lightning.trainer.states.RunningStage.TRAINING
+        ):
+            dataloader = run.process_train_dataloader(dataloader)
+        return dataloader
+
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        super().barrier(name, *args, **kwargs)
+        if name == "run-stage" and self._fit_run is not None and self._fit_run.state is not None:
+            self._fit_run.stage_begins()
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(*args, **kwargs)
+        if self._fit_run is not None:
+            self._fit_run.optimizer_stepped()
+        return out
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._fit_run is not None:
+            self._fit_run.on_train_start()
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._fit_run is not None:
+            self._fit_run.train_end()

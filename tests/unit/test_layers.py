@@ -24,7 +24,6 @@ OVER = {
     "resilient/launcher/cli.py:parser": 140,
     "resilient/launcher/cli.py:main": 158,
     "resilient/launcher/agent.py:ResilientAgent": 382,
-    "resilient/integrations/_lightning_strategy.py:strategy_class": 158,
     "chaos/certify.py:_run_trial": 81,
     "chaos/stream.py:_report": 93,
     "chaos/harness.py:run_ranks": 65,
