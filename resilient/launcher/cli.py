@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         standby_mode=args.standby_mode,
         shm_name=shm_name,
     )
-    agent.native_stacks = args.native_stacks
+    sup = agent.supervisor  # (what the agent decided: the verdict, the failures, the exclusion)
+    sup.native_stacks = args.native_stacks
     _forward_preemption(agent)
     exporter = None
     if args.metrics_port is not None:
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         agent.flusher.close()
         if exporter is not None:
             exporter.close(linger_s=max(0.0, args.metrics_linger))
-        if agent.excluded:
+        if sup.excluded:
             agent.elastic.leave_rendezvous()  # the others go on without this node
         else:
             spec.rdzv_handler.shutdown()
@@ -384,24 +385,24 @@ def main(argv: list[str] | None = None) -> int:
         ShmSnapshot(shm_name).unlink()  # the job is over: its snapshots go
         if not args.logs_specs and not args.log_dir and config.logs_specs is not None:
             shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)  # torch's temporary one
-    if agent.verdict == int(ExitCode.FATAL) or (
-        agent.verdict is None and not agent.excluded and result.is_failed()
+    if sup.verdict == int(ExitCode.FATAL) or (
+        sup.verdict is None and not sup.excluded and result.is_failed()
     ):
-        cause = agent.failures[-1]["cause"] if agent.failures else "restarts exhausted"
+        cause = sup.failures[-1]["cause"] if sup.failures else "restarts exhausted"
         with EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1, **where) as log:
             log.emit(
                 Event.RUN_FAILED,
                 generation=0,
                 step=None,
                 error=f"resilient launch: {cause}",
-                exitcode=agent.verdict,
+                exitcode=sup.verdict,
             )
-    if agent.verdict is not None:
-        if agent.verdict == int(ExitCode.FATAL) and agent.failures:
-            print(f"resilient launch: giving up: {agent.failures[-1]['cause']}", file=sys.stderr)
-        return agent.verdict
-    if agent.excluded:
-        last = agent.health_failures[-1]["checks"][0] if agent.health_failures else {}
+    if sup.verdict is not None:
+        if sup.verdict == int(ExitCode.FATAL) and sup.failures:
+            print(f"resilient launch: giving up: {sup.failures[-1]['cause']}", file=sys.stderr)
+        return sup.verdict
+    if sup.excluded:
+        last = sup.health_failures[-1]["checks"][0] if sup.health_failures else {}
         n = agent.policy.history.health_failures
         print(
             f"resilient launch: this node left the job after {n} failed health "
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return int(ExitCode.HARD_FAULT)
     if result.is_failed():
-        summary = "; ".join(f"rank {f.get('global_rank')}: {f['cause']}" for f in agent.failures[-8:])
+        summary = "; ".join(f"rank {f.get('global_rank')}: {f['cause']}" for f in sup.failures[-8:])
         within = f" within {args.restart_window:g} s" if args.restart_window else ""
         print(
             f"resilient launch: giving up after {config.max_restarts} group restarts{within}: {summary}",

@@ -1,4 +1,5 @@
-"""The one door into torch elastic's private state.
+"""torch elastic as the launcher's :class:`~resilient.launcher.backend.WorkerBackend`, and the one
+door into its private state.
 
 ``resilient launch`` extends torch's ``LocalElasticAgent`` and its c10d rendezvous in ways their
 public API does not offer: replace one worker's process, bound restarts over a window, count the
@@ -11,6 +12,9 @@ renames one breaks one class, and :data:`PRIVATE` (checked against the installed
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +23,7 @@ from typing import Any
 from loguru import logger
 
 from resilient.contract import KeyStore
+from resilient.launcher.backend import Invocation, Process, Slot
 
 # (where, name): every private name of torch this module reaches (torch 2.13).
 PRIVATE: tuple[tuple[str, str], ...] = (
@@ -42,6 +47,12 @@ PRIVATE: tuple[tuple[str, str], ...] = (
 _UNBOUNDED = 1 << 30
 
 
+def _reap(proc: Any) -> None:
+    """Wait for a dead worker's process (no zombie is left; bounded: it was SIGKILLed)."""
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=30)
+
+
 @dataclass(frozen=True)
 class RendezvousView:
     """The c10d rendezvous as this node last synced it (node descriptors are opaque)."""
@@ -58,6 +69,7 @@ class Elastic:
 
     def __init__(self, agent: Any) -> None:
         self._agent = agent
+        self.group_reason: str | None = None  # why the group stops next (its group_stopped event)
 
     @property
     def _spec(self) -> Any:
@@ -80,6 +92,22 @@ class Elastic:
         """torch stops restarting only when told (``restarts_left = 0``); its restart count still
         counts up from 0 for the workers' ``TORCHELASTIC_RESTART_COUNT``."""
         self._spec.max_restarts = self._agent._remaining_restarts = _UNBOUNDED
+
+    # ---- the group ---------------------------------------------------------------------------------
+    def workers(self) -> list[Slot]:
+        return [
+            Slot(w.local_rank, w.global_rank, w.id if isinstance(w.id, int) else None)
+            for w in self._agent.get_worker_group().workers
+        ]
+
+    def restart_group(self, reason: str | None) -> None:
+        """torch's loop restarts the group on the round's failed result (its restarts are unbound)."""
+        self.group_reason = reason
+
+    def stop_group(self, reason: str | None) -> None:
+        """torch's loop stops the workers and returns on the round's failed result."""
+        self.group_reason = reason
+        self.restarts_left = 0
 
     # ---- the workers' processes (torch's SubprocessContext) --------------------------------------
     def processes(self) -> bool:
@@ -124,7 +152,11 @@ class Elastic:
         pc = self._pc
         return pc.stdouts.get(local_rank) or None, pc.stderrs.get(local_rank) or None
 
-    def start(self, local_rank: int, env: dict[str, str]) -> Any:
+    def invocation(self, local_rank: int) -> Invocation:
+        entrypoint, args = self.command(local_rank)
+        return Invocation(entrypoint, args, self.env(local_rank), *self.outputs(local_rank))
+
+    def spawn(self, local_rank: int, env: dict[str, str]) -> Any:
         """A new process for ``local_rank`` as torch starts one (its session, its output files)."""
         from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
@@ -150,6 +182,28 @@ class Elastic:
                 if f is not None:
                     f.close()
         pc.subprocess_handlers[local_rank] = new
+
+    def adopt(self, local_rank: int, new: Process) -> None:
+        """``new`` is ``local_rank``'s process from now on (:meth:`swap`, its worker's ``id``);
+        its predecessor is reaped in the background. A replacement is a restart for
+        ``TORCHELASTIC_RESTART_COUNT``."""
+        old = self.process(local_rank)
+        self.swap(local_rank, new)
+        for w in self._agent.get_worker_group().workers:
+            if w.local_rank == local_rank:
+                w.id = new.proc.pid
+        self.restarts_left -= 1
+        threading.Thread(target=_reap, args=(old.proc,), name="resilient-reap", daemon=True).start()
+
+    def kill(self, local_rank: int) -> None:
+        pid = next((w.pid for w in self.workers() if w.local_rank == local_rank), None)
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            try:  # torch starts each worker in a session of its own: its group is its pid, reaped or not
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:  # no such group: a worker in the agent's own (multiprocessing's)
+                os.kill(pid, signal.SIGKILL)
 
     def connect_store(self) -> KeyStore:
         """A connection to the workers' store (torch's ``MASTER_ADDR``/``MASTER_PORT``: the agent's

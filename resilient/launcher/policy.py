@@ -33,6 +33,7 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from resilient.contract import Beat
 from resilient.errors import ConfigError, ExitCode
@@ -179,6 +180,18 @@ class LaunchPolicy:
     def replacements_left(self) -> int:
         """Ranks the budget allows to replace alone now."""
         return self.history.replacements.left(self._clock())
+
+    def budgets(self) -> dict[str, Any]:
+        """The launcher's two budgets and what is left of each (events and metrics)."""
+        cfg = self.cfg
+        return {
+            "max_restarts": cfg.max_restarts,
+            "restart_window_s": cfg.restart_window_s,
+            "restarts_left": self.restarts_left,
+            "max_replacements": cfg.max_replacements,
+            "replacement_window_s": cfg.replacement_window_s,
+            "replacements_left": self.replacements_left,
+        }
 
     def decide(
         self, deaths: Sequence[Death], *, node_unhealthy: bool = False, can_replace: bool = True

@@ -4,19 +4,18 @@ The agent decides (:mod:`resilient.launcher.policy`); this does it. It kills wha
 left in its session, posts the death to the job's store as the fault of the generation the worker
 was in (its heartbeat says which), so that the survivors' listeners wake at once and recover in
 their own processes, then starts one process with the dead rank's identity, a warm standby if one
-waits (:mod:`resilient.launcher.standby`), and has torch monitor that one from now on. The new
-process restores the rank's snapshot from this node's shared memory and joins the survivors'
-recovery.
+waits (:mod:`resilient.launcher.standby`), and has the backend (torch elastic) monitor that one
+from now on. The new process restores the rank's snapshot from this node's shared memory and joins
+the survivors' recovery. Everything it does to a worker goes through the
+:class:`~resilient.launcher.backend.WorkerBackend`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +24,10 @@ from loguru import logger
 from resilient.contract import Beat, beat_path, death_record, publish_fault, read_beat, run_namespace
 from resilient.events import Event
 from resilient.launch_env import Var
-from resilient.launcher.elastic import Elastic
+from resilient.launcher.backend import Process, WorkerBackend
 from resilient.launcher.standby import RANK_VARS, Standby, target
 
 STANDBY_DELAY_S = 2.0
-
-
-def _reap(proc: Any) -> None:
-    """Wait for a dead worker's process (no zombie is left; bounded: it was SIGKILLed)."""
-    with contextlib.suppress(Exception):
-        proc.wait(timeout=30)
 
 
 class Replacer:
@@ -42,14 +35,14 @@ class Replacer:
 
     def __init__(
         self,
-        elastic: Elastic,
+        backend: WorkerBackend,
         heartbeat_dir: Path,
         emit: Callable[..., None],
         standby: int,
         park: bool = True,
         budgets: Callable[[], dict[str, Any]] = dict,
     ) -> None:
-        self.elastic = elastic
+        self.backend = backend
         self.budgets = budgets  # the launcher's budgets left, for the rank_replaced event
         self.heartbeat_dir = heartbeat_dir
         self.standby_count = standby
@@ -58,18 +51,15 @@ class Replacer:
         self._standbys: list[Standby] = []
         self._store_client: Any = None  # the workers' store, where a death is posted as a fault
 
-    def replace(self, worker: Any, beat: Beat, cause: str) -> int:
-        """A new process for torch's ``worker`` (its ``id`` becomes the new pid) that joins the
-        survivors in ``beat.generation``; returns its pid."""
-        local_rank = worker.local_rank
-        old = self.elastic.process(local_rank)
-        old_pid = old.proc.pid
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(old_pid, signal.SIGKILL)  # what it left in its session (loader workers)
-        self.elastic.restarts_left -= 1  # a replacement is a restart for TORCHELASTIC_RESTART_COUNT
+    def replace(self, local_rank: int, beat: Beat, cause: str) -> int:
+        """A new process for ``local_rank`` that joins the survivors in ``beat.generation``;
+        returns its pid."""
+        worker = next(w for w in self.backend.workers() if w.local_rank == local_rank)
+        old_pid = worker.pid
+        self.backend.kill(local_rank)  # what it left in its session (loader workers)
         t0 = time.time()
         env = {
-            **self.elastic.env(local_rank),
+            **self.backend.invocation(local_rank).env,
             Var.JOIN_GENERATION.value: str(beat.generation),
             Var.PREDECESSOR_PID.value: str(old_pid),
         }
@@ -79,9 +69,7 @@ class Replacer:
         # heartbeat frees its memory first): its replacement starts meanwhile, and a replacement
         # that needs what it holds (a GPU's memory) waits for its exit itself.
         new, warm = self._spawn(local_rank, env)
-        self.elastic.swap(local_rank, new)
-        worker.id = new.proc.pid
-        threading.Thread(target=_reap, args=(old.proc,), name="resilient-reap", daemon=True).start()
+        self.backend.adopt(local_rank, new)
         self._emit(
             Event.RANK_REPLACED,
             global_rank=worker.global_rank,
@@ -107,7 +95,7 @@ class Replacer:
         """The dead rank's fault in the workers' store: its survivors' listeners wake at once."""
         try:
             if self._store_client is None:
-                self._store_client = self.elastic.connect_store()
+                self._store_client = self.backend.connect_store()
             run_id = os.environ.get(Var.RUN_ID.value) or env.get(Var.ELASTIC_RUN_ID.value, "")
             attempt = os.environ.get(Var.LAUNCH_ROUND.value) or env.get(Var.RESTART_COUNT.value, "0")
             namespace = run_namespace(run_id, attempt)
@@ -119,23 +107,23 @@ class Replacer:
             self._store_client = None
             return False
 
-    def _spawn(self, local_rank: int, env: dict[str, str]) -> tuple[Any, bool]:
+    def _spawn(self, local_rank: int, env: dict[str, str]) -> tuple[Process, bool]:
         """A process for ``local_rank`` with ``env``: a promoted standby if one waits, else a new one."""
-        tgt = target(*self.elastic.command(local_rank))
-        stdout, stderr = self.elastic.outputs(local_rank)
+        how = self.backend.invocation(local_rank)
+        tgt = target(how.entrypoint, how.args)
         for sb in [s for s in self._standbys if tgt is not None and s.alive() and s.takes(tgt)]:
             self._standbys.remove(sb)
             assert tgt is not None
             try:
-                sb.promote(local_rank, {**os.environ, **env}, tgt, stdout, stderr)
+                sb.promote(local_rank, {**os.environ, **env}, tgt, how.stdout, how.stderr)
             except OSError as e:  # it died meanwhile (its order pipe is closed): the next, or a new one
                 logger.warning(f"standby {sb.proc.pid} could not be promoted ({e}): not used")
                 sb.close()
                 continue
             return sb, True
-        return self.elastic.start(local_rank, env), False
+        return self.backend.spawn(local_rank, env), False
 
-    def keep_standbys(self, workers: Sequence[Any], newest_start: float) -> None:
+    def keep_standbys(self, newest_start: float) -> None:
         """Start a standby when fewer than asked wait, once every worker is stepping and the
         newest has been for ``STANDBY_DELAY_S`` (a standby's imports would compete with a starting
         worker's, or slow a replacement's first steps on a node with few cores)."""
@@ -163,18 +151,18 @@ class Replacer:
             return
         if time.monotonic() - newest_start < STANDBY_DELAY_S:
             return
-        for w in workers:
+        for w in self.backend.workers():
             beat = read_beat(beat_path(self.heartbeat_dir, w.local_rank))
             if beat is None or beat.step < 0 or beat.exiting:  # (starting, or the run is over)
                 return
-        env0 = self.elastic.env(0)
-        park = target(*self.elastic.command(0)) if self.park else None
-        self._standbys.append(Standby({**os.environ, **env0}, self.heartbeat_dir, park, self._rank_vars()))
+        how = self.backend.invocation(0)
+        park = target(how.entrypoint, how.args) if self.park else None
+        self._standbys.append(Standby({**os.environ, **how.env}, self.heartbeat_dir, park, self._rank_vars()))
 
     def _rank_vars(self) -> tuple[str, ...]:
         """The worker variables a parking standby's script must not see: a worker's identity, the
         job's size and store, and any that differs between this node's workers."""
-        envs = [self.elastic.env(r) for r in self.elastic.local_ranks()]
+        envs = [self.backend.invocation(w.local_rank).env for w in self.backend.workers()]
         differ = {k for k in envs[0] if len({e.get(k) for e in envs}) > 1}
         return tuple(sorted(differ | {k for k in envs[0] if k in RANK_VARS or k.startswith("TORCHELASTIC_")}))
 

@@ -23,7 +23,6 @@ OVER = {
     "resilient/runtime/steps/loop.py:_complete": 67,
     "resilient/launcher/cli.py:parser": 140,
     "resilient/launcher/cli.py:main": 158,
-    "resilient/launcher/agent.py:ResilientAgent": 382,
     "chaos/certify.py:_run_trial": 81,
     "chaos/stream.py:_report": 93,
     "chaos/harness.py:run_ranks": 65,
