@@ -27,26 +27,16 @@ from pydantic.fields import FieldInfo
 
 from resilient.errors import ResilienceError
 from resilient.events import Event
+from resilient.identity import Identity
 
 
 class Emits(Protocol):
     def emit(self, event: Event, *, generation: int, step: int | None, **fields: Any) -> Any: ...
 
 
-class Run(Protocol):
-    """What a detector may reach of the run it is part of (the step loop gives it)."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def local_rank(self) -> int: ...
-
-    @property
-    def generation(self) -> int: ...
+class Run(Identity, Protocol):
+    """What a detector may reach of the run it is part of (the step loop gives it): who this rank
+    is (:class:`~resilient.identity.Identity`), and the following."""
 
     @property
     def step(self) -> int | None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -24,6 +25,16 @@ class PeerWait:
         peer, holds it up); else ``peer`` (its count is not posted yet: it is behind, or hangs)."""
         in_flight = now - self.request_since if self.request_since is not None else 0.0
         return "store" if max(in_flight, self.slowest_s) >= 0.5 * bound else "peer"
+
+    def fields(self, waited_s: float) -> dict[str, Any]:
+        """The ``peer_wait`` event's fields, said while it lasts and when it ended."""
+        return {
+            "peer": self.peer,
+            "key": self.key,
+            "waited_s": round(waited_s, 4),
+            "reads": self.reads,
+            "slowest_request_s": round(self.slowest_s, 4),
+        }
 
     def describe(self, now: float, bound: float) -> str:
         in_flight = now - self.request_since if self.request_since is not None else None

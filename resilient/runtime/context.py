@@ -9,23 +9,15 @@ from typing import Any, Protocol, TypeVar, overload
 
 import torch
 
+from resilient.identity import Identity
 from resilient.state.carry import Carried
 
 T = TypeVar("T")
 
 
-class Identity(Protocol):
-    """Who this rank is, in the run (the engine's session: :class:`~resilient.runtime.engine.
-    session.Session`); ``generation``: the generation being run."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def local_rank(self) -> int: ...
+class Session(Identity, Protocol):
+    """What ``ctx`` reads of the run besides who this rank is (:class:`~resilient.identity.Identity`;
+    the engine's session: :class:`~resilient.runtime.run.session.Session`)."""
 
     @property
     def device(self) -> torch.device: ...
@@ -33,16 +25,13 @@ class Identity(Protocol):
     @property
     def run_dir(self) -> Path: ...
 
-    @property
-    def generation(self) -> int: ...
-
 
 class Loop(Protocol):
     """What a :class:`Context` needs of the runtime: the step loop (:class:`~resilient.runtime.
     steps.loop.StepLoop`, the same under both engines) and, through it, the run's identity."""
 
     @property
-    def session(self) -> Identity: ...
+    def session(self) -> Session: ...
 
     @property
     def restored_step(self) -> int | None: ...

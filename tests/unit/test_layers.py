@@ -19,8 +19,6 @@ OVER = {
     "resilient/runtime/wrapper.py:wrap": 65,
     "resilient/runtime/keeping/resume.py:_execute": 64,
     "resilient/runtime/coordination/coordinator.py:Coordinator": 337,
-    "resilient/runtime/steps/loop.py:StepLoop": 419,
-    "resilient/runtime/steps/loop.py:_complete": 67,
     "resilient/launcher/cli.py:parser": 140,
     "resilient/launcher/cli.py:main": 158,
     "chaos/certify.py:_run_trial": 81,

@@ -206,6 +206,9 @@ class BuiltinRun:
             s, self.ring, c.coord, persist=c.persist, shm=c.shm, replica=c.replica, arm=self.hard_timer.arm
         )
         self.groups = GroupOwner(lambda generation: s.wiring.build_group(generation, s.ns))
+        handover = None
+        if c.shm is not None and c.replica is not None and s.world_size > 1:  # (handover.py)
+            handover = Handover(s.rank, LiveMirror(c.shm.dir), c.replica)
         self.loop = StepLoop(
             s,
             self.keeper,
@@ -214,9 +217,8 @@ class BuiltinRun:
             count_via=c.coord,
             live=True,
             groups=self.groups,
+            handover=handover,
         )
-        if c.shm is not None and c.replica is not None and s.world_size > 1:  # (handover.py)
-            self.loop.handover = Handover(s.rank, LiveMirror(c.shm.dir), c.replica)
         self.straggler = _straggler_watch(c, self.loop.detectors.get(Stragglers))
         self.detection = Detection(
             s,
@@ -237,6 +239,7 @@ class BuiltinRun:
             self.policy,
             groups=self.groups,
             detectors=self.loop.detectors,
+            restorer=self.loop.restorer,
         )
         self.pending: PendingRestore | None = None  # what the next generation restores
         self._cleanup = contextlib.ExitStack()  # what _start() set up, undone in reverse by close()

@@ -275,7 +275,7 @@ class NvrxRun:
             gc.collect()  # the failed iteration's model, DDP and group, in order, not at exit
         s.generation = it
         if it > 0:
-            loop.settle_before_restore()  # the failed iteration's counts, before they are replaced
+            loop.restorer.settle()  # the failed iteration's counts, before they are replaced
         loop.begin_generation(it, None)
         if it > 0:
             try:
@@ -388,7 +388,7 @@ class NvrxRun:
         held: list[list[int]] = [[] for _ in range(s.world_size)]
         dist.all_gather_object(held, self.ring.steps())
         step = common_restore_step(held, primary)
-        pending = loop.prepare_restore(it, step, loop.step, primary.ts, s.all_hold, since=primary.since)
+        pending = loop.restorer.prepare(it, step, loop.step, primary.ts, s.all_hold, since=primary.since)
         loop.gen.resume_from(pending)
 
     # -- each completed step ------------------------------------------------------------------------

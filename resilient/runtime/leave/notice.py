@@ -195,12 +195,8 @@ class Detection:
             Event.PEER_WAIT,
             generation=generation,
             step=self.loop.step,
-            peer=wait.peer,
-            key=wait.key,
-            waited_s=round(now - wait.since, 4),
             cause=wait.cause(now, bound),
-            reads=wait.reads,
-            slowest_request_s=round(wait.slowest_s, 4),
+            **wait.fields(now - wait.since),
             request_in_flight_s=None if wait.request_since is None else round(now - wait.request_since, 4),
         )
 

@@ -44,6 +44,7 @@ from resilient.runtime.recovery.decision import Admission, Verdict
 from resilient.runtime.recovery.policy import RestartPolicy
 from resilient.runtime.run.generation import PendingRestore
 from resilient.runtime.steps.loop import StepLoop
+from resilient.runtime.steps.restore import Restorer
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Recovery:
         *,
         groups: GroupOwner,
         detectors: Detectors,
+        restorer: Restorer,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -96,13 +98,24 @@ class Recovery:
         self.policy = policy
         self.groups = groups
         self.detectors = detectors
+        self.restorer = restorer
         self.sdc = detectors.get(ReplicaCheck)
         self.clock = clock
         self.sleep = sleep
         self.replacing: int | None = None  # the generation a replacement joins (it has no live state)
+        self._departed: set[int] = set()
 
     def recover(self, exc: BaseException | None) -> PendingRestore:
         left = self._leave(exc)
+        try:
+            return self._after_leaving(left)
+        except BaseException:
+            # the run ends here on every rank (the verdicts are alike): the store's host leaves
+            # last, or a slower peer still posting its fault finds the store gone
+            self._depart(left.generation)
+            raise
+
+    def _after_leaving(self, left: Left) -> PendingRestore:
         admission = self._admit(left)
         self.check_health(left.generation, left.step)
         # the agreement's parts, for the restore_agreed event (docs/recovery.md#phases)
@@ -202,13 +215,13 @@ class Recovery:
             self.hard_timer.arm(s.cfg.checkpoint.commit_timeout_s + self.t.barrier + 10.0)
             persist.settle(gen, left.step)
             lap("saves_s")
-        self.loop.settle_before_restore()
+        self.restorer.settle()
         if self.replacing is None:
-            offer = self.loop.live_offer(left.primary.kind)
+            offer = self.restorer.offer(left.primary.kind)
         else:  # (its predecessor's capture, for the survivors' live state: handover.py)
-            offer = self.loop.handover.replacement_offer(self.replacing, s.launch.predecessor_pid)
+            offer = self.restorer.replacement_offer(self.replacing, s.launch.predecessor_pid)
         lap("verify_s")
-        layout = self.loop.layout_digest()
+        layout = self.restorer.layout_digest()
         failed: SetupFailed | StateRestoreError | None = None
         try:
             plan = self.coord.recovery_barrier(gen, self.keeper.held_steps(), layout, live=offer)
@@ -231,14 +244,14 @@ class Recovery:
         persist = self.keeper.persist
         if persist is not None:
             # every rank settled its saves before that agreement, and none saves again before
-            # the barrier in prepare_restore: rank 0 clears what did not commit in between
+            # the barrier in Restorer.prepare: rank 0 clears what did not commit in between
             persist.forget_unfinished(gen, step)
             persist.rebase(restore)  # (a rank the fault interrupted before its save must not differ)
             lap("saves_s")
         # (DDP's layouts were agreed in the same barrier; another agreement only if they changed)
         same = agreed(terms.layout, plan.layout_same, self.coord.same)
         cpu0 = time.thread_time()
-        pending = self.loop.prepare_restore(
+        pending = self.restorer.prepare(
             gen,
             restore,
             step,
@@ -253,7 +266,7 @@ class Recovery:
             "fault_step": step,
             "duration_s": lap.total(),
             **lap.laps,
-            **self.loop.prepare_parts,
+            **self.restorer.parts,
             "source": pending.source,
         }
         if plan.live_refused is not None:  # (why not the step in flight: docs/recovery.md#live-resume)
@@ -336,7 +349,7 @@ class Recovery:
         posted every collective count it ever will, so the snapshot kept where this rank stopped
         is verified or dropped for good before the ranks agree on the step to save."""
         self.coord.agree(gen, "preempt", "1", "all")
-        self.loop.settle_before_restore()
+        self.restorer.settle()
         step = self._agree_restore_step(gen)
         persist = self.keeper.persist
         if persist is None:
@@ -351,6 +364,9 @@ class Recovery:
     def _depart(self, gen: int) -> None:
         """Every rank leaves after this generation's last barrier: the store's host last, or it
         resets its peers' connections while they still read."""
+        if gen in self._departed:  # (once: a second arrival would release the host early)
+            return
+        self._departed.add(gen)
         with contextlib.suppress(Exception):
             self.coord.depart(gen, self.session.launch.endpoint.hosts_store)
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any
 
 from resilient.detectors import Detectors
@@ -35,22 +36,23 @@ from resilient.errors import ResilienceError
 from resilient.events import Event
 from resilient.runtime.coordination.pg import GroupOwner
 from resilient.runtime.hooks import Tracked
-from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
-from resilient.runtime.run.generation import EpochPosition, Generation, PendingRestore
+from resilient.runtime.keeping.buckets import DdpBuckets
+from resilient.runtime.run.generation import Generation, PendingRestore
 from resilient.runtime.run.session import Session
 from resilient.runtime.steps.cost import Cost
 from resilient.runtime.steps.detector_run import DetectorRun
+from resilient.runtime.steps.forms import StepForms
 from resilient.runtime.steps.handover import Handover
 from resilient.runtime.steps.keeper import Keeper
+from resilient.runtime.steps.kept import StepKeeping
 from resilient.runtime.steps.live import LiveResume
 from resilient.runtime.steps.replay import ReplayCheck
+from resilient.runtime.steps.restore import Restorer
 from resilient.runtime.steps.untracked_watch import UntrackedWatch
 from resilient.runtime.steps.verdicts import Verdicts
 from resilient.state import SnapshotRing
 from resilient.state.carry import CARRY, Carried
-from resilient.state.digest import Leaf
-from resilient.state.loader import batches_consumed, finish_pass
-from resilient.state.registry import EPOCHS, RNG
+from resilient.state.registry import RNG
 
 
 class StepLoop:
@@ -70,6 +72,7 @@ class StepLoop:
         count_via: NodeLinkHolder | None = None,
         live: bool = False,
         groups: GroupOwner,
+        handover: Handover | None = None,
     ) -> None:
         self.session = session
         self.groups = groups  # (the generation's group: built here, aborted and ended by others through it)
@@ -78,7 +81,6 @@ class StepLoop:
         self.liveness = liveness
         self.count_via = count_via
         self.buckets = DdpBuckets(session.run_dir)
-        self.prepare_parts: dict[str, float] = {}  # the last prepare_restore's parts
         self.gen = Generation(0, None, None, session.clock())  # (none built yet)
         self.step: int | None = None  # the step being run; across generations, the one a fault hit
         self.began_at: dict[int, float] = {}  # when each recent step began (its first run)
@@ -95,7 +97,30 @@ class StepLoop:
         self.untracked = UntrackedWatch(session.rank, emit, enabled=not joining)  # (its predecessor's did)
         self.replay = ReplayCheck(session.cfg.verify_replay, emit, suspects=self.untracked.causes)
         self.live = LiveResume(live and snap.live, snap.live_max_bytes, capture=self.replay.enabled)
-        self.handover = Handover(session.rank)  # (across a hard fault: the engine's, handover.py)
+        # (across a hard fault, under resilient launch: handover.py)
+        self.handover = handover if handover is not None else Handover(session.rank)
+        self.restorer = Restorer(
+            session,
+            lambda: self.gen,
+            keeper=keeper,
+            ring=ring,
+            buckets=self.buckets,
+            live=self.live,
+            handover=self.handover,
+            verdicts=self.verdicts,
+            detectors=self.detectors,
+            replay=self.replay,
+        )
+        self.keeping = StepKeeping(
+            session,
+            keeper,
+            ring,
+            buckets=self.buckets,
+            replay=self.replay,
+            verdicts=self.verdicts,
+            sdc=self.sdc,
+        )
+        self.forms = StepForms(self)
         self._job_start: bool | None = None
 
     # -- what Context reads (its identity is the session's) -------------------------------------
@@ -153,61 +178,7 @@ class StepLoop:
         """A step check's wait that the monitor reported (``peer_wait``) is over."""
         s = self.session
         s.events.emit(
-            Event.PEER_WAIT,
-            generation=s.generation,
-            step=self.step,
-            peer=wait.peer,
-            key=wait.key,
-            waited_s=round(waited_s, 4),
-            ended=True,
-            reads=wait.reads,
-            slowest_request_s=round(wait.slowest_s, 4),
-        )
-
-    def layout_digest(self) -> str:
-        """DDP's bucket layouts as the generation that ended left them (offered at the recovery
-        barrier, whose verdict :meth:`prepare_restore` applies)."""
-        return self.buckets.ended(self.gen.registry.objects())
-
-    def live_offer(self, symptom: str | None) -> dict[str, Any]:
-        """The step this rank can resume at from its live state, or why it cannot (live.py)."""
-        return self.handover.vouch(self.live.offer(symptom, self.gen.registry), symptom, self.gen.registry)
-
-    def prepare_restore(
-        self,
-        generation: int,
-        step: int,
-        fault_step: int | None,
-        fault_ts: float | None,
-        all_same: AllSame,
-        live: bool = False,
-        donors: dict[str, int] | None = None,
-        since: int | None = None,
-    ) -> PendingRestore:
-        """The agreed ``step``'s state (``live``: the live objects' at the step every rank vouched
-        for, ``donors``' for a replacement, else its snapshot), to be loaded into each object as
-        the function tracks it in the next generation (``generation``: the one that ended)."""
-        t0 = time.monotonic()
-        self.buckets.at_recovery(
-            self.gen.registry.objects(), generation, step, all_same, self.session.t.barrier
-        )
-        t1 = time.monotonic()
-        donors, send_to, rank = donors or {}, [], self.session.rank
-        if live and str(rank) in donors:  # (a replacement: handover.py)
-            state, owned, source = self.handover.replacement_state(donors[str(rank)]), True, "peer"
-        elif live:
-            state, owned, source = self.live.state(self.gen.registry), True, "live"
-            send_to = sorted(int(r) for r, q in donors.items() if q == rank)
-        else:
-            state, owned = self.keeper.materialize(step)
-            source = "ring" if owned else "shm"
-        t2 = time.monotonic()
-        self.ring.drop_after(step)
-        self.keeper.drop_after(step)
-        # (the restore phase's parts, in the restore_agreed event: docs/recovery.md#phases)
-        self.prepare_parts = {"layouts_s": t1 - t0, "materialize_s": t2 - t1, "drop_s": time.monotonic() - t2}
-        return PendingRestore(
-            step, state, owned, fault_step, fault_ts, source=source, send_to=send_to, since=since
+            Event.PEER_WAIT, generation=s.generation, step=self.step, ended=True, **wait.fields(waited_s)
         )
 
     def close(self) -> None:
@@ -241,81 +212,30 @@ class StepLoop:
         self.guard.observe_loss(loss)
 
     def epochs(self, total: int) -> Iterator[int]:
-        """Epoch numbers up to ``total``, resuming at the epoch of the restored step. Begins the
-        run (a relaunched worker restores here), so an epoch loop's body sees its state."""
-        progress = EpochPosition()
-        self.track({EPOCHS: progress})
-        self.gen.epochs = progress
-        self._ensure_begun()
-        if progress.done:  # restored at an epoch's end: the tracked loaders' next pass is a new one
-            for obj in self.gen.registry.objects():
-                finish_pass(obj)
-        for epoch in range(progress.epoch + progress.done, total):
-            progress.epoch, progress.done = epoch, False
-            yield epoch
-            last, self.gen.deferred = self.gen.deferred, None
-            if last is not None:  # the epoch's own code ran: its last step is complete now
-                progress.done = True
-                self._complete(last, None)
-        progress.epoch, progress.done = total, False
+        return self.forms.epochs(total)
 
     def steps_over(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """Each item of ``batches`` is one step; the step count runs on across calls (epochs)."""
-        step = self._ensure_begun()
-        n = len(batches) if isinstance(batches, Sized) else None  # (a DataLoader: batches per pass)
-        for i, item in enumerate(batches):
-            self._step_begins(step)
-            yield item
-            done = batches_consumed(batches)  # (a tracked loader counts skipped batches too)
-            if self.gen.epochs is not None and n is not None and (i + 1 if done is None else done) >= n:
-                # an epoch's last batch: its step completes (and may be kept) once the code after
-                # the batch loop ran too (ctx.epochs resumes), so that code is never lost to a
-                # restore nor run twice
-                self.gen.deferred = step
-            else:
-                self._complete(step, None)
-            step += 1
-            self.gen.next_step = step
+        return self.forms.steps_over(batches)
 
     def begin_step(self) -> int:
-        """A step of a loop that is not ``ctx.steps`` begins (a trainer's callback, at each
-        optimizer step's start): its index, counted on from the restored step. The first call of
-        a generation begins the run, as ``ctx.steps`` does (a relaunched worker restores here)."""
-        gen = self.gen
-        if gen.open_step is not None:
-            raise ResilienceError(f"ctx.begin_step(): step {gen.open_step} was begun and not ended")
-        step = self._ensure_begun()
-        self._step_begins(step)
-        gen.open_step = step
-        return step
+        return self.forms.begin_step()
 
     def end_step(self) -> None:
-        """The step :meth:`begin_step` began is complete (its optimizer step applied): the
-        progress signal, the checks, and the snapshot where the schedule says so."""
-        gen = self.gen
-        step, gen.open_step = gen.open_step, None
-        if step is None:
-            raise ResilienceError("ctx.end_step(): no step was begun (call ctx.begin_step() first)")
-        gen.next_step = step + 1
-        self._complete(step, None)
+        self.forms.end_step()
 
     def steps(self, total: int) -> Iterator[int]:
-        start = self._begin_steps(total)
-        for step in range(start, total):
-            self._step_begins(step)
-            yield step
-            self._complete(step, total)
+        return self.forms.steps(total)
 
     # -- a step ------------------------------------------------------------------------------------------
-    def _ensure_begun(self) -> int:
+    def ensure_begun(self) -> int:
         """The next step to run; the first call of a generation begins it (restore or step 0)."""
         gen = self.gen
         if not gen.begun:
-            gen.next_step = self._begin_steps(None)
+            gen.next_step = self.begin_steps(None)
             gen.begun = True
         return gen.next_step
 
-    def _begin_steps(self, total: int | None) -> int:
+    def begin_steps(self, total: int | None) -> int:
         self.buckets.release()  # (every tracked DDP is built by now)
         gen = self.gen
         loaded = None
@@ -344,21 +264,14 @@ class StepLoop:
     def _resume_restored(self, r: PendingRestore) -> int:
         """At ``ctx.steps`` after a restart: every object of the snapshot was tracked again and
         loaded; the RNGs are restored last, and the step to resume at is returned."""
-        r.finish()
-        self.detectors.each(lambda d: d.restored(r.step))
-        self.session.events.emit(
-            Event.STATE_RESTORED,
-            generation=self.session.generation,
-            step=r.step,
-            snapshot_interval=self.session.schedule.interval,
-            **r.described(self.began_at.get(r.step)),
-        )
-        self.replay.restored(r.step, r.fault_step, r.source, self.session.generation, since=r.since)
+        self.restorer.resumed(r, self.began_at.get(r.step))
         self.gen.restore = None
         self.step = r.step
         return r.step
 
-    def _step_begins(self, step: int) -> None:
+    def step_begins(self, step: int, caller: FrameType | None = None) -> None:
+        """``caller``: the frame whose caller runs the steps (the form's generator, by default the
+        caller of this), which the untracked-state scan samples."""
         self.step = step
         self.began_at[step] = time.time()
         if len(self.began_at) > 4096:  # (beyond any snapshot interval a restore goes back)
@@ -368,7 +281,7 @@ class StepLoop:
         if self.session.heartbeat is not None:  # the step a hard fault hits, exactly, for the agent
             self.session.heartbeat.beat(step)
         if self.untracked.active:  # (the caller: the steps generator, whose caller is the function)
-            self.untracked.at_start(sys._getframe(1), gen, step)
+            self.untracked.at_start(caller or sys._getframe(1), gen, step)
         if gen.count is not None:
             gen.count.begin(step)
         if hooks:
@@ -376,7 +289,7 @@ class StepLoop:
             for h in hooks:
                 h.before_step(step, objects)
 
-    def _complete(self, step: int, total: int | None) -> None:
+    def complete(self, step: int, total: int | None) -> None:
         s, gen = self.session, self.gen
         now = s.clock()
         step_s = now - gen.progress if gen.stepped else None
@@ -394,46 +307,15 @@ class StepLoop:
             self.live.withdraw(f"step {step}'s end was refused ({type(e).__name__})")
             self.handover.captured(self.live, self.session.generation)
             raise
-        capture_s = None
-        state: dict[str, Any] | None = None
-        sums: dict[str, Leaf] | None = None
-        count, sdc = gen.count, self.sdc
-        if count is not None and count.pending is not None:  # the last kept snapshot, verified now
-            self.verdicts.settle(count, False)
-        leaves = self.keeper.due(nxt, total) or nxt == total  # (the last: returned to the caller)
-        ring_due = s.schedule.due(nxt, total)
-        if self.keeper.stopping():
-            # kept in the ring, its count posted but not awaited: a peer that saw the signal a
-            # step later waits in the next step's collectives, not here; the recovery that the
-            # stop starts verifies the count once every rank arrived (Recovery._preempt)
-            ring_due, leaves = True, False
-        digest_due = sdc is not None and count is not None and sdc.due(nxt)
-        if ring_due or leaves or digest_due:
-            state = gen.registry.capture()
-            digests = None
-            if sdc is not None and count is not None:  # the replicated state's digests, with the count
-                objects = dict(zip(gen.registry.names(), gen.registry.objects(), strict=True))
-                digests, sums = sdc.digests(step, state, objects)
-            if count is not None:  # every rank issued the same collectives, or nothing is kept
-                if count.pending is not None:  # (a window still open from a step that kept no state)
-                    self.verdicts.settle(count, True)
-                # state that leaves the process is verified first; the ring's, at the next step
-                count.close_window(step, digests)
-                if leaves:
-                    self.verdicts.settle(count, True)
-            self.buckets.observe(gen.registry.objects())
-            if ring_due:
-                self.ring.capture(nxt, state, sums)
-                capture_s = s.clock() - now
-                self.replay.snapshot_at(nxt, min(self.ring.steps(), default=None))
-        s.schedule.observe(nxt, step_s, capture_s)
+        kept = self.keeping.at_step_end(gen, step, total, now)
+        s.schedule.observe(nxt, step_s, kept.capture_s)
         if s.cfg.events.steps:
             s.events.emit(Event.STEP_COMPLETED, generation=s.generation, step=step, step_s=step_s, log=False)
         for h in s.hooks:
             h.after_step(s.generation, step, step_s)
-        self.keeper.keep(gen, nxt, total, state, step_s, sums)
+        self.keeper.keep(gen, nxt, total, kept.state, step_s, kept.sums)
         self.live.leave_if_asked(gen.number)
-        self.cost.add(step, now, s.clock() - now, capture_s is not None)
+        self.cost.add(step, now, s.clock() - now, kept.capture_s is not None)
         if gen.resume_pending:
             gen.resume_pending = False
             s.events.emit(
@@ -451,9 +333,6 @@ class StepLoop:
         count = self.gen.count
         if count is not None and count.pending is not None:
             self.verdicts.settle(count, True)
-
-    def settle_before_restore(self) -> None:
-        self.verdicts.before_restore(self.gen.count)
 
     # -- the end -----------------------------------------------------------------------------------------
     def finished(self, **detail: Any) -> None:
