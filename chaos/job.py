@@ -85,86 +85,19 @@ class Job:
         attempt: str | None = "0",
         link: VethLink | None = None,
     ) -> None:
-        j = cert.job
         cwd = cwd.resolve()  # the job runs inside it: paths handed to it must not be relative to it
         cwd.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
-        command = j.command or [
-            str(EXAMPLE),
-            "--steps",
-            str(j.steps),
-            "--step-ms",
-            str(j.step_ms),
-            "--pad-at",
-            j.pad_at,
-            "--hang-timeout",
-            str(j.hang_timeout),
-            "--ckpt-dir",
-            j.checkpoint_dir,
-            "--ckpt-every",
-            str(j.checkpoint_every),
-            "--backend",
-            j.backend,
-        ]
-        if j.runtime and not j.command:
-            import yaml
-
-            (cwd / "runtime.yaml").write_text(yaml.safe_dump(j.runtime))
-            command += ["--config", str(cwd / "runtime.yaml")]
-        if command[0] in ("python", "python3", sys.executable):  # `resilient launch` runs python itself
-            command = command[1:]
-        runs_in = workdir(cert, cwd)
-        if j.command and not os.path.isabs(command[0]) and (runs_in / command[0]).exists():
-            command = [str((runs_in / command[0]).resolve()), *command[1:]]
-        elif j.command and j.workdir is None:
-            # a config's command runs in the trial's directory: its files (the script, a --config)
-            # named from where chaos runs are handed over whole
-            command = [str(Path(a).resolve()) if _a_file(a) else a for a in command]
-        argv = [
-            sys.executable,
-            "-m",
-            "resilient.cli",
-            "launch",
-            "--standalone",
-            "--nproc-per-node",
-            str(j.nproc),
-            "--max-restarts",
-            str(j.max_restarts),
-            "--max-replacements",
-            str(j.max_replacements),
-            "--monitor-interval",
-            "0.1",
-            "--heartbeat-timeout",
-            str(j.heartbeat_timeout),
-            "--startup-timeout",
-            "60",
-            "--backoff-initial",
-            "0",
-            "--events-dir",
-            str(cwd / "resilient_runs"),
-            *(["-m", "chaos.netns"] if link else []),
-            *command,
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        # the harness's step hook (chaos/hooks.py, loaded through RESILIENT_HOOKS) fires the fault
-        # inside the step (any wrapped script, unchanged), logs every step and dumps the final
-        # state the certificate compares
-        env[Var.INJECTIONS] = str(cwd / "injections.jsonl")
-        env[Var.STEP_EVENTS] = "1"
-        env[Var.FINAL_STATE] = str(cwd / "state")
-        env[Var.DIGESTS] = str(cwd / "digests")
-        if plan:  # attempt None: every launch fires the plan's faults it reaches
-            env[Var.PLAN] = plan
-            if attempt is not None:
-                env[Var.PLAN_ATTEMPT] = attempt
-        enable(env)
-        env.pop("RESILIENT_RUN_ID", None)
-        if link is not None:  # every rank starts through chaos.netns; the target one enters the netns
-            env[NETNS_ENV] = link.env()
+        argv = _launch_argv(cert, cwd, _command(cert, cwd), link)
+        env = _environment(cwd, plan, attempt, link)
         self.log = open(cwd / "launch.log", "a")  # noqa: SIM115 - closed in stop()
         self.p = subprocess.Popen(
-            argv, cwd=runs_in, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            cwd=workdir(cert, cwd),
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def stop(self, timeout: float) -> int | None:
@@ -188,6 +121,98 @@ class Job:
             import shutil
 
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _command(cert: Certification, cwd: Path) -> list[str]:
+    """The script and its arguments: the job's command, or the bundled example with the job's
+    settings (and its ``runtime`` section as a config file); its files named so that they are
+    found from where it runs."""
+    j = cert.job
+    command = j.command or [
+        str(EXAMPLE),
+        "--steps",
+        str(j.steps),
+        "--step-ms",
+        str(j.step_ms),
+        "--pad-at",
+        j.pad_at,
+        "--hang-timeout",
+        str(j.hang_timeout),
+        "--ckpt-dir",
+        j.checkpoint_dir,
+        "--ckpt-every",
+        str(j.checkpoint_every),
+        "--backend",
+        j.backend,
+    ]
+    if j.runtime and not j.command:
+        import yaml
+
+        (cwd / "runtime.yaml").write_text(yaml.safe_dump(j.runtime))
+        command += ["--config", str(cwd / "runtime.yaml")]
+    if command[0] in ("python", "python3", sys.executable):  # `resilient launch` runs python itself
+        command = command[1:]
+    runs_in = workdir(cert, cwd)
+    if j.command and not os.path.isabs(command[0]) and (runs_in / command[0]).exists():
+        command = [str((runs_in / command[0]).resolve()), *command[1:]]
+    elif j.command and j.workdir is None:
+        # a config's command runs in the trial's directory: its files (the script, a --config)
+        # named from where chaos runs are handed over whole
+        command = [str(Path(a).resolve()) if _a_file(a) else a for a in command]
+    return command
+
+
+def _launch_argv(cert: Certification, cwd: Path, command: list[str], link: VethLink | None) -> list[str]:
+    """``resilient launch`` of ``command`` with the job's launcher settings, its event logs in
+    ``cwd``, every rank started through ``chaos.netns`` where a link is cut."""
+    j = cert.job
+    return [
+        sys.executable,
+        "-m",
+        "resilient.cli",
+        "launch",
+        "--standalone",
+        "--nproc-per-node",
+        str(j.nproc),
+        "--max-restarts",
+        str(j.max_restarts),
+        "--max-replacements",
+        str(j.max_replacements),
+        "--monitor-interval",
+        "0.1",
+        "--heartbeat-timeout",
+        str(j.heartbeat_timeout),
+        "--startup-timeout",
+        "60",
+        "--backoff-initial",
+        "0",
+        "--events-dir",
+        str(cwd / "resilient_runs"),
+        *(["-m", "chaos.netns"] if link else []),
+        *command,
+    ]
+
+
+def _environment(cwd: Path, plan: str, attempt: str | None, link: VethLink | None) -> dict[str, str]:
+    """The job's environment: this one, plus what makes the harness's hook fire the plan."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    # the harness's step hook (chaos/hooks.py, loaded through RESILIENT_HOOKS) fires the fault
+    # inside the step (any wrapped script, unchanged), logs every step and dumps the final
+    # state the certificate compares
+    env[Var.INJECTIONS] = str(cwd / "injections.jsonl")
+    env[Var.STEP_EVENTS] = "1"
+    env[Var.FINAL_STATE] = str(cwd / "state")
+    env[Var.DIGESTS] = str(cwd / "digests")
+    if plan:  # attempt None: every launch fires the plan's faults it reaches
+        env[Var.PLAN] = plan
+        if attempt is not None:
+            env[Var.PLAN_ATTEMPT] = attempt
+    enable(env)
+    env.pop("RESILIENT_RUN_ID", None)
+    if link is not None:  # every rank starts through chaos.netns; the target one enters the netns
+        env[NETNS_ENV] = link.env()
+    return env
 
 
 jsonl = read_events  # injections.jsonl is JSON lines too
