@@ -113,63 +113,17 @@ def _report(
     evs = events(cwd)
     injected, idle = outcomes(jsonl(cwd / "injections.jsonl"))  # (idle: nothing to act on, no fault)
     steps_ev = [e for e in evs if e["event"] == Event.STEP_COMPLETED]
-    per_fault = []
-    by_kind: dict[str, dict[str, int]] = {}
-    for inj in injected:
-        kind = inj["kind"]
-        evidence = REGISTRY[kind].evidence
-        detection = evidence.detection
-        window = [e for e in evs if inj["ts"] <= e["ts"] < inj["ts"] + 60]
-        # another fault while this one lasted (or within 5 s): its restart can mask this one (a slow
-        # disk is only seen when a save waits on it; a relaunch replaces the throttled process)
-        lasted = inj["ts"] + float(inj.get("duration_s") or 0) + 5
-        overlapped = any(o is not inj and inj["ts"] - 5 <= o["ts"] <= lasted for o in injected)
-        detected = any(e["event"] in detection for e in window)
-        recovered = any(e["ts"] > inj["ts"] for e in steps_ev)
-        m = measure(window, inj["ts"], j.nproc, ref_step_s, detection)
-        if not evidence.restarts:  # (a slow disk) nothing restarts: there is no recovery to time
-            m.pop("recover_s", None)
-        per_fault.append(
-            {
-                "kind": kind,
-                "rank": inj["rank"],
-                "step": inj["step"],
-                "detected": detected,
-                "overlapped": overlapped,
-                "recovered": recovered,
-                "detect_s": m.get("detect_s"),
-                "recover_s": m.get("recover_s"),
-                "detected_by": m.get("detected_by"),
-            }
-        )
-        k = by_kind.setdefault(kind, {"injected": 0, "detected": 0, "recovered": 0})
-        k["injected"] += 1
-        k["detected"] += detected
-        k["recovered"] += recovered
+    per_fault = [_fault(inj, injected, evs, steps_ev, j.nproc, ref_step_s) for inj in injected]
     distinct = len({e["step"] for e in steps_ev})
     end = max((e["ts"] for e in evs if e["event"] in (Event.RUN_FINISHED, Event.STEP_COMPLETED)), default=0.0)
     wall = end - steps_ev[0]["ts"] + ref_step_s if steps_ev else 0.0
     corrupted = {i["step"] for i in injected if REGISTRY[i["kind"]].breaks_checkpoint}
     lost = unloadable_checkpoints(checkpoints(cert, cwd), j.nproc, skip=corrupted)
     finals = _finals(cwd, j.nproc)
-    exact = False
-    if finals is not None and rc == 0:
-        try:
-            assert_bit_exact(ref, finals)
-            exact = True
-        except AssertionError:
-            exact = False
     acc = account(evs)  # the same accounting as `resilient report` and the metrics endpoint
     # the job's first start is no fault's cost: a job that runs for days pays it once
     running = acc.wall_s - acc.seconds["startup"]
-    accounting = {
-        "seconds": {k: round(v, 4) for k, v in acc.seconds.items()},
-        "wall_s": acc.wall_s,
-        "goodput": acc.goodput,
-        "unattributed_share": acc.seconds["other"] / acc.wall_s if acc.wall_s else None,
-        "incidents": len(acc.incidents),
-    }
-    report: dict[str, Any] = {
+    return {
         "faults_planned": planned,
         "faults_injected": len(injected),
         "detected": sum(p["detected"] for p in per_fault),
@@ -184,14 +138,73 @@ def _report(
         "pace_vs_reference": distinct * ref_step_s / wall if wall > 0 else None,
         "steps": j.steps,
         "lost_committed_checkpoints": lost,
-        "bit_exact": exact,
-        "by_kind": by_kind,
+        "bit_exact": rc == 0 and _bit_exact(ref, finals),
+        "by_kind": _by_kind(per_fault),
         "wall_s": wall,
         "skipped": [*skipped, *dict.fromkeys(map(str, idle))],
         "faults": per_fault,
-        "accounting": accounting,
+        "accounting": {
+            "seconds": {k: round(v, 4) for k, v in acc.seconds.items()},
+            "wall_s": acc.wall_s,
+            "goodput": acc.goodput,
+            "unattributed_share": acc.seconds["other"] / acc.wall_s if acc.wall_s else None,
+            "incidents": len(acc.incidents),
+        },
     }
-    return report
+
+
+def _fault(
+    inj: dict[str, Any],
+    injected: list[dict[str, Any]],
+    evs: list[dict[str, Any]],
+    steps_ev: list[dict[str, Any]],
+    nproc: int,
+    ref_step_s: float,
+) -> dict[str, Any]:
+    """What became of one injected fault: seen (by its kind's evidence within 60 s), a step after
+    it, whether another fault came near it, and how long detection and recovery took."""
+    evidence = REGISTRY[inj["kind"]].evidence
+    window = [e for e in evs if inj["ts"] <= e["ts"] < inj["ts"] + 60]
+    # another fault while this one lasted (or within 5 s): its restart can mask this one (a slow
+    # disk is only seen when a save waits on it; a relaunch replaces the throttled process)
+    lasted = inj["ts"] + float(inj.get("duration_s") or 0) + 5
+    m = measure(window, inj["ts"], nproc, ref_step_s, evidence.detection)
+    if not evidence.restarts:  # (a slow disk) nothing restarts: there is no recovery to time
+        m.pop("recover_s", None)
+    return {
+        "kind": inj["kind"],
+        "rank": inj["rank"],
+        "step": inj["step"],
+        "detected": any(e["event"] in evidence.detection for e in window),
+        "overlapped": any(o is not inj and inj["ts"] - 5 <= o["ts"] <= lasted for o in injected),
+        "recovered": any(e["ts"] > inj["ts"] for e in steps_ev),
+        "detect_s": m.get("detect_s"),
+        "recover_s": m.get("recover_s"),
+        "detected_by": m.get("detected_by"),
+    }
+
+
+def _by_kind(per_fault: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Faults injected, detected and recovered, per kind."""
+    out: dict[str, dict[str, int]] = {}
+    for f in per_fault:
+        k = out.setdefault(f["kind"], {"injected": 0, "detected": 0, "recovered": 0})
+        k["injected"] += 1
+        k["detected"] += f["detected"]
+        k["recovered"] += f["recovered"]
+    return out
+
+
+def _bit_exact(ref: list[dict[str, Any]], finals: list[dict[str, Any]] | None) -> bool:
+    """The final state the job dumped (None: it dumped none) is the fault-free reference's, bit
+    for bit."""
+    if finals is None:
+        return False
+    try:
+        assert_bit_exact(ref, finals)
+    except AssertionError:
+        return False
+    return True
 
 
 def verdict(report: dict[str, Any], slo_goodput: float | None, slo_exact: bool) -> list[str]:

@@ -21,7 +21,6 @@ OVER = {
     "resilient/launcher/cli.py:parser": 140,
     "resilient/launcher/cli.py:main": 158,
     "chaos/certify.py:_run_trial": 81,
-    "chaos/stream.py:_report": 93,
     "chaos/harness.py:run_ranks": 65,
 }
 
