@@ -235,31 +235,12 @@ def _run_trial(
     ref_dir: Path | None = None,
 ) -> Trial:
     cert = cert.for_class(name)
-    c, j = cert.classes[name], cert.job
-    kind = REGISTRY[c.fault]
-    step = cert.trial_step(name, trial)
-    t = Trial(name, trial, step)
-    fault = Planned(fault=c.fault, rank=c.rank, step=step, arg=c.arg, duration=c.duration)
-    fault = fault.model_copy(update={"at": c.at, "microbatch": c.microbatch})
-    rc: int | None = None
-    restored: float | None = None
-    deadline = time.monotonic() + j.timeout_s
-    try:
-        with arranged_job(cert, cwd, [(step, fault)], deadline, attempt="0", partial=False) as arranged:
-            runner = arranged.runner
-            restored = runner.fire(step, fault)
-            if runner.skipped:
-                t.skipped = "; ".join(runner.skipped)
-                return t
-            rc = runner.job.stop(max(1.0, runner.deadline - time.monotonic()))
-    except Unavailable as e:  # a capability this machine lacks: skipped, never faked
-        t.skipped = str(e)
+    j = cert.job
+    kind = REGISTRY[cert.classes[name].fault]
+    t = Trial(name, trial, cert.trial_step(name, trial))
+    ran, restored = _run_job(cert, name, t, cwd)
+    if not ran:
         return t
-    t.ok = rc == 0
-    if rc is None:
-        t.error = f"did not finish within {j.timeout_s:g} s"
-    elif rc != 0:
-        t.error = f"launcher exited {rc}"
     injections, idle = outcomes(jsonl(cwd / "injections.jsonl"))
     t.fired = len(injections)
     evs = events(cwd)
@@ -271,14 +252,7 @@ def _run_trial(
     if t.standby is None and kind.kills and any(e["rank"] == -1 for e in evs):  # (under the launcher)
         t.standby = standby_at(evs, inj["ts"])
     m = measure(evs, inj["ts"], j.nproc, ref_step_s, kind.evidence.detection)
-    t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
-    t.detect_step = m.get("detect_step")
-    t.detected_rank, t.rate_back_s = m.get("detected_rank"), m.get("rate_back_s")
-    t.named_ranks = m.get("named_ranks")
-    t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
-    t.source, t.work_lost_s = m.get("source"), m.get("work_lost_s")
-    if (ph := m.get("phases")) is not None:
-        t.phases, t.phase_ranks, t.agree_parts, t.phase_cpu = ph.seconds, ph.ranks, ph.agree_parts, ph.cpu
+    _take_measures(t, m)
     t.time_by_cause = {k: round(v, 4) for k, v in account(evs).seconds.items()}  # (as `resilient report`)
     if restored is not None and t.recover_s is not None:
         t.recover_after_restore_s = inj["ts"] + t.recover_s - restored
@@ -300,6 +274,49 @@ def _run_trial(
     }
     t.failed_slos = _check(t, cert)
     return t
+
+
+def _run_job(cert: Certification, name: str, t: Trial, cwd: Path) -> tuple[bool, float | None]:
+    """The trial's job with its class's one fault, until it ends: whether it ran (not: the fault
+    was skipped, ``t.skipped`` says why) and when the harness restored what the fault broke (None:
+    nothing to restore). ``t.ok`` and ``t.error`` say how the job ended."""
+    c, j = cert.classes[name], cert.job
+    fault = Planned(fault=c.fault, rank=c.rank, step=t.fault_step, arg=c.arg, duration=c.duration)
+    fault = fault.model_copy(update={"at": c.at, "microbatch": c.microbatch})
+    rc: int | None = None
+    restored: float | None = None
+    deadline = time.monotonic() + j.timeout_s
+    try:
+        with arranged_job(
+            cert, cwd, [(t.fault_step, fault)], deadline, attempt="0", partial=False
+        ) as arranged:
+            runner = arranged.runner
+            restored = runner.fire(t.fault_step, fault)
+            if runner.skipped:
+                t.skipped = "; ".join(runner.skipped)
+                return False, restored
+            rc = runner.job.stop(max(1.0, runner.deadline - time.monotonic()))
+    except Unavailable as e:  # a capability this machine lacks: skipped, never faked
+        t.skipped = str(e)
+        return False, restored
+    t.ok = rc == 0
+    if rc is None:
+        t.error = f"did not finish within {j.timeout_s:g} s"
+    elif rc != 0:
+        t.error = f"launcher exited {rc}"
+    return True, restored
+
+
+def _take_measures(t: Trial, m: dict[str, Any]) -> None:
+    """What :func:`measure` found of the trial's fault, onto the trial."""
+    t.detect_s, t.recover_s = m.get("detect_s"), m.get("recover_s")
+    t.detect_step = m.get("detect_step")
+    t.detected_rank, t.rate_back_s = m.get("detected_rank"), m.get("rate_back_s")
+    t.named_ranks = m.get("named_ranks")
+    t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
+    t.source, t.work_lost_s = m.get("source"), m.get("work_lost_s")
+    if (ph := m.get("phases")) is not None:
+        t.phases, t.phase_ranks, t.agree_parts, t.phase_cpu = ph.seconds, ph.ranks, ph.agree_parts, ph.cpu
 
 
 def _compare(
