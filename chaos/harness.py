@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from chaos.hooks import enable
 from resilient.events import read_events
@@ -79,21 +79,17 @@ def run_ranks(
     ``on_start(procs)`` runs once every rank is started (e.g. to signal them when an event shows
     up); whatever it does, the ranks are killed by process group before this returns.
     """
-    port = free_port()
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    base.update({"WORLD_SIZE": str(nproc), "RESILIENT_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"})
-    base.update(env or {})
-    enable(base)  # a run that asks for chaos (CHAOS_PLAN, CHAOS_FINAL_STATE, ...) loads its step hook
+    base = _environment(nproc, run_id, env)
     procs: list[subprocess.Popen[str]] = []
-    outs = []
+    outs: list[tuple[IO[str], IO[str]]] = []
     t0 = time.monotonic()
     timed_out = False
     try:
         for rank in range(nproc):
-            e = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
-            log_out = open(cwd / f"rank{rank}.out", "w+")  # noqa: SIM115 - closed below
+            log_out = open(cwd / f"rank{rank}.out", "w+")  # noqa: SIM115 - closed in _collect
             log_err = open(cwd / f"rank{rank}.err", "w+")  # noqa: SIM115
             outs.append((log_out, log_err))
+            e = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
             procs.append(
                 subprocess.Popen(
                     [sys.executable, *argv],
@@ -107,17 +103,41 @@ def run_ranks(
             )
         if on_start is not None:
             on_start(procs)
-        for p in procs:
-            left = timeout - (time.monotonic() - t0)
-            try:
-                p.wait(timeout=max(0.1, left))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                break
+        timed_out = not _wait(procs, t0 + timeout)
     finally:
         for p in procs:
             _kill_group(p)  # also reaps anything a rank spawned
             p.wait()
+    results = _collect(procs, outs, timed_out)
+    ev_path = cwd / "resilient_runs" / run_id / "events.jsonl"
+    events = read_events(ev_path) if ev_path.exists() else []
+    return RunResult(results, events, time.monotonic() - t0, timed_out)
+
+
+def _environment(nproc: int, run_id: str, env: dict[str, str] | None) -> dict[str, str]:
+    """What every rank's environment shares: env:// on a free local port, the run id, ``env``."""
+    port = free_port()
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    base.update({"WORLD_SIZE": str(nproc), "RESILIENT_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"})
+    base.update(env or {})
+    enable(base)  # a run that asks for chaos (CHAOS_PLAN, CHAOS_FINAL_STATE, ...) loads its step hook
+    return base
+
+
+def _wait(procs: list[subprocess.Popen[str]], deadline: float) -> bool:
+    """Wait for every rank until ``deadline`` (monotonic): whether all ended in time."""
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+    return True
+
+
+def _collect(
+    procs: list[subprocess.Popen[str]], outs: list[tuple[IO[str], IO[str]]], timed_out: bool
+) -> list[RankResult]:
+    """Each rank's exit code (None: killed at the timeout) and output, its log files closed."""
     results = []
     for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
         out.seek(0)
@@ -126,6 +146,4 @@ def run_ranks(
         results.append(RankResult(rank, code, out.read(), err.read()))
         out.close()
         err.close()
-    ev_path = cwd / "resilient_runs" / run_id / "events.jsonl"
-    events = read_events(ev_path) if ev_path.exists() else []
-    return RunResult(results, events, time.monotonic() - t0, timed_out)
+    return results
