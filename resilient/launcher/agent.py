@@ -76,11 +76,9 @@ class ResilientAgent(LocalElasticAgent):
         heartbeat_timeout: float,
         startup_timeout: float,
         events: EventLog | None,
-        backoff_initial_s: float = 0.0,
-        backoff_max_s: float = 10.0,
+        standby: int,
+        standby_mode: str,
         admit_waiting: bool = False,
-        standby: int = 0,
-        standby_mode: str = "park",
         shm_name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -90,7 +88,7 @@ class ResilientAgent(LocalElasticAgent):
         self.elastic.unbound_restarts()  # the policy counts restarts and replacements, each its own
         self.heartbeat_dir = heartbeat_dir
         self.events = events
-        self.backoff = Backoff(backoff_initial_s, backoff_max_s)
+        self.backoff = Backoff(policy.cfg.backoff_initial_s, policy.cfg.backoff_max_s)
         park = standby_mode == "park"
         replacer = Replacer(
             self.elastic, heartbeat_dir, self._emit, standby, park=park, budgets=policy.budgets

@@ -23,11 +23,12 @@ import shutil
 import signal
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
-from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
@@ -41,25 +42,34 @@ from resilient.events import Event, EventLog
 from resilient.launch_env import SlurmPlace, Var
 from resilient.launcher.agent import ResilientAgent
 from resilient.launcher.elastic import Elastic
-from resilient.launcher.policy import LaunchConfig, LaunchPolicy
+from resilient.launcher.policy import LaunchConfig, LaunchPolicy, Replace
 from resilient.native import names
 
-# A job launched here is meant to outlive its faults: torchrun's 0 would end it at the first death
-# that cannot be replaced alone.
-MAX_RESTARTS = 3
+_DEFAULT = LaunchConfig()  # (the launcher's budgets and schedule: their defaults live there)
 
 
 def parser() -> Any:
+    """torchrun's parser, its ``--max-restarts`` default ours, and the launcher's own flags."""
     p = get_args_parser()
     p.prog = "resilient launch"
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.set_defaults(max_restarts=MAX_RESTARTS)
+    p.set_defaults(max_restarts=_DEFAULT.max_restarts)
     for action in p._actions:  # (torchrun's help text for the one default changed here)
         if action.dest == "max_restarts":
             action.help = (
                 "restarts of the whole worker group before the launcher gives up (exit 3); a dead "
                 "rank replaced alone draws on --max-replacements instead (torchrun's default: 0)"
             )
+    _add_liveness(p)
+    _add_budgets(p)
+    _add_membership(p)
+    _add_replacement(p)
+    _add_outputs(p)
+    return p
+
+
+def _add_liveness(p: argparse.ArgumentParser) -> None:
+    """When a worker that beats no more counts as dead."""
     p.add_argument(
         "--heartbeat-timeout",
         type=positive,
@@ -69,21 +79,33 @@ def parser() -> Any:
     p.add_argument(
         "--startup-timeout", type=positive, default=300.0, help="the same, before a worker's first beat"
     )
+
+
+def _add_budgets(p: argparse.ArgumentParser) -> None:
+    """What the deaths of a job may cost before the launcher gives up, and how relaunches are paced."""
     p.add_argument(
-        "--backoff-initial", type=nonnegative, default=1.0, help="delay before the 2nd relaunch, s"
+        "--backoff-initial",
+        type=nonnegative,
+        default=_DEFAULT.backoff_initial_s,
+        help="delay before the 2nd relaunch, s",
     )
-    p.add_argument("--backoff-max", type=nonnegative, default=30.0, help="cap of the exponential backoff, s")
+    p.add_argument(
+        "--backoff-max",
+        type=nonnegative,
+        default=_DEFAULT.backoff_max_s,
+        help="cap of the exponential backoff, s",
+    )
     p.add_argument(
         "--restart-window",
         type=positive,
-        default=None,
+        default=_DEFAULT.restart_window_s,
         help="count only the group restarts of the last this-many seconds against --max-restarts "
         "(None: every restart of the job, as torchrun)",
     )
     p.add_argument(
         "--max-replacements",
         type=count(0, 10**6),
-        default=10,
+        default=_DEFAULT.max_replacements,
         help="dead ranks replaced alone (--replace rank) within --replacement-window before a death "
         "restarts the whole group instead; the runtime's in-process budget is its config's "
         "restart.max_recoveries",
@@ -91,15 +113,19 @@ def parser() -> Any:
     p.add_argument(
         "--replacement-window",
         type=positive,
-        default=3600.0,
+        default=_DEFAULT.replacement_window_s,
         help="count only the replacements of the last this-many seconds against --max-replacements",
     )
     p.add_argument(
         "--max-repeats",
         type=count(1, 10**6),
-        default=3,
+        default=_DEFAULT.max_repeats,
         help="a rank dying at the same step this many launches in a row stops the job (exit 3)",
     )
+
+
+def _add_membership(p: argparse.ArgumentParser) -> None:
+    """Which nodes run the job: one that joins it, one that fails its health checks."""
     p.add_argument(
         "--admit-waiting",
         action="store_true",
@@ -109,13 +135,17 @@ def parser() -> Any:
     p.add_argument(
         "--max-health-failures",
         type=count(1, 10**6),
-        default=2,
+        default=_DEFAULT.max_health_failures,
         help="restarts caused by a failed health check on this node before it leaves the job (exit 75)",
     )
+
+
+def _add_replacement(p: argparse.ArgumentParser) -> None:
+    """How a dead rank is replaced, and what is kept of a dying worker (its stacks, its snapshots)."""
     p.add_argument(
         "--replace",
-        choices=("rank", "group"),
-        default="rank",
+        choices=tuple(r.value for r in Replace),
+        default=_DEFAULT.replace.value,
         help="a worker that dies while training: 'rank' replaces it alone and its survivors recover "
         "in their processes (the whole group restarts where that cannot work); 'group' restarts "
         "every worker, as torchrun",
@@ -148,6 +178,10 @@ def parser() -> Any:
         help="with checkpoint.flush_on_death in the workers' config: how long this agent, giving up, "
         "waits for its ranks' snapshots to reach checkpoint.dir before the shared memory goes",
     )
+
+
+def _add_outputs(p: argparse.ArgumentParser) -> None:
+    """What the launch writes and serves (events, metrics), and the faults it fires on purpose."""
     p.add_argument(
         "--events-dir",
         type=Path,
@@ -178,7 +212,6 @@ def parser() -> Any:
         default=0.0,
         help="seconds the endpoint keeps serving the final figures after the job ends (a last scrape)",
     )
-    return p
 
 
 def _port(text: str) -> int:
@@ -269,11 +302,43 @@ def _workers_environ(
     os.environ[Var.SHM_NAME] = shm_name  # workers snapshot there; kept across relaunches
 
 
+@dataclass(frozen=True)
+class _Job:
+    """This node's launch: the job's run id, and where its heartbeats, snapshots and events go."""
+
+    run_id: str
+    heartbeat_dir: Path
+    shm_name: str
+    events: Path  # the agent's and the workers' event log
+    slurm: SlurmPlace | None  # (srun's task: the agent's events name its node too)
+
+    @property
+    def where(self) -> dict[str, Any]:
+        return self.slurm.fields() if self.slurm is not None else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     args, p = parse(argv)
     if os.environ.get(Var.STORE_NAME_LOOKUPS) != "1":
         # the workers' store is served from this process: no accept may wait for a name server
         names.apply_or_warn()
+    config, cmd, cmd_args = _elastic_config(args, p)
+    job = _job(args, p, config.run_id)
+    events = EventLog(job.events, rank=-1, **job.where)
+    spec = _worker_spec(config, cmd, cmd_args)
+    agent = _agent(args, config, spec, job, events)
+    exporter = _exporter(args, job, agent)
+    result = None
+    try:
+        result = agent.run()
+    finally:
+        _wind_up(args, config, spec, job, agent, events, exporter, result)
+    return _exit_code(args, config, job, agent, result)
+
+
+def _elastic_config(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[Any, Any, list[str]]:
+    """torchrun's launch config, command and arguments from the command line (a run id chosen
+    where none is given)."""
     if args.standalone or (
         args.rdzv_backend == "static"
         and not args.rdzv_endpoint
@@ -289,12 +354,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if not config.run_id or config.run_id == "none":
         config.run_id = uuid.uuid4().hex[:12]
-    hb_dir = heartbeat_dir(config.run_id, os.getpid())
-    shm_name = f"{config.run_id}-{os.getpid()}"
-    _workers_environ(args, p, config.run_id, hb_dir, shm_name)
-    slurm = SlurmPlace.from_environ()  # (srun's task: the agent's events name its node too)
-    where = slurm.fields() if slurm is not None else {}
-    events = EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1, **where)
+    return config, cmd, cmd_args
+
+
+def _job(args: argparse.Namespace, p: argparse.ArgumentParser, run_id: str) -> _Job:
+    """This launch's names and places, and the workers' environment that tells them."""
+    hb_dir = heartbeat_dir(run_id, os.getpid())
+    shm_name = f"{run_id}-{os.getpid()}"
+    _workers_environ(args, p, run_id, hb_dir, shm_name)
+    return _Job(
+        run_id, hb_dir, shm_name, args.events_dir / run_id / "events.jsonl", SlurmPlace.from_environ()
+    )
+
+
+def _worker_spec(config: Any, cmd: Any, cmd_args: list[str]) -> WorkerSpec:
+    """torch elastic's spec of this node's workers, on the rendezvous the command line names."""
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -305,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         **config.rdzv_configs,
     )
     master_addr, master_port = Elastic.master_address(rdzv)
-    spec = WorkerSpec(
+    return WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=cmd,
@@ -317,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         master_port=master_port,
         local_addr=config.local_addr,
     )
+
+
+def _agent(
+    args: argparse.Namespace, config: Any, spec: WorkerSpec, job: _Job, events: EventLog
+) -> ResilientAgent:
+    """The agent, its policy's budgets and schedule from the command line."""
     policy = LaunchPolicy(
         LaunchConfig(
             replace=args.replace,
@@ -326,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             max_health_failures=args.max_health_failures,
             max_replacements=args.max_replacements,
             replacement_window_s=args.replacement_window,
+            backoff_initial_s=args.backoff_initial,
+            backoff_max_s=args.backoff_max,
         )
     )
     agent = ResilientAgent(
@@ -333,63 +415,81 @@ def main(argv: list[str] | None = None) -> int:
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         policy=policy,
-        heartbeat_dir=hb_dir,
+        heartbeat_dir=job.heartbeat_dir,
         heartbeat_timeout=args.heartbeat_timeout,
         startup_timeout=args.startup_timeout,
         events=events,
-        backoff_initial_s=args.backoff_initial,
-        backoff_max_s=args.backoff_max,
-        admit_waiting=args.admit_waiting,
-        standby=max(0, args.standby) if args.replace == "rank" else 0,
+        standby=max(0, args.standby) if args.replace == Replace.RANK.value else 0,
         standby_mode=args.standby_mode,
-        shm_name=shm_name,
+        admit_waiting=args.admit_waiting,
+        shm_name=job.shm_name,
     )
-    sup = agent.supervisor  # (what the agent decided: the verdict, the failures, the exclusion)
-    sup.native_stacks = args.native_stacks
+    agent.supervisor.native_stacks = args.native_stacks
     _forward_preemption(agent)
-    exporter = None
-    if args.metrics_port is not None:
-        from resilient.metrics.exporter import Exporter, RunMetrics
+    return agent
 
-        os.environ[Var.METRICS_BY_AGENT] = "1"  # the workers leave the endpoint to us
-        metrics = RunMetrics(
-            args.events_dir / config.run_id / "events.jsonl",
-            run_id=config.run_id,
-            heartbeat_dir=hb_dir,
-            global_ranks=lambda: {w.local_rank: w.global_rank for w in agent.workers()},
-            labels={"slurm_job_id": slurm.job} if slurm is not None else None,
-        )
-        exporter = Exporter(metrics, args.metrics_port, args.metrics_addr)
-        if not exporter.start():
-            exporter = None
-    result = None
-    try:
-        result = agent.run()
-    finally:
-        # The workers are done: a late preemption signal (a time limit's warning as the job ends)
-        # has nothing left to stop, and one that came while the interpreter exits, its handlers
-        # gone, would kill the launcher and replace its verdict with a signal's exit code.
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        agent.close_standbys()
-        agent.flush_before_exit(result, args.flush_timeout)  # (the job's shared memory goes next)
-        agent.flusher.close()
-        if exporter is not None:
-            exporter.close(linger_s=max(0.0, args.metrics_linger))
-        if sup.excluded:
-            agent.elastic.leave_rendezvous()  # the others go on without this node
-        else:
-            spec.rdzv_handler.shutdown()
-        events.close()
-        shutil.rmtree(hb_dir, ignore_errors=True)  # heartbeats, standbys' ready marks
-        ShmSnapshot(shm_name).unlink()  # the job is over: its snapshots go
-        if not args.logs_specs and not args.log_dir and config.logs_specs is not None:
-            shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)  # torch's temporary one
+
+def _exporter(args: argparse.Namespace, job: _Job, agent: ResilientAgent) -> Any:
+    """This node's Prometheus endpoint (``--metrics-port``), started; None without one."""
+    if args.metrics_port is None:
+        return None
+    from resilient.metrics.exporter import Exporter, RunMetrics
+
+    os.environ[Var.METRICS_BY_AGENT] = "1"  # the workers leave the endpoint to us
+    metrics = RunMetrics(
+        job.events,
+        run_id=job.run_id,
+        heartbeat_dir=job.heartbeat_dir,
+        global_ranks=lambda: {w.local_rank: w.global_rank for w in agent.workers()},
+        labels={"slurm_job_id": job.slurm.job} if job.slurm is not None else None,
+    )
+    exporter = Exporter(metrics, args.metrics_port, args.metrics_addr)
+    return exporter if exporter.start() else None
+
+
+def _wind_up(
+    args: argparse.Namespace,
+    config: Any,
+    spec: WorkerSpec,
+    job: _Job,
+    agent: ResilientAgent,
+    events: EventLog,
+    exporter: Any,
+    result: RunResult | None,
+) -> None:
+    """The agent's run is over (or failed): what it leaves behind is flushed, closed, removed."""
+    # The workers are done: a late preemption signal (a time limit's warning as the job ends)
+    # has nothing left to stop, and one that came while the interpreter exits, its handlers
+    # gone, would kill the launcher and replace its verdict with a signal's exit code.
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    agent.close_standbys()
+    agent.flush_before_exit(result, args.flush_timeout)  # (the job's shared memory goes next)
+    agent.flusher.close()
+    if exporter is not None:
+        exporter.close(linger_s=max(0.0, args.metrics_linger))
+    if agent.supervisor.excluded:
+        agent.elastic.leave_rendezvous()  # the others go on without this node
+    else:
+        spec.rdzv_handler.shutdown()
+    events.close()
+    shutil.rmtree(job.heartbeat_dir, ignore_errors=True)  # heartbeats, standbys' ready marks
+    ShmSnapshot(job.shm_name).unlink()  # the job is over: its snapshots go
+    if not args.logs_specs and not args.log_dir and config.logs_specs is not None:
+        shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)  # torch's temporary one
+
+
+def _exit_code(
+    args: argparse.Namespace, config: Any, job: _Job, agent: ResilientAgent, result: RunResult
+) -> int:
+    """The launcher's exit code, said on stderr where it is not 0 (and recorded as ``run_failed``
+    where the launcher gives up)."""
+    sup = agent.supervisor
     if sup.verdict == int(ExitCode.FATAL) or (
         sup.verdict is None and not sup.excluded and result.is_failed()
     ):
         cause = sup.failures[-1]["cause"] if sup.failures else "restarts exhausted"
-        with EventLog(args.events_dir / config.run_id / "events.jsonl", rank=-1, **where) as log:
+        with EventLog(job.events, rank=-1, **job.where) as log:
             log.emit(
                 Event.RUN_FAILED,
                 generation=0,

@@ -125,18 +125,28 @@ class Decision:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """The launcher's flags the policy reads (``resilient launch --help``). Two budgets: a dead
-    rank replaced alone draws on ``max_replacements`` (within ``replacement_window_s``), a restart
-    of the whole group on ``max_restarts`` (torchrun's flag; within ``restart_window_s``). The
-    runtime's in-process recoveries have their own (``restart.max_recoveries``)."""
+    """The launcher's budgets and restart schedule, and their defaults, once (``resilient launch
+    --help`` shows them). Two budgets: a dead rank replaced alone draws on ``max_replacements``
+    (within ``replacement_window_s``), a restart of the whole group on ``max_restarts`` (torchrun's
+    flag; within ``restart_window_s``). The runtime's in-process recoveries have their own
+    (``restart.*`` of the config: ``RestartConfig``)."""
 
     replace: Replace = Replace.RANK
-    max_restarts: int = 3  # negative: none
-    restart_window_s: float | None = None  # None: --max-restarts counts over the whole job
+    # negative: none; torchrun's 0 would end a job meant to outlive its faults at the first death
+    # that cannot be replaced alone
+    max_restarts: int = 3
+    # None: --max-restarts counts over the whole job, as torchrun's does (the runtime's
+    # restart.window_s makes its cheap in-process recoveries a rate instead)
+    restart_window_s: float | None = None
     max_repeats: int = 3
     max_health_failures: int = 2
     max_replacements: int = 10  # negative: none
     replacement_window_s: float | None = 3600.0  # None: over the whole job
+    # A group relaunch starts every worker again (imports, a rendezvous round, a checkpoint read):
+    # the 2nd in a row waits 1 s, each next one twice as long up to 30 s, where restart.backoff_*
+    # paces in-process recoveries, which cost milliseconds, from 0.1 s up to 10 s.
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replace", Replace(self.replace))

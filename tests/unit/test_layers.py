@@ -18,8 +18,6 @@ OVER = {
     "resilient/runtime/wrapper.py:wrap": 65,
     "resilient/runtime/keeping/resume.py:_execute": 64,
     "resilient/runtime/coordination/coordinator.py:Coordinator": 337,
-    "resilient/launcher/cli.py:parser": 140,
-    "resilient/launcher/cli.py:main": 158,
 }
 
 # (files under this path, modules they must never import, why)
