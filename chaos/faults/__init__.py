@@ -17,7 +17,7 @@ from chaos.faults.base import (
     FaultKind,
     InjectedFault,
     InProcess,
-    Registry,
+    KindRegistry,
     Undo,
     Where,
 )
@@ -33,7 +33,7 @@ from chaos.faults.signals import Sigkill, Sigstop
 from chaos.faults.storage import CorruptCheckpoint, SlowDisk
 from chaos.faults.straggler import Straggler
 
-REGISTRY = Registry(
+REGISTRY = KindRegistry(
     [
         RaiseException(),
         Hang(),
@@ -68,7 +68,7 @@ __all__ = [
     "FaultKind",
     "InProcess",
     "InjectedFault",
-    "Registry",
+    "KindRegistry",
     "Undo",
     "Where",
 ]

@@ -143,7 +143,7 @@ class ByHarness(FaultKind):
     harness_lead: ClassVar[int | None] = 1
 
 
-class Registry(Mapping[str, FaultKind]):
+class KindRegistry(Mapping[str, FaultKind]):
     """Every fault kind, by name, in the order they were registered."""
 
     def __init__(self, kinds: Iterable[FaultKind]) -> None:

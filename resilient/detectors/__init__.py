@@ -9,12 +9,12 @@ of its errors and the runtime's calls of its hooks follow from the registry.
 
 from __future__ import annotations
 
-from resilient.detectors.base import AgreedFault, Detector, Detectors, Registry, Run
+from resilient.detectors.base import AgreedFault, Detector, DetectorRegistry, Detectors, Run
 from resilient.detectors.collectives import CollectiveCheck
 from resilient.detectors.guard import StepGuard
 from resilient.detectors.replicas import ReplicaCheck
 from resilient.detectors.stragglers import Stragglers
 
-REGISTRY = Registry([StepGuard, ReplicaCheck, CollectiveCheck, Stragglers])
+REGISTRY = DetectorRegistry([StepGuard, ReplicaCheck, CollectiveCheck, Stragglers])
 
-__all__ = ["REGISTRY", "AgreedFault", "Detector", "Detectors", "Registry", "Run"]
+__all__ = ["REGISTRY", "AgreedFault", "Detector", "DetectorRegistry", "Detectors", "Run"]

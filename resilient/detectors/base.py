@@ -116,6 +116,10 @@ class Detector:
 
     def step_done(self, step: int) -> None: ...
 
+    def observed(self, loss: Any) -> None:
+        """``ctx.observe(loss=...)``: the loss of the step being run (a tensor or a number),
+        before the step is applied; raising one of :attr:`faults` here rolls the step back."""
+
     def restored(self, step: int) -> None:
         """The state of ``step`` was restored: what was seen of the steps after it is replayed."""
 
@@ -127,7 +131,7 @@ class Detector:
 D = TypeVar("D", bound=Detector)
 
 
-class Registry(Mapping[str, type[Detector]]):
+class DetectorRegistry(Mapping[str, type[Detector]]):
     """Every detector class, by name, in the order they were registered."""
 
     def __init__(self, detectors: Iterable[type[Detector]]) -> None:
@@ -185,7 +189,7 @@ class Detectors:
         self.all = list(detectors)
 
     @classmethod
-    def build(cls, registry: Registry, cfg: Any, run: Run) -> Detectors:
+    def build(cls, registry: DetectorRegistry, cfg: Any, run: Run) -> Detectors:
         built = (d.build(d.section_of(cfg), run) for d in registry.values())
         return cls(d for d in built if d is not None)
 

@@ -219,7 +219,7 @@ class StepGuard(Detector):
 
     @classmethod
     def build(cls, section: GuardConfig, run: Run) -> StepGuard:
-        # (always built: with every rule off it watches nothing, and ctx.observe still has a guard)
+        # (always built: with every rule off it watches nothing)
         return cls(section, run.events, lambda: run.step, run.where, lambda: run.generation)
 
     def __init__(
@@ -332,7 +332,7 @@ class StepGuard(Detector):
             return
         self._watch(name, step, value, self.cfg.spike, f"gradient norm of {name!r}")
 
-    def observe_loss(self, loss: Any) -> None:
+    def observed(self, loss: Any) -> None:
         """``ctx.observe(loss=...)``: the loss of the step being run (a tensor or a number)."""
         if not self.active:
             return

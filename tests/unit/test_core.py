@@ -351,7 +351,7 @@ def test_a_restarted_process_knows_the_step_it_restored(tmp_path: Path) -> None:
 
 def test_an_evicted_shared_memory_snapshot_is_a_typed_restore_error(tmp_path: Path) -> None:
     from resilient.checkpoint.shm import ShmSnapshot
-    from resilient.runtime.keeping.mirrors import shm_state
+    from resilient.runtime.keeping.builtin_keeper import shm_state
 
     shm = ShmSnapshot("unit-evicted", 0, base=tmp_path)
     try:

@@ -150,12 +150,12 @@ def test_observed_loss_is_held_to_the_same_rules():
     run = Run(loss_spike=3.0, warmup=3)
     for s in range(3):
         run.step = s
-        run.guard.observe_loss(torch.tensor(2.0))
+        run.guard.observed(torch.tensor(2.0))
     run.step = 3
     with pytest.raises(SpikeStep, match=r"loss 7 is 3\.5x"):
-        run.guard.observe_loss(7.0)
+        run.guard.observed(7.0)
     with pytest.raises(NonFiniteStep, match="non-finite loss"):
-        run.guard.observe_loss(torch.tensor(float("inf")))
+        run.guard.observed(torch.tensor(float("inf")))
 
 
 def test_ctx_observe_names_an_unknown_value():

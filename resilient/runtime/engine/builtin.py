@@ -11,7 +11,7 @@ Lifecycle per generation g (states are :class:`Phase`; transitions in brackets):
 builds its collaborators from the wiring (:func:`collaborators`, the one factory) and a
 :class:`BuiltinRun` composes its parts from them: the step loop
 (:class:`~resilient.runtime.steps.loop.StepLoop`), the keeper of snapshots beyond the ring
-(:class:`~resilient.runtime.keeping.mirrors.Mirrors`), fault detection
+(:class:`~resilient.runtime.keeping.builtin_keeper.BuiltinKeeper`), fault detection
 (:class:`~resilient.runtime.leave.notice.Detection`) and what a recovery does between two generations
 (:class:`~resilient.runtime.recovery.recovery.Recovery`, with the restart policy).
 """
@@ -48,7 +48,7 @@ from resilient.runtime.coordination import node as node_mod
 from resilient.runtime.coordination.pg import GroupOwner
 from resilient.runtime.engine.warmup import first_use_imports
 from resilient.runtime.keeping import resume
-from resilient.runtime.keeping.mirrors import Mirrors, ring_share
+from resilient.runtime.keeping.builtin_keeper import BuiltinKeeper, ring_share
 from resilient.runtime.keeping.persist import Persistence
 from resilient.runtime.leave.notice import Detection
 from resilient.runtime.leave.watchdog import HardHangTimer
@@ -202,7 +202,7 @@ class BuiltinRun:
         self.phase = Phase.STARTING
         self.ring = SnapshotRing()
         self.hard_timer = HardHangTimer()
-        self.keeper = Mirrors(
+        self.keeper = BuiltinKeeper(
             s, self.ring, c.coord, persist=c.persist, shm=c.shm, replica=c.replica, arm=self.hard_timer.arm
         )
         self.groups = GroupOwner(lambda generation: s.wiring.build_group(generation, s.ns))

@@ -189,7 +189,7 @@ class NvrxRun:
             def __call__(self, state: Any) -> Any:
                 if state.iteration > 0:
                     s = rt.session
-                    s.check_health(state.iteration - 1, rt.loop.step, s.store, lambda gen, why: None)
+                    s.checkup.run(state.iteration - 1, rt.loop.step, s.store, lambda gen, why: None)
                 return state
 
         abort = inprocess.Compose(inprocess.abort.AbortTorchDistributed(), Unblock())
@@ -383,7 +383,7 @@ class NvrxRun:
     def _restore_agreed(self, it: int, t0: float) -> None:
         s, loop = self.session, self.loop
         primary = self._previous_fault(it - 1)
-        s.fault_detected(it - 1, loop.step, primary, "nvrx restart iteration")
+        s.record.detected(it - 1, loop.step, primary, "nvrx restart iteration")
         s.events.emit(Event.GROUP_REBUILT, generation=it, step=None, duration_s=time.time() - t0)
         held: list[list[int]] = [[] for _ in range(s.world_size)]
         dist.all_gather_object(held, self.ring.steps())

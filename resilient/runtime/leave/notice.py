@@ -203,7 +203,7 @@ class Detection:
     def on_hang(self, generation: int, idle_s: float) -> None:
         rec = self._hang_record(generation, idle_s)
         self.coord.post_fault(rec, store=self.monitor_store)
-        self.session.fault_report(rec, stacks=all_stacks())  # (before the interrupt moves the main thread)
+        self.session.record.report(rec, stacks=all_stacks())  # (before the interrupt moves the main thread)
         self.leave(generation, f"{rec.kind}: {rec.message}")
 
     def _hang_record(self, generation: int, idle_s: float) -> FaultRecord:

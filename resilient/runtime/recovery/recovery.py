@@ -37,7 +37,7 @@ from resilient.runtime.coordination.coordinator import Coordinator
 from resilient.runtime.coordination.pg import GroupOwner
 from resilient.runtime.faults.records import FaultRecord
 from resilient.runtime.keeping.buckets import agreed
-from resilient.runtime.keeping.mirrors import Mirrors
+from resilient.runtime.keeping.builtin_keeper import BuiltinKeeper
 from resilient.runtime.leave.notice import Detection
 from resilient.runtime.recovery import decision
 from resilient.runtime.recovery.decision import Admission, Verdict
@@ -78,7 +78,7 @@ class Recovery:
         self,
         loop: StepLoop,
         coord: Coordinator,
-        keeper: Mirrors,
+        keeper: BuiltinKeeper,
         detection: Detection,
         policy: RestartPolicy,
         *,
@@ -149,7 +149,7 @@ class Recovery:
             # (a fault this rank already heard of is not asked of the job's store again)
             primary = self.coord.post_fault(own, known=self.detection.remote_fault(gen))
             if primary.rank == s.rank and primary.kind == own.kind:  # this rank's own fault
-                s.fault_report(own, tb="".join(traceback.format_exception(exc)))
+                s.record.report(own, tb="".join(traceback.format_exception(exc)))
         else:  # we had returned; a peer faulted before everyone finished
             found = self.detection.heard(gen) or self.coord.primary_fault(gen)
             if found is None:
@@ -157,7 +157,7 @@ class Recovery:
             primary = found
         heard = self.detection.heard_at(gen)
         noticed = fault_ts if heard is None else min(fault_ts, heard)
-        s.fault_detected(gen, step, primary, own.message if own else "finished; a peer faulted", noticed)
+        s.record.detected(gen, step, primary, own.message if own else "finished; a peer faulted", noticed)
         t0 = self.clock()
         n = self.groups.end()
         s.events.emit(
@@ -304,7 +304,7 @@ class Recovery:
     def check_health(self, gen: int, step: int | None) -> None:
         node = self.coord.node  # the store this rank uses: its round trip is timed
         store = node.store if node is not None and not node.leader else self.session.store
-        self.session.check_health(gen, step, store, self._tell_peers)
+        self.session.checkup.run(gen, step, store, self._tell_peers)
 
     def _tell_peers(self, gen: int, reason: str) -> None:
         """This rank cannot go on in generation ``gen``: its peers' barriers are released."""

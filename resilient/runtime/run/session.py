@@ -13,25 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from loguru import logger
 
-from resilient.contract import mark_unhealthy, run_namespace
-from resilient.detectors.collectives import issued_on_default_group
-from resilient.errors import HealthCheckFailed
+from resilient.contract import run_namespace
 from resilient.events import Event, EventLog
-from resilient.health import HealthInput, run_checks
 from resilient.launch_env import Var
 from resilient.native import names
 from resilient.runtime.coordination.agreement import all_hold
-from resilient.runtime.faults.records import FaultRecord
-from resilient.runtime.faults.stacks import main_thread_where
 from resilient.runtime.hooks import RunInfo
+from resilient.runtime.run.checkup import Checkup
+from resilient.runtime.run.record import FaultRecorder
 from resilient.runtime.run.schedule import SnapshotSchedule
 from resilient.runtime.run.wiring import Setup, Wiring
 
@@ -54,7 +48,6 @@ class Session:
         self.backend = setup.backend
         self.device = setup.device
         self.hooks = list(setup.hooks)
-        self.checks = setup.checks
         self.detectors = setup.detectors
         self.wiring = wiring
         self.store = wiring.store
@@ -73,6 +66,10 @@ class Session:
             cfg.snapshot, self.rank, self.store, f"{self.ns}/snapshot_interval", ring_share
         )
         self.generation = 0
+        self.record = FaultRecorder(self.events)
+        self.checkup = Checkup(
+            cfg, setup.checks, self.events, self.rank, self.local_rank, launch.heartbeat_dir
+        )
 
     # -- start-up and end ---------------------------------------------------------------------------
     def open(self, step: Callable[[], int | None]) -> None:
@@ -135,70 +132,3 @@ class Session:
             if self.heartbeat is not None:
                 stack.callback(self.heartbeat.close)
         self.store = None  # type: ignore[assignment]  # release the connection
-
-    # -- what every engine records of a fault -----------------------------------------------------------
-    def fault_detected(
-        self, gen: int, step: int | None, primary: FaultRecord, local: str, noticed_ts: float | None = None
-    ) -> None:
-        """``noticed_ts``: when this rank learned of the fault (its own exception caught, or its
-        listener hearing a peer's), the end of the recovery's detection phase on this rank."""
-        self.events.emit(
-            Event.FAULT_DETECTED,
-            generation=gen,
-            step=step,
-            kind=primary.kind,
-            signature=primary.signature,
-            origin_rank=primary.rank,
-            origin_step=primary.step,
-            origin_ts=primary.ts,
-            origin_latency_s=primary.latency_s,
-            local=local,
-            noticed_ts=noticed_ts,
-            cpu_s=time.thread_time(),
-        )
-
-    def fault_report(self, rec: FaultRecord, *, tb: str | None = None, stacks: str | None = None) -> None:
-        """What the rank a fault happened to saw: its traceback, or (a hang) every thread's stack,
-        where the main thread was, and how many collectives the group had issued."""
-        where, in_collective = main_thread_where()
-        self.events.emit(
-            Event.FAULT_REPORT,
-            generation=rec.generation,
-            step=rec.step,
-            kind=rec.kind,
-            signature=rec.signature,
-            message=rec.message,
-            where=where,
-            in_collective=in_collective,
-            collectives_issued=issued_on_default_group(),
-            traceback=tb,
-            stacks=stacks,
-            log=False,
-        )
-
-    def check_health(
-        self, gen: int, step: int | None, store: dist.Store, tell_peers: Callable[[int, str], None]
-    ) -> None:
-        """The built-in and the caller's checks (``store``: the one whose round trip is timed, the
-        one this rank uses); a failure is told to the launcher's agent (a node that keeps failing
-        them is excluded) and to the peers (``tell_peers``), then raised."""
-        t0 = time.time()
-        results = run_checks(HealthInput.of(self.rank, gen, store, self.cfg), self.checks)
-        failed = [r for r in results if not r.ok]
-        self.events.emit(
-            Event.HEALTH_CHECKED,
-            generation=gen,
-            step=step,
-            ok=not failed,
-            duration_s=time.time() - t0,
-            checks={r.name: {"ok": r.ok, "value": r.value} for r in results},
-            cpu_s=time.thread_time(),
-        )
-        if not failed:
-            return
-        f = failed[0]
-        logger.error("rank {}: health check {!r} failed: value={} ({})", self.rank, f.name, f.value, f.detail)
-        if self.launch.heartbeat_dir is not None:
-            mark_unhealthy(self.launch.heartbeat_dir, self.local_rank, f.name, f.value, f.detail)
-        tell_peers(gen, f"health check {f.name!r} failed: {f.value}")
-        raise HealthCheckFailed(f.name, f.value, f.detail)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from resilient.config import Config
 from resilient.contract import Heartbeat
 from resilient.detectors import REGISTRY as DETECTORS
-from resilient.detectors import Registry
+from resilient.detectors import DetectorRegistry
 from resilient.events import EventLog
 from resilient.health import Check
 from resilient.launch_env import LaunchEnv
@@ -38,7 +38,7 @@ class Setup:
     checks: tuple[Check, ...] = ()
     backend: str = "gloo"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    detectors: Registry = DETECTORS
+    detectors: DetectorRegistry = DETECTORS
 
     @classmethod
     def of(
@@ -48,7 +48,7 @@ class Setup:
         *,
         launch: LaunchEnv | None = None,
         hooks: Sequence[StepHook] = (),
-        detectors: Registry = DETECTORS,
+        detectors: DetectorRegistry = DETECTORS,
     ) -> Setup:
         launch = launch if launch is not None else LaunchEnv.from_environ()
         backend = resolve_backend(cfg.backend)

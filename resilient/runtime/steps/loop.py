@@ -30,7 +30,6 @@ from resilient.detectors.collectives import (
     PeerWait,
     issued_on_default_group,
 )
-from resilient.detectors.guard import StepGuard
 from resilient.detectors.replicas import ReplicaCheck
 from resilient.errors import ResilienceError
 from resilient.events import Event
@@ -87,8 +86,6 @@ class StepLoop:
         self.cost = Cost(session)
         run = DetectorRun(session, lambda: self.step, lambda: self.gen.batch())
         self.detectors = Detectors.build(session.detectors, session.cfg, run)
-        guard = self.detectors.get(StepGuard)  # (ctx.observe reports to it)
-        self.guard = guard if guard is not None else StepGuard.build(StepGuard.section_of(None), run)
         self.sdc = self.detectors.get(ReplicaCheck)
         self.collectives = self.detectors.get(CollectiveCheck)
         self.verdicts = Verdicts(ring, self.sdc, session.rank)
@@ -208,8 +205,8 @@ class StepLoop:
         self.track({CARRY: carried})
 
     def observe(self, loss: Any) -> None:
-        """``ctx.observe(loss=...)``: held to the guard's rules before the step is applied."""
-        self.guard.observe_loss(loss)
+        """``ctx.observe(loss=...)``: every detector sees it before the step is applied."""
+        self.detectors.each(lambda d: d.observed(loss))
 
     def epochs(self, total: int) -> Iterator[int]:
         return self.forms.epochs(total)

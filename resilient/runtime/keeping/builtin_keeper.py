@@ -56,7 +56,7 @@ def shm_state(shm: ShmSnapshot, step: int, *, mapped: bool = False) -> dict[str,
     return MappedState(got[1]) if mapped else dict(got[1])
 
 
-class Mirrors:
+class BuiltinKeeper:
     """See the module docstring. ``arm``: the hard-hang timer's (a save in flight re-arms it)."""
 
     def __init__(
