@@ -53,6 +53,20 @@ def current() -> Context:
     return _current
 
 
+def _wait_as_standby(cfg: Config, prepare: Callable[[], Any] | None) -> list[Any]:
+    """Where this process is a parked standby of ``resilient launch``: the set-up it can pay while
+    it waits, then the wait until it is promoted to a rank (else nothing). ``prepare``'s result
+    where it ran here, for the first entry (a list: empty where it did not)."""
+    standby = parking()
+    if standby:  # (what the engine's wiring does first, done while waiting)
+        numeric_names(cfg, os.environ.get(Var.STORE_NAME_LOOKUPS) == "1")
+    if standby and cfg.freeze_gc and cfg.engine == "resilient":
+        freeze_gc()  # (the engine's own freeze, paid while waiting rather than once promoted)
+    ahead = [prepare()] if prepare is not None and standby else []  # (a standby's, built early)
+    park_until_promoted()  # (a standby of `resilient launch` waits here to be a rank)
+    return ahead
+
+
 @overload
 def wrap(fn: F) -> F: ...
 
@@ -100,13 +114,7 @@ def wrap(
         @functools.wraps(f)
         def run(*args: Any, **kwargs: Any) -> Any:
             global _current
-            standby = parking()
-            if standby:  # (what the engine's wiring does first, done while waiting)
-                numeric_names(cfg, os.environ.get(Var.STORE_NAME_LOOKUPS) == "1")
-            if standby and cfg.freeze_gc and cfg.engine == "resilient":
-                freeze_gc()  # (the engine's own freeze, paid while waiting rather than once promoted)
-            ahead = [prepare()] if prepare is not None and standby else []  # (a standby's, built early)
-            park_until_promoted()  # (a standby of `resilient launch` waits here to be a rank)
+            ahead = _wait_as_standby(cfg, prepare)
             excepthook_exit_codes()
             active = [*hooks, *hooks_mod.discover()]
             rt = engine_for(Setup.of(cfg, checks, hooks=active))

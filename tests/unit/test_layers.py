@@ -14,11 +14,7 @@ MAX_FUNCTION = 60
 MAX_CLASS = 300
 # Functions and classes past the bounds when the bounds came in, at their length then: each may
 # only shrink, and leaves this list once it is within its bound (the recovery core's untangling).
-OVER = {
-    "resilient/runtime/wrapper.py:wrap": 65,
-    "resilient/runtime/keeping/resume.py:_execute": 64,
-    "resilient/runtime/coordination/coordinator.py:Coordinator": 337,
-}
+OVER: dict[str, int] = {}
 
 # (files under this path, modules they must never import, why)
 RULES = [

@@ -13,13 +13,8 @@ Keys of generation g:
 A ``release`` value other than ``ok`` (or ``ok`` + a newline + the barrier's result) aborts the
 barrier with the reason it carries.
 
-Barriers cost O(1) requests per rank at any size: each rank posts its payload and counts itself
-in; the last to arrive reads every payload once, reduces them (the step every rank can restore,
-any/all of a vote, rank 0's choice) and writes the result into the release key every rank reads.
-(Every rank reading every payload was O(N²) keys at the server: 268 M at 16,384 ranks.)
-When the job spans several nodes, a node's ranks meet on their node's own store first and reach
-the job's as one (:mod:`resilient.runtime.coordination.node`): a barrier's payloads then arrive in blocks
-(``<name>/b/<first rank>``, listed in ``<name>/blocks``), each counting as many ranks as it holds.
+How a barrier is met (O(1) requests per rank, through the node's store where a rank has one):
+:mod:`resilient.runtime.coordination.barriers`.
 docs/control-plane.md lists every key, who writes and reads it, and how often.
 """
 
@@ -32,7 +27,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -42,11 +36,10 @@ from resilient.contract import FAULTED, generation_key, publish_fault
 from resilient.errors import CoordinationError, PeerAborted
 from resilient.launch_env import Endpoint, LaunchEnv
 from resilient.runtime.coordination.agreement import REDUCE, RestorePlan, restore_plan
+from resilient.runtime.coordination.barriers import NEVER, OK, Barrier, Barriers
 from resilient.runtime.coordination.node import NodeLink, NodeLinkLost
 from resilient.runtime.faults.records import FaultRecord
 
-OK = "ok"
-_NEVER = "\x00never"  # an expected value no key holds: compare_set(k, _NEVER, _NEVER) only reads k
 CLOSED = "__closed__"  # written to a generation's fault key once every rank finished it
 FOREVER = 365 * 24 * 3600.0  # store-client timeout for a thread that blocks until a fault arrives
 
@@ -90,14 +83,6 @@ def _release(store: dist.Store, key: str, verdict: str) -> None:
     store.compare_set(key, "", verdict)
 
 
-@dataclass(frozen=True)
-class Barrier:
-    base: str  # its keys' prefix
-    label: str  # its name in an error
-    reduce: Callable[[list[str]], str]
-    timeout: float
-
-
 class Coordinator:
     """Generation-scoped key protocol on the run's store (main-thread connection), through the
     node's store where this rank has one (``node``; ``blocks``: the job's barriers take blocks,
@@ -124,6 +109,8 @@ class Coordinator:
         self.node = node
         self.on_lost = on_lost  # (any thread) the node's store is gone: why
         self._lost_lock = threading.Lock()
+        # the barriers are their own job: they read this coordinator's stores and node link live
+        self.barriers = Barriers(self)
 
     def key(self, generation: int, *parts: object) -> str:
         return generation_key(self.ns, generation, *parts)
@@ -195,7 +182,7 @@ class Coordinator:
             except dist.DistNetworkError as e:
                 # the leader left: after a clean finish it closed the generation first, so a
                 # closed key on the job's store means nothing was lost
-                if store.compare_set(k, _NEVER, _NEVER).decode() == CLOSED:
+                if store.compare_set(k, NEVER, NEVER).decode() == CLOSED:
                     return None
                 self.lose(e)
                 raw = store.get(k)
@@ -224,96 +211,14 @@ class Coordinator:
                         out[r] = json.loads(s.get(k))
         return [out[r] for r in sorted(out)]
 
-    # -- barriers -------------------------------------------------------------------------------
-    def _job_arrive(self, at: Barrier, first: int, payloads: list[str]) -> str:
-        """Arrive at the job's barrier ``base`` for ranks ``first ...`` with their payloads; the
-        last arrival reduces every rank's payload once. Returns the release key's raw verdict."""
-        s, base = self.store, at.base
-        if self.blocks:
-            s.set(f"{base}/b/{first}", json.dumps(payloads))
-            s.append(f"{base}/blocks", f"{first},")  # type: ignore[attr-defined]
-        else:
-            s.set(f"{base}/{first}", payloads[0])
-        arrived = s.add(f"{base}/count", len(payloads))
-        release = f"{base}/release"
-        if arrived == self.world_size:
-            # the verdict written, or the abort a peer wrote first: the last arrival, on the
-            # recovery's critical path, needs no wait and no second read
-            return s.compare_set(release, "", self._reduce(at)).decode()
-        try:
-            s.wait([release], timedelta(seconds=at.timeout))
-        except Exception as e:
-            raise self._late(at) from e
-        # (the key exists now: a compare-and-set that never matches reads it in one request,
-        # where a get would wait for it first)
-        return s.compare_set(release, _NEVER, _NEVER).decode()
-
-    def _reduce(self, at: Barrier) -> str:
-        """(The last arrival) every payload, read once and reduced: the release key's verdict. A
-        malformed block or payload (a peer's garbage) aborts the barrier for every rank, named."""
-        s, base = self.store, at.base
-        try:
-            if self.blocks:
-                firsts = sorted(int(f) for f in s.get(f"{base}/blocks").decode().split(",") if f)
-                got = [p for v in s.multi_get([f"{base}/b/{f}" for f in firsts]) for p in json.loads(v)]
-                if not all(isinstance(p, str) for p in got):
-                    raise ValueError("a block holds a payload that is not a string")
-            else:
-                got = [v.decode() for v in s.multi_get([f"{base}/{r}" for r in range(self.world_size)])]
-            if len(got) != self.world_size:
-                raise ValueError(f"{len(got)} payloads for {self.world_size} ranks")
-            return f"{OK}\n{at.reduce(got)}"
-        except (ValueError, TypeError, RecursionError) as e:
-            return f"barrier {at.label}: malformed payload ({type(e).__name__}: {e})"
-
-    def _late(self, at: Barrier) -> CoordinationError:
-        n = self.store.add(f"{at.base}/count", 0)
-        return CoordinationError(
-            f"barrier {at.label}: only {n}/{self.world_size} ranks arrived within {at.timeout:g}s"
-        )
-
-    def _node_arrive(self, node: NodeLink, at: Barrier, payload: str) -> str:
-        """The same through the node's store: the node's last arrival carries every payload of
-        the node to the job's barrier as one block, and hands the verdict back to the node."""
-        ns, base = node.store, at.base
-        try:
-            ns.set(f"{base}/{self.rank}", payload)
-        except dist.DistNetworkError as e:  # gone before this rank counted in: it arrives alone
-            self.lose(e)
-            return self._job_arrive(at, self.rank, [payload])
-        try:
-            if ns.add(f"{base}/count", 1) == node.size:
-                got = [v.decode() for v in ns.multi_get([f"{base}/{r}" for r in node.ranks])]
-                try:
-                    verdict = self._job_arrive(at, node.first, got)
-                except CoordinationError as e:
-                    ns.compare_set(f"{base}/release", "", str(e))
-                    raise
-                return ns.compare_set(f"{base}/release", "", verdict).decode()  # (as in _job_arrive)
-            try:
-                ns.wait([f"{base}/release"], timedelta(seconds=at.timeout))
-            except dist.DistNetworkError:
-                raise
-            except Exception as e:
-                raise self._late(at) from e
-            return ns.compare_set(f"{base}/release", _NEVER, _NEVER).decode()
-        except dist.DistNetworkError as e:
-            # the node's leader died: its peers cannot complete this barrier without it anyway
-            raise CoordinationError(str(self.lose(e))) from e
-
-    def _arrive(self, at: Barrier, payload: str) -> str:
-        node = self.node
-        if node is not None:
-            return self._node_arrive(node, at, payload)
-        return self._job_arrive(at, self.rank, [payload])
-
+    # -- barriers (met by self.barriers) -------------------------------------------------------
     def _barrier(self, generation: int, name: str, payload: str, reduce: Callable[[list[str]], str]) -> str:
         """Every rank arrives with ``payload``; every rank leaves with ``reduce(every payload)``,
         computed once, by the last to arrive."""
         at = Barrier(
             self.key(generation, name), f"{name!r} of generation {generation}", reduce, self.barrier_timeout
         )
-        verdict = self._arrive(at, payload)
+        verdict = self.barriers.arrive(at, payload)
         if not verdict.startswith(f"{OK}\n"):
             raise PeerAborted(f"generation {generation} cannot form: {verdict}")
         return verdict[len(OK) + 1 :]
@@ -329,7 +234,8 @@ class Coordinator:
 
     def same(self, name: str, value: str, timeout: float) -> bool:
         """Whether every rank holds ``value`` (a barrier outside any generation's keys)."""
-        verdict = self._arrive(Barrier(f"{self.ns}/{name}", repr(name), REDUCE["same"], timeout), value)
+        at = Barrier(f"{self.ns}/{name}", repr(name), REDUCE["same"], timeout)
+        verdict = self.barriers.arrive(at, value)
         if not verdict.startswith(f"{OK}\n"):
             raise PeerAborted(f"{name}: {verdict}")
         return verdict[len(OK) + 1 :] == "1"
@@ -395,7 +301,7 @@ class Coordinator:
         """All ranks returned → True. A fault posted meanwhile → False (recover instead)."""
         base = self.key(generation, "done")
         try:
-            verdict = self._finish(base)
+            verdict = self.barriers.finish(base, self.barrier_timeout)
         except CoordinationError:
             raise
         except Exception as e:
@@ -407,29 +313,3 @@ class Coordinator:
         if verdict == FAULTED:
             return False
         raise PeerAborted(f"generation {generation} aborted: {verdict}")
-
-    def _finish(self, base: str) -> str:
-        timeout = timedelta(seconds=self.barrier_timeout)
-        node = self.node
-        if node is None:
-            return self._job_count(base, 1, timeout)
-        ns = node.store
-        try:
-            arrived = ns.add(f"{base}/count", 1)
-        except dist.DistNetworkError as e:  # gone before this rank counted in: it arrives alone
-            self.lose(e)
-            return self._job_count(base, 1, timeout)
-        try:
-            if arrived == node.size:  # the node's last: counts the node in
-                ns.compare_set(f"{base}/release", "", self._job_count(base, node.size, timeout))
-            ns.wait([f"{base}/release"], timeout)
-            return ns.compare_set(f"{base}/release", _NEVER, _NEVER).decode()
-        except dist.DistNetworkError as e:
-            raise CoordinationError(str(self.lose(e))) from e
-
-    def _job_count(self, base: str, weight: int, timeout: timedelta) -> str:
-        release = f"{base}/release"
-        if self.store.add(f"{base}/count", weight) == self.world_size:
-            self.store.compare_set(release, "", OK)
-        self.store.wait([release], timeout)
-        return self.store.compare_set(release, _NEVER, _NEVER).decode()

@@ -410,25 +410,7 @@ class _Resume:
                     raise CheckpointError(f"store replica of rank {rank}, step {step} is gone")
                 state.update({n: fetched[1][n] for n in p.replica[rank]})
                 sources.update(dict.fromkeys(p.replica[rank], "replica"))
-            for n, by_orphan in sorted(p.donated.items()):
-                for r, donor in sorted(by_orphan.items()):
-                    if rank not in (r, donor):
-                        continue
-                    local = self._local(step) if rank == donor else None
-                    if donor == r:  # the orphan holds an equal copy itself
-                        got = {n: local[n]} if local is not None else {}
-                    elif rank == donor:
-                        self._send({n: local[n]} if local is not None else None, r)
-                        continue
-                    else:
-                        got = self._recv(donor)
-                    want = p.prints.get(r, {}).get(n)
-                    if n not in got or (want is not None and fingerprint(got[n]) != want):
-                        raise CheckpointError(
-                            f"{n!r} from rank {donor} does not match the fingerprint lost rank {r} posted"
-                        )
-                    state[n] = got[n]
-                    sources[n] = f"peer:{donor}" if donor != r else "shm"
+            self._donate(p, state, sources)
         except Exception as e:  # any failure: vote, then everyone goes to disk together
             logger.warning(f"restoring step {step} from memory failed on rank {rank}: {e}")
             ok = False
@@ -441,6 +423,31 @@ class _Resume:
         else:  # (some state moved between ranks, or came back from what an agent flushed)
             source = "flushed" if local_only and len(p.owners) + len(p.flushed) == self.world else "peer"
         return Restored(step, state, source, p.world_from, sources)
+
+    def _donate(self, p: _Plan, state: dict[str, Any], sources: dict[str, str]) -> None:
+        """The lost ranks' large objects, from the holders of verifiably equal copies the plan named:
+        this rank sends those it donates, and takes those donated to it (their fingerprints checked)
+        into ``state`` and ``sources``."""
+        rank, step = self.rank, p.step
+        for n, by_orphan in sorted(p.donated.items()):
+            for r, donor in sorted(by_orphan.items()):
+                if rank not in (r, donor):
+                    continue
+                local = self._local(step) if rank == donor else None
+                if donor == r:  # the orphan holds an equal copy itself
+                    got = {n: local[n]} if local is not None else {}
+                elif rank == donor:
+                    self._send({n: local[n]} if local is not None else None, r)
+                    continue
+                else:
+                    got = self._recv(donor)
+                want = p.prints.get(r, {}).get(n)
+                if n not in got or (want is not None and fingerprint(got[n]) != want):
+                    raise CheckpointError(
+                        f"{n!r} from rank {donor} does not match the fingerprint lost rank {r} posted"
+                    )
+                state[n] = got[n]
+                sources[n] = f"peer:{donor}" if donor != r else "shm"
 
 
 def restore(*, newest_checkpoint: int, **how: Any) -> Restored | None:
