@@ -229,7 +229,11 @@ class ResilientAgent(LocalElasticAgent):
         )
         result = ours
         if not any(s.death.missed_heartbeat for s in seen):
-            # torch stops the others now (SIGTERM) and reports them too, as it does without us
+            # torch stops the others now (SIGTERM) and reports them too, as it does without us:
+            # marked ours (stop now), unless a preempted rank's peers still write their final
+            # checkpoint (that SIGTERM then waits for them, as a scheduler's does)
+            if found.decision.action is not Action.REQUEUE:
+                mark_stopping(self.heartbeat_dir, True)
             result = super()._monitor_workers(worker_group)
             dead = {s.death.global_rank for s in seen}
             stopped = [s for s in self._from_result(worker_group, result) if s.death.global_rank not in dead]

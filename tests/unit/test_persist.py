@@ -155,3 +155,32 @@ def test_a_sigterm_not_from_the_agent_is_a_preemption_and_the_agents_stops_the_p
     finally:
         p.uninstall()
         signal.signal(signal.SIGTERM, old)
+
+
+def test_the_agents_sigterm_watch_passes_signals_on_and_leaves_no_trace(tmp_path: Path) -> None:
+    # the watch that ends a process blocked in C on its agent's SIGTERM reads the signal wakeup fd:
+    # one set before (an event loop's) still gets every signal's byte, and has its place back after
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    p = Persistence(
+        CheckpointConfig(dir=tmp_path / "ck"), rank=0, world_size=1, token="t",
+        events=EventLog(tmp_path / "events.jsonl", 0), exchange=lambda name, payload: [payload],
+        signals=("SIGUSR1",), agent_stopping=lambda: False,
+    )  # fmt: skip
+    before = signal.set_wakeup_fd(w)
+    try:
+        p.install()
+        assert p._term_watch is not None and p._term_watch.is_alive()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert os.read(r, 1) == bytes([signal.SIGUSR1]) and p.preempt_requested == "SIGUSR1"
+        watch = p._term_watch
+        p.uninstall()
+        assert not watch.is_alive()
+        assert signal.set_wakeup_fd(-1) == w
+    finally:
+        signal.set_wakeup_fd(before)
+        p.ckpt.close()
+        os.close(r)
+        os.close(w)

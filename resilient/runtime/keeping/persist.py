@@ -10,6 +10,12 @@
   ``preempt`` fault, which pulls every rank out of its step through the usual fault path. After the
   recovery barrier agrees on the newest snapshot all ranks hold, that state is saved as the final
   checkpoint and the process exits with the requeue code.
+- Under ``resilient launch`` a SIGTERM is also its agent's "stop now" (the agent marks that first):
+  the process dies of it at once. Its Python handler runs only when the main thread is back in the
+  interpreter, and one blocked in C++ (a recovery barrier's store ``wait`` for a dead peer, a
+  collective) would outlive the agent's grace (30 s, then SIGKILL): a thread, woken by the
+  signal itself (``signal.set_wakeup_fd``), ends the process when the main thread has not taken
+  the signal within ``TERM_GRACE_S``.
 - A failed save is reported (event + error log) and training continues: the previous checkpoints
   are intact. The final flush at the end of the run raises if it fails.
 """
@@ -22,6 +28,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +44,103 @@ from resilient.config import CheckpointConfig
 from resilient.errors import CheckpointError, NoValidCheckpoint
 from resilient.events import Event, EventLog
 from resilient.runtime.coordination.coordinator import REDUCE
+
+TERM_GRACE_S = 0.5  # the agent's SIGTERM: the main thread's handler runs by then unless it is blocked in C
+
+
+class TermWatch(threading.Thread):
+    """Ends the process on its agent's SIGTERM when the main thread does not run the Python handler
+    within ``grace`` s (``handled`` not set): it is blocked in C++ and would outlive the agent's
+    grace. The C-level handler Python installs writes each signal's number to the wakeup fd, from
+    whatever thread the kernel interrupts: this thread sleeps in a ``read`` of it, nothing polls.
+    Bytes are passed on to a wakeup fd there was before (an event loop's)."""
+
+    def __init__(self, agent_stopping: Callable[[], bool], handled: threading.Event, grace: float, rank: int):
+        super().__init__(name="resilient-term-watch", daemon=True)
+        self._agent_stopping = agent_stopping
+        self._handled = handled
+        self._grace = grace
+        self._rank = rank
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._previous_fd = -1
+
+    def install(self) -> None:
+        """From the main thread (``set_wakeup_fd`` may be called there only)."""
+        self._previous_fd = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+        _watches.append(self)
+        self.start()
+
+    def uninstall(self) -> None:
+        """From the main thread: the previous wakeup fd back (unless another was set since), the
+        thread ended, the pipe closed."""
+        current = signal.set_wakeup_fd(self._previous_fd)
+        if current != self._w:  # (someone set theirs since: it stays)
+            signal.set_wakeup_fd(current)
+        with contextlib.suppress(ValueError):
+            _watches.remove(self)
+        with contextlib.suppress(OSError):
+            os.write(self._w, b"\0")  # (no signal is 0: the thread's end)
+        self.join(1.0)
+        if not self.is_alive():  # (else it still reads the pipe: left open)
+            os.close(self._r)
+            os.close(self._w)
+
+    def forked(self) -> None:
+        """In a child forked from this process: its signals are its own (no thread reads them here)."""
+        with contextlib.suppress(ValueError, OSError):  # (forked from another thread than the main)
+            if signal.set_wakeup_fd(self._previous_fd) != self._w:
+                signal.set_wakeup_fd(-1)
+        with contextlib.suppress(OSError):
+            os.close(self._r)
+            os.close(self._w)
+
+    def run(self) -> None:
+        while True:
+            try:
+                got = os.read(self._r, 64)
+            except OSError:
+                return
+            if not got:
+                return
+            signums = got.replace(b"\0", b"")
+            if signums and self._previous_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.write(self._previous_fd, signums)
+            stop = signal.SIGTERM in signums and self._agent_stopping()
+            if stop and not self._handled.wait(self._grace):
+                self._die()
+            if b"\0" in got:
+                return
+
+    def _die(self) -> None:
+        """Dies of SIGTERM, as the handler would have: its default action, from this thread. (The
+        event log is written unbuffered: nothing of it is lost.)"""
+        with contextlib.suppress(OSError):
+            os.write(
+                2,
+                f"rank {self._rank}: SIGTERM from its agent while the main thread is blocked (a store wait, "
+                f"a collective): the process ends now\n".encode(),
+            )
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL(None).signal(int(signal.SIGTERM), 0)  # SIG_DFL (signal.signal: the main thread only)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)  # (the kernel ends every thread: this one too)
+        os._exit(128 + signal.SIGTERM)
+
+
+_watches: list[TermWatch] = []  # this process's (at most one)
+
+
+def _after_fork_in_child() -> None:
+    for w in _watches:
+        w.forked()
+    _watches.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Persistence:
@@ -73,6 +177,8 @@ class Persistence:
         self.failures = 0
         self.preempt_requested: str | None = None
         self._previous_handlers: dict[int, Any] = {}
+        self._term_taken = threading.Event()  # the main thread ran _on_term for the agent's SIGTERM
+        self._term_watch: TermWatch | None = None
         self._t0 = time.monotonic()
         self._save_started: dict[int, float] = {}
         self._write_s: float | None = None
@@ -89,6 +195,9 @@ class Persistence:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         if self.agent_stopping is not None and signal.SIGTERM not in self._previous_handlers:
             self._previous_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
+            self._term_taken.clear()
+            self._term_watch = TermWatch(self.agent_stopping, self._term_taken, TERM_GRACE_S, self.rank)
+            self._term_watch.install()
 
     def _on_term(self, signum: int, frame: Any) -> None:
         """A SIGTERM under ``resilient launch``: the agent's stops the process as it always did;
@@ -97,6 +206,7 @@ class Persistence:
         if not self.agent_stopping():
             self._on_signal(signum, frame)
             return
+        self._term_taken.set()  # (the main thread has it: the watch leaves it alone)
         previous = self._previous_handlers.get(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, previous)
         if callable(previous):
@@ -105,6 +215,9 @@ class Persistence:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def uninstall(self) -> None:
+        if self._term_watch is not None:
+            self._term_watch.uninstall()
+            self._term_watch = None
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers.clear()
