@@ -8,10 +8,10 @@ its ``/dev/shm`` removed. The rendezvous admits the spare; then, by mode:
 
 - memory: the lost rank's model and optimizer come from the survivor's shared-memory snapshot,
   sent over the new group and checked against the fingerprint the lost rank posted to the job's
-  store; its RNG and data position from the store replica (``snapshot.replica_max_bytes``);
-- checkpoint: the store replica off (``replica_max_bytes: 0``): nothing vouches for the
+  store; its RNG and data position from the store copy (``snapshot.store_copy_max_bytes``);
+- checkpoint: the store copy off (``store_copy_max_bytes: 0``): nothing vouches for the
   survivor's copy, so every rank loads the newest checkpoint (every ``--ckpt-every`` steps);
-- flushed (with ``--cascade``): the replica off too, and ``checkpoint.flush_on_death``: node 1's
+- flushed (with ``--cascade``): the store copy off too, and ``checkpoint.flush_on_death``: node 1's
   agent wrote its dead worker's snapshots to the checkpoint directory before the node went, and
   the spare reads them back.
 
@@ -115,7 +115,7 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
     interval = args.snapshot_interval
     snapshot: dict[str, Any] = {"interval": int(interval) if interval.isdigit() else interval}
     if mode in ("checkpoint", "flushed"):
-        snapshot["replica_max_bytes"] = 0
+        snapshot["store_copy_max_bytes"] = 0
     sections: dict[str, Any] = {"events": {"steps": True}, "snapshot": snapshot}
     if mode == "flushed":
         sections["checkpoint"] = {"flush_on_death": True}

@@ -26,6 +26,20 @@ from resilient.sections import Section, interval_or_auto
 BUILTIN_CHECKS = ("gpu", "host_memory", "checkpoint_dir", "store")
 
 
+def renamed(data: Any, section: str, old: str, new: str, why: str) -> Any:
+    """A section's raw ``data`` with the key ``old`` read as ``new`` (its new name), with a
+    DeprecationWarning that says ``why``; both given is an error naming them."""
+    if not isinstance(data, dict) or old not in data:
+        return data
+    data = dict(data)
+    value = data.pop(old)
+    if new in data:
+        raise ValueError(f"{old} is the old name of {new}: give one of them")
+    data[new] = value
+    warnings.warn(f"{section}.{old} is now {section}.{new} ({why})", DeprecationWarning, stacklevel=3)
+    return data
+
+
 class RestartConfig(Section):
     """Bounds on in-process recoveries (the launcher's budgets are its own flags:
     ``resilient launch --max-replacements``, ``--max-restarts``)."""
@@ -43,19 +57,8 @@ class RestartConfig(Section):
     def _renamed(cls, data: Any) -> Any:
         """``max_restarts`` (the old name, which the launcher's ``--max-restarts`` shares) is
         read as ``max_recoveries``, with a warning."""
-        if isinstance(data, dict) and "max_restarts" in data:
-            data = dict(data)
-            old = data.pop("max_restarts")
-            if "max_recoveries" in data:
-                raise ValueError("max_restarts is the old name of max_recoveries: give one of them")
-            data["max_recoveries"] = old
-            warnings.warn(
-                "restart.max_restarts is now restart.max_recoveries (resilient launch's "
-                "--max-restarts counts restarts of the whole group)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        return data
+        why = "resilient launch's --max-restarts counts restarts of the whole group"
+        return renamed(data, "restart", "max_restarts", "max_recoveries", why)
 
     @model_validator(mode="after")
     def _ordered(self) -> RestartConfig:
@@ -76,12 +79,12 @@ class SnapshotConfig(Section):
     max_overhead: float = Field(
         0.002, gt=0, le=1, description="auto: snapshot time / step time budget (ring and shm mirror together)"
     )
-    replica_max_bytes: int = Field(
+    store_copy_max_bytes: int = Field(
         256 * 1024,
         ge=0,
         description="under `resilient launch`: each rank posts its objects up to this many tensor bytes "
         "(RNG, data position, scheduler) to the job's store with every snapshot, so that a lost "
-        "node's per-rank state survives it; 0 turns the replica off",
+        "node's per-rank state survives it; 0 turns the copy off",
     )
 
     live: bool = Field(
@@ -97,6 +100,12 @@ class SnapshotConfig(Section):
     )
 
     _positive = field_validator("interval")(classmethod(lambda cls, v: interval_or_auto(v)))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        why = "a replica is a data-parallel rank's copy of the state; this is the job's store's copy"
+        return renamed(data, "snapshot", "replica_max_bytes", "store_copy_max_bytes", why)
 
 
 class HealthConfig(Section):

@@ -4,7 +4,7 @@ A ``DTensor`` holds a reference to its ``DeviceMesh``, and through it to process
 in-process restart destroys and a relaunch never had. So the runtime keeps, for every DTensor leaf
 of a tracked object's ``state_dict``, only this rank's local shard and a JSON-able description of
 how it was laid out: ``{"__dtensor__": {...}, "local": tensor}``, a plain dict every store of state
-already handles (the snapshot ring, the shared-memory mirror, the store replica, checkpoints).
+already handles (the snapshot ring, the shared-memory mirror, the store copy, checkpoints).
 Loading turns each one back into a DTensor on the mesh the *rebuilt* objects live on, found among
 the tracked objects' own parameters by its layout (device type, shape, ranks, dimension names).
 """

@@ -74,3 +74,21 @@ def memory_cgroup() -> Any:
         yield cg
     finally:
         remove_cgroup(cg, strict=True)
+
+
+def admitted_restore(res: Any, snapshot: int) -> int:
+    """The step every rank restored after one soft fault, held to what the rules admit, not to
+    what a quiet machine happens to do: the step in flight where every rank vouched for its live
+    state (``source: live``: the faulted rank's step, whichever step a peer had reached), else
+    ``snapshot`` (the newest one every rank holds), with each rank's reason in ``live_refused``."""
+    agreed = res.of("restore_agreed")
+    (faulted,) = {e["origin_step"] for e in res.of("fault_detected")}
+    restored = {e["step"] for e in res.of("state_restored")}
+    assert agreed and len(restored) == 1, (agreed, res.of("state_restored"))
+    step = int(restored.pop())
+    for e in agreed:
+        if e["source"] in ("live", "peer"):
+            assert e["step"] == faulted == step, e
+        else:
+            assert e["step"] == step == snapshot and e.get("live_refused"), e
+    return step

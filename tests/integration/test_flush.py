@@ -65,7 +65,7 @@ def test_a_job_that_gives_up_resumes_where_it_died_not_at_its_last_checkpoint(
 def test_a_node_lost_after_its_worker_died_comes_back_from_the_flushed_snapshot(
     tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
-    # two nodes of one rank each and a spare; no store replica (nothing in memory vouches for a
+    # two nodes of one rank each and a spare; no store copy (nothing in memory vouches for a
     # lost rank's state). Node 1's worker is SIGKILLed, its agent flushes the dead rank's
     # snapshots, then the whole node is lost (a failing GPU taking its node down). The spare takes
     # rank 1 from the flushed snapshot: at most the step in flight re-runs, not the 4 since the
@@ -76,7 +76,7 @@ def test_a_node_lost_after_its_worker_died_comes_back_from_the_flushed_snapshot(
 
     from tests.integration.test_nodes import RDZV_FAST, Job, _config, _restored, _train
 
-    snapshot = {"interval": 1, "replica_max_bytes": 0}
+    snapshot = {"interval": 1, "store_copy_max_bytes": 0}
     cfg = _config(tmp_path, "cfg", snapshot=snapshot, events={"steps": True},
                   checkpoint={"flush_on_death": True})  # fmt: skip
     job = Job(tmp_path, "cascade", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2",

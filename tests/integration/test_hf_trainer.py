@@ -21,7 +21,7 @@ pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'
 pytest.importorskip("accelerate", reason="the hf extra: pip install -e '.[hf]'")
 
 from chaos.harness import run_ranks
-from tests.integration.conftest import ROOT, assert_bit_exact
+from tests.integration.conftest import ROOT, admitted_restore, assert_bit_exact
 from tests.integration.test_launcher import Launch
 
 pytestmark = pytest.mark.integration
@@ -164,14 +164,14 @@ def test_a_trainer_under_bf16_autocast_recovers_bit_exact(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_the_trainers_own_resume_from_checkpoint_and_a_restore_compose_bit_exact(tmp_path: Path) -> None:
     # a job started from the Trainer's checkpoint of step 8 (8 batches into its first epoch, which
-    # the Trainer skips), then an exception at step 3 of this run: the restore (step 2, global
-    # step 10) must count the batches the Trainer skipped as consumed
+    # the Trainer skips), then an exception at step 3 of this run: the restore (live at step 3, or
+    # the snapshot of step 2: global step 10) must count the batches the Trainer skipped as consumed
     argv = [TRAINER, "--steps", "24", "--epochs", "2", "--hf-save-every", "4", "--accum", "1"]
     full, _ = _ranks(tmp_path, "full", argv)
     resumed = [*argv, "--resume-from-checkpoint", str(tmp_path / "full" / "hf_out" / "checkpoint-8")]
     ref, _ = _ranks(tmp_path, "ref", resumed, every=2)
     hit, res = _ranks(tmp_path, "hit", resumed, plan="exception@3:1", every=2)
-    assert _restored(res) == 2
+    assert admitted_restore(res, snapshot=2) in (2, 3)
     assert hit[0]["trainer"]["state"]["global_step"] == 24
     assert assert_bit_exact(ref, hit) > 100
     for a, b in zip(full, hit, strict=True):  # (the Trainer's own resume is exact here too)

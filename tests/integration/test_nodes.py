@@ -94,10 +94,10 @@ def test_lost_node_is_replaced_by_a_waiting_spare_bit_exact(
 ) -> None:
     # 2 nodes train; a third node waits as a spare and must not disturb them; the second node is
     # lost (agent, workers and /dev/shm). The spare takes its place: the lost rank's RNG and data
-    # position come from the store replica, its model and optimizer (too large for the 16 KiB
+    # position come from the store copy, its model and optimizer (too large for the 16 KiB
     # allowed here) from the one survivor's memory, whose copy has the fingerprint the lost rank
     # posted. Nothing comes from the checkpoint on disk.
-    snapshot = {"interval": 1, "replica_max_bytes": 16384}
+    snapshot = {"interval": 1, "store_copy_max_bytes": 16384}
     cfg = _config(tmp_path, "cfg", snapshot=snapshot, events={"steps": True})
     job = Job(tmp_path, "spare", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2",
               "--monitor-interval", "0.2", "--heartbeat-timeout", "10", "--rdzv-conf", RDZV_FAST)  # fmt: skip
@@ -123,7 +123,7 @@ def test_lost_node_is_replaced_by_a_waiting_spare_bit_exact(
     assert {e["source"] for e in restored} == {"peer"} and all(e["world_from"] == 2 for e in restored)
     sources = _restored(spare)[0]["sources"]
     assert sources["model"] == sources["optimizer"] == "peer:0", restored
-    assert sources["data"] == sources["__rng__"] == "replica", restored
+    assert sources["data"] == sources["__rng__"] == "store", restored
     done = max(e["step"] for e in a.events() if e["event"] == "step_completed" and e["ts"] < t_loss)
     assert done + 1 - restored[0]["step"] <= 1, (done, restored)  # at most the step in flight re-runs
     assert_bit_exact(reference[2], [torch.load(tmp_path / "state" / f"rank{r}.pt") for r in range(2)])
@@ -134,9 +134,9 @@ def test_lost_node_is_replaced_by_a_waiting_spare_bit_exact(
 def test_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path) -> None:
     # 3 nodes x 1 rank (a late third node is admitted: --admit-waiting); the middle one is lost and
     # nothing waits: the job goes on with 2 ranks. New rank 1 takes old rank 1's RNG and data
-    # position from the store replica, and its model and optimizer from its own node's copy (old
+    # position from the store copy, and its model and optimizer from its own node's copy (old
     # rank 2's), whose fingerprint is the one old rank 1 posted: nothing is sent.
-    cfg = _config(tmp_path, "cfg", snapshot={"interval": 1, "replica_max_bytes": 16384})
+    cfg = _config(tmp_path, "cfg", snapshot={"interval": 1, "store_copy_max_bytes": 16384})
     job = Job(tmp_path, "shrink", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2",
               "--monitor-interval", "0.2", "--heartbeat-timeout", "10", "--admit-waiting",
               "--rdzv-conf", RDZV_FAST)  # fmt: skip
@@ -164,7 +164,7 @@ def test_lost_node_without_a_spare_shrinks_the_job(tmp_path: Path) -> None:
     restored = [e for n in survivors for e in _restored(n) if e.get("world_from") == 3]
     assert len(restored) == 2 and all(e["world"] == 2 for e in restored), restored
     orphan = next(e for e in restored if e["rank"] == 1)
-    assert orphan["sources"]["data"] == "replica" and orphan["sources"]["model"] == "shm", orphan
+    assert orphan["sources"]["data"] == "store" and orphan["sources"]["model"] == "shm", orphan
     finals = [torch.load(tmp_path / "state" / f"rank{r}.pt") for r in range(2)]
     assert torch.equal(finals[0]["model"]["head.weight"], finals[1]["model"]["head.weight"])
     finished = [e for n in survivors for e in n.events() if e["event"] == "run_finished"]

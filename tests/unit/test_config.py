@@ -61,6 +61,12 @@ def test_the_old_name_of_max_recoveries_is_read_with_a_warning(tmp_path: Path):
         load_config(both)
 
 
+def test_the_old_name_of_the_store_copys_budget_is_read_with_a_warning(tmp_path: Path):
+    p = write(tmp_path, "snapshot:\n  replica_max_bytes: 4096\n")
+    with pytest.warns(DeprecationWarning, match="snapshot.store_copy_max_bytes"):
+        assert load_config(p).snapshot.store_copy_max_bytes == 4096
+
+
 def test_keyword_overrides_merge_into_nested_sections(tmp_path: Path):
     p = write(tmp_path, "hang_timeout: 5\nrestart:\n  max_recoveries: 4\n  window_s: 100\n")
     cfg = load_config(p, restart={"max_repeats": 2}, snapshot={"interval": 3})

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.runtime.coordination.agreement import RestorePlan, restore_plan
-from resilient.runtime.keeping.resume import StoreReplica
+from resilient.runtime.keeping.resume import StoreCopy
 from resilient.runtime.steps.handover import FromPeer, Handover
 from resilient.runtime.steps.live import LiveResume, _Capture, _Kept, _Later
 from resilient.runtime.steps.mirror import LiveMirror, Mirrored
@@ -116,10 +116,10 @@ def test_small_state_that_is_not_plain_values_goes_through_the_codec(tmp_path: P
     assert back["n"] == (1, 2.5, None, "x") and list(back) == ["w", "a", "n"]
 
 
-def _posting(store: dist.Store, rank: int, registry: Registry, max_bytes: int) -> StoreReplica:
-    """Rank ``rank``'s store replica, its snapshots of steps 4 and 6 posted (``max_bytes``: 64
+def _posting(store: dist.Store, rank: int, registry: Registry, max_bytes: int) -> StoreCopy:
+    """Rank ``rank``'s store copy, its snapshots of steps 4 and 6 posted (``max_bytes``: 64
     posts the model's and the optimizer's fingerprints, 1 MiB their state)."""
-    rep = StoreReplica(store, "t/replica", rank, max_bytes)
+    rep = StoreCopy(store, "t/replica", rank, max_bytes)
     for step in (4, 6):
         rep.publish(step, 2, registry.capture())
     return rep

@@ -1,4 +1,4 @@
-"""Restoring after a relaunch: packing state for peers, the store replica, labelled shm slots."""
+"""Restoring after a relaunch: packing state for peers, the store copy, labelled shm slots."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def store() -> dist.Store:
 
 
 def test_store_replica_keeps_small_objects_and_the_two_newest_steps(store: dist.Store) -> None:
-    rep = resume.StoreReplica(store, "job/replica", rank=3, max_bytes=2048)
+    rep = resume.StoreCopy(store, "job/replica", rank=3, max_bytes=2048)
     for step in (4, 5, 6):
         rep.publish(step, world=8, state=_state(step))
     # the 33x7 float32 weights (924 bytes) and the 5 KB generator state do not both fit in 2 KiB
@@ -76,7 +76,7 @@ def test_store_replica_keeps_small_objects_and_the_two_newest_steps(store: dist.
 
 
 def test_replica_off_posts_nothing(store: dist.Store) -> None:
-    rep = resume.StoreReplica(store, "job/replica", rank=0, max_bytes=0)
+    rep = resume.StoreCopy(store, "job/replica", rank=0, max_bytes=0)
     rep.publish(1, world=2, state=_state(1))
     assert rep.fetch(0, 1) is None
 
@@ -97,7 +97,7 @@ def test_a_roll_back_drops_the_mirrors_of_later_steps(tmp_path: Path, store: dis
     loaded = shm.load(8)
     assert loaded is not None
     assert_bit_exact(_state(8), loaded[1])
-    rep = resume.StoreReplica(store, "job/replica", rank=0, max_bytes=1 << 16)
+    rep = resume.StoreCopy(store, "job/replica", rank=0, max_bytes=1 << 16)
     for step in (7, 8):
         rep.publish(step, world=2, state=_state(step))
     rep.drop_after(7)
@@ -176,7 +176,7 @@ def test_every_rank_holding_its_own_slot_restores_locally(tmp_path: Path) -> Non
 
     def fn(rank, exchange, store):
         shm = ShmSnapshot("job", rank, base=tmp_path)
-        return resume.restore(shm=shm, rank=rank, world=2, names=names, exchange=exchange, replica=None,
+        return resume.restore(shm=shm, rank=rank, world=2, names=names, exchange=exchange, store_copy=None,
                               newest_checkpoint=-1)  # fmt: skip
 
     got = _run_ranks(2, fn)
@@ -190,7 +190,7 @@ def test_a_newer_checkpoint_wins_over_older_snapshots(tmp_path: Path) -> None:
 
     def fn(rank, exchange, store):
         shm = ShmSnapshot("job", rank, base=tmp_path)
-        return resume.restore(shm=shm, rank=0, world=1, names=["model"], exchange=exchange, replica=None,
+        return resume.restore(shm=shm, rank=0, world=1, names=["model"], exchange=exchange, store_copy=None,
                               newest_checkpoint=8)  # fmt: skip
 
     assert _run_ranks(1, fn) == [None]
@@ -205,8 +205,8 @@ def test_a_lost_rank_without_a_replica_or_verifiable_copy_falls_back(tmp_path: P
         shm = ShmSnapshot("job", rank, base=tmp_path / f"n{rank}")
         if rank == 0:
             shm = ShmSnapshot("job", 0, base=tmp_path)
-        rep = resume.StoreReplica(store, "r", rank, max_bytes=64)
-        return resume.restore(shm=shm, rank=rank, world=2, names=names, exchange=exchange, replica=rep,
+        rep = resume.StoreCopy(store, "r", rank, max_bytes=64)
+        return resume.restore(shm=shm, rank=rank, world=2, names=names, exchange=exchange, store_copy=rep,
                               newest_checkpoint=-1)  # fmt: skip
 
     assert _run_ranks(2, fn) == [None, None]
@@ -226,7 +226,7 @@ def test_a_lost_rank_takes_large_objects_from_a_survivor_with_its_fingerprint(
     plans: list = [None, None]
 
     def fn(rank, exchange, store):
-        rep = resume.StoreReplica(store, "r", rank, max_bytes=2048)
+        rep = resume.StoreCopy(store, "r", rank, max_bytes=2048)
         if rank == 1:
             rep.publish(6, world=2, state=lost)  # before its node went
         exchange("posted", "")
@@ -240,7 +240,7 @@ def test_a_lost_rank_takes_large_objects_from_a_survivor_with_its_fingerprint(
         assert plans == [None, None]
         return
     for p in plans:
-        assert p.owners == {0: 0} and p.replica == {1: ["__rng__", "model"]}
+        assert p.owners == {0: 0} and p.store_copy == {1: ["__rng__", "model"]}
         assert p.donated == {"data": {1: 0}}  # (the 5 KB generator state did not fit in 2 KiB)
         assert p.prints == {1: {"data": resume.fingerprint(lost["data"])}}
 
@@ -257,7 +257,7 @@ def test_dtensor_shards_of_another_world_size_go_to_the_checkpoint(tmp_path: Pat
     def fn(rank, exchange, store):
         shm = ShmSnapshot("job", rank, base=tmp_path)
         return resume.restore(shm=shm, rank=rank, world=2, names=["model", "data", "__rng__"],
-                              exchange=exchange, replica=None, newest_checkpoint=-1)  # fmt: skip
+                              exchange=exchange, store_copy=None, newest_checkpoint=-1)  # fmt: skip
 
     assert _run_ranks(2, fn) == [None, None]
 
@@ -323,7 +323,7 @@ def test_a_rank_no_node_holds_comes_back_from_its_flushed_snapshot(tmp_path: Pat
     def fn(rank, exchange, store):
         shm = ShmSnapshot("job", rank, base=tmp_path / f"n{rank}")
         disk = functools.partial(flushed.copy_of, top)
-        return resume.restore(shm=shm, rank=rank, world=2, names=names, exchange=exchange, replica=None,
+        return resume.restore(shm=shm, rank=rank, world=2, names=names, exchange=exchange, store_copy=None,
                               newest_checkpoint=4, flushed=disk)  # fmt: skip
 
     got = _run_ranks(2, fn)
@@ -342,7 +342,7 @@ def test_a_requeued_job_resumes_from_every_ranks_flushed_snapshot_unless_a_check
         def run(rank, exchange, store):
             shm = ShmSnapshot("job", rank, base=tmp_path / f"fresh{rank}")  # (a new launch: nothing held)
             return resume.restore(shm=shm, rank=rank, world=2, names=["model", "data", "__rng__"],
-                                  exchange=exchange, replica=None, newest_checkpoint=newest,
+                                  exchange=exchange, store_copy=None, newest_checkpoint=newest,
                                   flushed=functools.partial(flushed.copy_of, top))  # fmt: skip
 
         return run

@@ -470,10 +470,10 @@ def test_a_malformed_node_block_aborts_the_barrier_for_every_rank() -> None:
 def test_a_malformed_store_replica_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     import torch.distributed as dist
 
-    from resilient.runtime.keeping.resume import StoreReplica
+    from resilient.runtime.keeping.resume import StoreCopy
 
     store = dist.HashStore()
-    rep = StoreReplica(store, "rep", 0, 1 << 20)
+    rep = StoreCopy(store, "rep", 0, 1 << 20)
     rep.publish(5, 2, {"rng": {"t": torch.arange(4)}})
     assert rep.fetch(0, 5) is not None
     head = json.dumps(

@@ -75,7 +75,7 @@ class Phase(str, enum.Enum):
 class Collaborators:
     """What a built-in run reaches outside its process besides the session's wiring: the store
     protocol, a connection per background thread, durable checkpoints, the shared-memory mirror
-    and the store replica (the last three where configured / under ``resilient launch``)."""
+    and the store copy (the last three where configured / under ``resilient launch``)."""
 
     session: Session
     coord: coord_mod.Coordinator
@@ -83,7 +83,7 @@ class Collaborators:
     listener_store: dist.Store
     persist: Persistence | None
     shm: ShmSnapshot | None
-    replica: resume.StoreReplica | None
+    store_copy: resume.StoreCopy | None
     straggler_store: dist.Store | None = None  # the straggler watch's connection (straggler.enabled)
 
 
@@ -110,15 +110,18 @@ def collaborators(setup: Setup, wiring: Wiring) -> Collaborators:
                 (lambda: agent_stopping(launch.heartbeat_dir)) if launch.heartbeat_dir is not None else None
             ),
         )
-    shm = replica = None
+    shm = store_copy = None
     if launch.shm_name is not None:  # `resilient launch` keeps it across relaunches
         # keyed by the local rank: a relaunched worker finds its predecessor's snapshot even when
         # the rendezvous renumbered the nodes (each snapshot records the global rank that wrote it)
         shm = ShmSnapshot(launch.shm_name, ep.local_rank)
         if cfg.checkpoint.flush_on_death and cfg.checkpoint.dir is not None:
             flushed.offer(shm, flushed.root(cfg.checkpoint.dir))  # (its agent flushes it if it dies)
-        replica = resume.StoreReplica(
-            session.store, f"resilient/{session.run_id}/replica", ep.rank, cfg.snapshot.replica_max_bytes
+        store_copy = resume.StoreCopy(
+            session.store,
+            f"resilient/{session.run_id}/store_copy",
+            ep.rank,
+            cfg.snapshot.store_copy_max_bytes,
         )
     return Collaborators(
         session=session,
@@ -127,7 +130,7 @@ def collaborators(setup: Setup, wiring: Wiring) -> Collaborators:
         listener_store=wiring.side_store(coord_mod.FOREVER),
         persist=persist,
         shm=shm,
-        replica=replica,
+        store_copy=store_copy,
         straggler_store=wiring.side_store(t.barrier) if stragglers else None,
     )
 
@@ -203,12 +206,18 @@ class BuiltinRun:
         self.ring = SnapshotRing()
         self.hard_timer = HardHangTimer()
         self.keeper = BuiltinKeeper(
-            s, self.ring, c.coord, persist=c.persist, shm=c.shm, replica=c.replica, arm=self.hard_timer.arm
+            s,
+            self.ring,
+            c.coord,
+            persist=c.persist,
+            shm=c.shm,
+            store_copy=c.store_copy,
+            arm=self.hard_timer.arm,
         )
         self.groups = GroupOwner(lambda generation: s.wiring.build_group(generation, s.ns))
         handover = None
-        if c.shm is not None and c.replica is not None and s.world_size > 1:  # (handover.py)
-            handover = Handover(s.rank, LiveMirror(c.shm.dir), c.replica)
+        if c.shm is not None and c.store_copy is not None and s.world_size > 1:  # (handover.py)
+            handover = Handover(s.rank, LiveMirror(c.shm.dir), c.store_copy)
         self.loop = StepLoop(
             s,
             self.keeper,

@@ -1,2 +1,2 @@
-"""Where state goes besides the in-memory ring (shared memory, the store replica, durable
+"""Where state goes besides the in-memory ring (shared memory, the store copy, durable
 checkpoints), when it is kept, and where a (re)started process takes it from."""

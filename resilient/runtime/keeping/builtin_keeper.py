@@ -67,7 +67,7 @@ class BuiltinKeeper:
         *,
         persist: Persistence | None,
         shm: ShmSnapshot | None,
-        replica: resume.StoreReplica | None,
+        store_copy: resume.StoreCopy | None,
         arm: Callable[[float], None],
     ) -> None:
         self.session = session
@@ -75,7 +75,7 @@ class BuiltinKeeper:
         self.coord = coord
         self.persist = persist
         self.shm = shm
-        self.replica = replica
+        self.store_copy = store_copy
         self._arm = arm
         s = session
         self.mirror_schedule = SnapshotSchedule(
@@ -96,8 +96,8 @@ class BuiltinKeeper:
         if shm is not None and self._adoptable == start:
             # just restored from this very snapshot: the ring points at it instead of copying
             self.ring.adopt(start, functools.partial(shm_state, shm, start))
-            if self.replica is not None:
-                self.mirror(start, gen.registry.capture())  # (held: only the replica posts)
+            if self.store_copy is not None:
+                self.mirror(start, gen.registry.capture())  # (held: only the store copy posts)
             return start, restored
         state = gen.registry.capture()
         self.ring.capture(start, state)
@@ -127,7 +127,7 @@ class BuiltinKeeper:
                 world=s.world_size,
                 names=[*registry.names(), RNG],
                 exchange=lambda n, p: self.coord.exchange(0, n, p),
-                replica=self.replica,
+                store_copy=self.store_copy,
                 newest_checkpoint=newest[0] if newest else -1,
                 flushed=self._flushed(),
             )
@@ -232,9 +232,9 @@ class BuiltinKeeper:
             self._slots = None
             for gone in self.shm.drop_after(step):
                 logger.debug("rank {}: shared-memory snapshot of step {} dropped (rolled back)", s.rank, gone)
-        if self.replica is not None:
-            with contextlib.suppress(Exception):  # (the replica is a second line of defence)
-                self.replica.drop_after(step)
+        if self.store_copy is not None:
+            with contextlib.suppress(Exception):  # (the store copy is a second line of defence)
+                self.store_copy.drop_after(step)
 
     def materialize(self, step: int) -> tuple[dict[str, Any], bool]:
         if step in self.ring.steps() or self.shm is None:
@@ -306,11 +306,11 @@ class BuiltinKeeper:
             self.shm.capture(step, state, checksum=False, owner=(s.rank, s.world_size), sums=sums)
             # the capture took the older slot (or a free one): the newest other stays
             self._slots = sorted([mine, *slots[:1]], key=lambda m: -m[0])
-        if self.replica is not None:
+        if self.store_copy is not None:
             try:
-                self.replica.publish(step, s.world_size, state)
-            except Exception as e:  # the replica is a second line of defence, not a reason to stop
-                logger.warning(f"rank {s.rank}: store replica of step {step} not posted: {e}")
+                self.store_copy.publish(step, s.world_size, state)
+            except Exception as e:  # the store copy is a second line of defence, not a reason to stop
+                logger.warning(f"rank {s.rank}: store copy of step {step} not posted: {e}")
 
     def close(self) -> None:
         """At exit: the preemption handlers go, the last save is flushed."""

@@ -1,5 +1,5 @@
 """Where a (re)started worker group takes its state from: memory (its own node's shared memory, a
-peer's, the store's replica of small per-rank state), else the newest checkpoint.
+peer's, the store's copy of small per-rank state), else the newest checkpoint.
 
 After a relaunch by ``resilient launch`` every node's ``/dev/shm`` still holds the snapshots its
 dead workers took (the agent keeps them), each labelled with the global rank and world size that
@@ -11,10 +11,10 @@ each new rank's state comes from, in this order:
    the same node). Nothing moves between processes.
 2. **peer**: another rank holds old rank ``r``'s snapshot (the rendezvous renumbered the nodes):
    it sends it over the new process group.
-3. **replica + peer**: nobody holds it (the node was lost). Small objects (RNG states, data
-   position, scheduler: up to ``snapshot.replica_max_bytes`` per rank) come from the replica every
+3. **store copy + peer**: nobody holds it (the node was lost). Small objects (RNG states, data
+   position, scheduler: up to ``snapshot.store_copy_max_bytes`` per rank) come from the store copy every
    rank posts to the job's store with each snapshot; large ones (model, optimizer) from a peer
-   that holds an equal copy, as data-parallel training keeps them. With each replica the rank
+   that holds an equal copy, as data-parallel training keeps them. With each store copy the rank
    posts a :func:`fingerprint` of every object too large for the store: a holder whose copy has
    the lost rank's own fingerprint sends it, and the receiver checks the fingerprint of what
    arrived. (Without a posted fingerprint, two holders with equal fingerprints vouch for each
@@ -46,7 +46,7 @@ from resilient.state.digest import tensor_sums
 Exchange = Callable[[str, str], list[str]]
 
 
-# ---- packing a subtree into one byte buffer (store replicas and peer transfers) ------------------
+# ---- packing a subtree into one byte buffer (store copies and peer transfers) ------------------
 def pack(tree: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
     """(header, bytes): the JSON skeleton and layout of ``tree``, and its tensors in one buffer."""
     skeleton, leaves = encode(tree)
@@ -119,8 +119,8 @@ def recv_tree(src: int, group: Any = None, device: str = "cpu") -> dict[str, Any
     return dict(unpack(json.loads(head.cpu().numpy().tobytes()), buf.cpu()))
 
 
-# ---- the store replica of small per-rank state ---------------------------------------------------
-class StoreReplica:
+# ---- the store copy of small per-rank state ---------------------------------------------------
+class StoreCopy:
     """Each snapshot's small objects, posted by every rank to the job's store (which the launcher's
     rendezvous keeps alive across relaunches): a lost node's RNG and data position survive it."""
 
@@ -188,7 +188,7 @@ class StoreReplica:
             return None
         raw = self.store.get(key)
         head, _, body = raw.partition(b"\n")
-        where = f"store replica of rank {rank}, step {step}"
+        where = f"store copy of rank {rank}, step {step}"
         try:
             header = json.loads(head)
             tree = unpack(header, body, where)
@@ -197,8 +197,8 @@ class StoreReplica:
                 raise CheckpointError(f"{where}: not a dict of objects")
             if not isinstance(prints, dict) or not all(isinstance(v, str) for v in prints.values()):
                 raise CheckpointError(f"{where}: malformed fingerprints")
-        except (CheckpointError, ValueError, RecursionError) as e:  # (a peer's garbage: no replica)
-            logger.warning(f"rank {self.rank}: ignoring a malformed store replica: {e}")
+        except (CheckpointError, ValueError, RecursionError) as e:  # (a peer's garbage: no store copy)
+            logger.warning(f"rank {self.rank}: ignoring a malformed store copy: {e}")
             return None
         return tree, prints
 
@@ -221,7 +221,7 @@ class Restored:
     # (some ranks from their snapshots an agent flushed to disk, the others from their own node)
     source: str
     world_from: int
-    sources: dict[str, str] = field(default_factory=dict)  # object -> shm | peer:<rank> | replica
+    sources: dict[str, str] = field(default_factory=dict)  # object -> shm | peer:<rank> | store
 
 
 @dataclass
@@ -229,7 +229,7 @@ class _Plan:
     step: int
     world_from: int
     owners: dict[int, int]  # new rank -> new rank holding old rank r's snapshot
-    replica: dict[int, list[str]] = field(default_factory=dict)  # orphan rank -> names from the store
+    store_copy: dict[int, list[str]] = field(default_factory=dict)  # orphan rank -> names from the store
     donated: dict[str, dict[int, int]] = field(default_factory=dict)  # object -> {orphan: donor rank}
     prints: dict[int, dict[str, str]] = field(default_factory=dict)  # orphan -> its posted fingerprints
     flushed: list[int] = field(default_factory=list)  # ranks that read old rank r's flushed copy on disk
@@ -252,7 +252,7 @@ class _Resume:
     world: int
     names: list[str]
     exchange: Exchange
-    replica: StoreReplica | None
+    store_copy: StoreCopy | None
     flushed: Callable[[int], ShmSnapshot] | None = None  # old rank r's snapshots its agent flushed
     _loaded: dict[int, dict[str, Any] | None] = field(default_factory=dict)
     _group: Any = None
@@ -329,14 +329,14 @@ class _Resume:
         p = _Plan(step, world_from, owners, flushed=from_disk)
         if not orphans:
             return p
-        # Orphans (old rank lost with its node): small objects from the store replica, as rank 0
+        # Orphans (old rank lost with its node): small objects from the store copy, as rank 0
         # sees it (every rank plans alike); large ones from a holder of a verifiably equal copy.
-        rep = self.replica
+        rep = self.store_copy
         view = {r: [rep.names(r, step), rep.fingerprints(r, step)] for r in orphans if rep is not None}
         agreed = json.loads(self.exchange(f"resume_replica_s{step}", json.dumps(view))[0])
-        p.replica = {int(r): v[0] for r, v in agreed.items()}
+        p.store_copy = {int(r): v[0] for r, v in agreed.items()}
         p.prints = {int(r): v[1] for r, v in agreed.items()}
-        need = sorted({n for r in orphans for n in self.names if n not in p.replica.get(r, [])})
+        need = sorted({n for r in orphans for n in self.names if n not in p.store_copy.get(r, [])})
         mine: dict[str, str] = {}
         if need and any(m["step"] == step for m in held[self.rank]):
             local = self._local(step)
@@ -345,7 +345,7 @@ class _Resume:
         for n in need:
             by = {q: d[n] for q, d in enumerate(prints) if n in d}
             for r in orphans:
-                if n in p.replica.get(r, []):
+                if n in p.store_copy.get(r, []):
                     continue
                 want = p.prints.get(r, {}).get(n)
                 if want is not None:  # the lost rank's own word for what it held
@@ -356,7 +356,7 @@ class _Resume:
                     donors = []
                 if not donors:
                     logger.info(
-                        f"step {step}: {n!r} of lost rank {r} is not in the store replica and no "
+                        f"step {step}: {n!r} of lost rank {r} is not in the store copy and no "
                         f"holder's copy is verifiably equal to it ({len(by)} holder(s), "
                         f"{len(set(by.values()))} distinct, lost rank's fingerprint "
                         f"{'posted' if want else 'not posted'}): not restorable from memory"
@@ -403,13 +403,13 @@ class _Resume:
                 got = self._from_disk(step)
                 state.update(got)
                 sources.update(dict.fromkeys(got, "flushed"))
-            if rank not in p.owners and p.replica.get(rank):
-                assert self.replica is not None
-                fetched = self.replica.fetch(rank, step)
+            if rank not in p.owners and p.store_copy.get(rank):
+                assert self.store_copy is not None
+                fetched = self.store_copy.fetch(rank, step)
                 if fetched is None:
-                    raise CheckpointError(f"store replica of rank {rank}, step {step} is gone")
-                state.update({n: fetched[1][n] for n in p.replica[rank]})
-                sources.update(dict.fromkeys(p.replica[rank], "replica"))
+                    raise CheckpointError(f"store copy of rank {rank}, step {step} is gone")
+                state.update({n: fetched[1][n] for n in p.store_copy[rank]})
+                sources.update(dict.fromkeys(p.store_copy[rank], "store"))
             self._donate(p, state, sources)
         except Exception as e:  # any failure: vote, then everyone goes to disk together
             logger.warning(f"restoring step {step} from memory failed on rank {rank}: {e}")
@@ -417,7 +417,7 @@ class _Resume:
         votes = self.exchange(f"resume_ok_s{step}", "1" if ok else "0")
         if not all(v == "1" for v in votes):
             return None
-        local_only = not p.replica and not p.donated and all(o == r for r, o in p.owners.items())
+        local_only = not p.store_copy and not p.donated and all(o == r for r, o in p.owners.items())
         if local_only and len(p.owners) == self.world:
             source = "shm"
         else:  # (some state moved between ranks, or came back from what an agent flushed)
@@ -452,5 +452,5 @@ class _Resume:
 
 def restore(*, newest_checkpoint: int, **how: Any) -> Restored | None:
     """The state this rank resumes from, or None (every rank then falls back to disk together).
-    ``how``: shm, rank, world, names, exchange, replica (see :class:`_Resume`)."""
+    ``how``: shm, rank, world, names, exchange, store_copy (see :class:`_Resume`)."""
     return _Resume(**how).run(newest_checkpoint)

@@ -10,8 +10,8 @@ worker) each rank also writes its step-start capture's small part there, at ever
 recovery barrier; the survivors offer their live state as for a soft fault.
 
 A survivor's copy stands in for the dead rank's only where it is shown equal: each rank's store
-replica posts, with every mirrored snapshot, a fingerprint of each large object
-(``resume.StoreReplica``). A survivor whose posted fingerprints of the same snapshot step equal
+store_copy posts, with every mirrored snapshot, a fingerprint of each large object
+(``resume.StoreCopy``). A survivor whose posted fingerprints of the same snapshot step equal
 the dead rank's, at a step after training began (equal because trained alike, not because
 started alike), donates: from there both applied the same all-reduced updates. The recovery
 barrier's plan names the donor (``live_donors``, from ``agreement.donors``); in the next
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from resilient.runtime.keeping.resume import StoreReplica, fingerprint, recv_tree, send_tree
+from resilient.runtime.keeping.resume import StoreCopy, fingerprint, recv_tree, send_tree
 from resilient.runtime.run.generation import PendingRestore
 from resilient.runtime.steps.live import LiveResume
 from resilient.runtime.steps.mirror import LiveMirror, Mirrored
@@ -56,14 +56,14 @@ class FromPeer:
 
 class Handover:
     """The loop's side of a live resume across a hard fault (see the module docstring). Off
-    (``mirror`` None) outside ``resilient launch``, alone, or without a store replica."""
+    (``mirror`` None) outside ``resilient launch``, alone, or without a store copy."""
 
     def __init__(
-        self, rank: int, mirror: LiveMirror | None = None, replica: StoreReplica | None = None
+        self, rank: int, mirror: LiveMirror | None = None, store_copy: StoreCopy | None = None
     ) -> None:
         self.rank = rank
-        self.mirror = mirror if replica is not None and replica.max_bytes > 0 else None
-        self.replica = replica
+        self.mirror = mirror if store_copy is not None and store_copy.max_bytes > 0 else None
+        self.store_copy = store_copy
         self.since: int | None = None  # where this process's large state last came from elsewhere
         self.joined: Mirrored | None = None  # a replacement's predecessor's capture, once offered
 
@@ -90,7 +90,7 @@ class Handover:
 
     def replacement_offer(self, generation: int, predecessor: int | None) -> dict[str, Any]:
         """A replacement's offer: its predecessor's last capture (``predecessor``: its pid)."""
-        why = "not under resilient launch with a store replica"
+        why = "not under resilient launch with a store copy"
         got = self.mirror.read() if self.mirror is not None else why
         if isinstance(got, str):
             return {"why": f"a replacement: {got}"}
@@ -104,11 +104,11 @@ class Handover:
 
     def _prints(self, names: list[str]) -> dict[str, dict[str, str]]:
         """{snapshot step: {name: fingerprint}} of what this rank (or its predecessor) posted."""
-        assert self.replica is not None
+        assert self.store_copy is not None
         out: dict[str, dict[str, str]] = {}
         try:
-            for step in self.replica.own_steps():
-                got = self.replica.read(self.rank, step)
+            for step in self.store_copy.own_steps():
+                got = self.store_copy.read(self.rank, step)
                 if got is None:
                     continue
                 small, prints = got

@@ -1,6 +1,6 @@
 """The engines' one seam in a step: a :class:`Keeper`, where state goes besides the in-memory ring,
 and how a process's first entry starts. The built-in engine's is
-:class:`~resilient.runtime.keeping.builtin_keeper.BuiltinKeeper` (shared memory, the store replica,
+:class:`~resilient.runtime.keeping.builtin_keeper.BuiltinKeeper` (shared memory, the store copy,
 checkpoints, resume at start); ``engine: nvrx`` keeps the ring alone (:class:`RingOnly`)."""
 
 from __future__ import annotations
