@@ -60,7 +60,7 @@ from resilient.events import Event, EventLog
 from resilient.launch_env import Var
 from resilient.launcher.deaths import DeathWatch, WakeableTime
 from resilient.launcher.elastic import Elastic
-from resilient.launcher.flush import Flusher
+from resilient.launcher.flusher import Flusher
 from resilient.launcher.policy import Action, LaunchPolicy
 from resilient.launcher.replace import Replacer
 from resilient.launcher.supervisor import Round, Seen, Supervisor

@@ -49,7 +49,7 @@ from resilient.runtime.coordination.pg import GroupOwner
 from resilient.runtime.engine.warmup import first_use_imports
 from resilient.runtime.keeping import resume
 from resilient.runtime.keeping.builtin_keeper import BuiltinKeeper, ring_share
-from resilient.runtime.keeping.persist import Persistence
+from resilient.runtime.keeping.durable import Persistence
 from resilient.runtime.leave.notice import Detection
 from resilient.runtime.leave.watchdog import HardHangTimer
 from resilient.runtime.recovery.policy import RestartPolicy

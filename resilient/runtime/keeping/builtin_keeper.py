@@ -4,7 +4,7 @@
   node's shared memory, and its small objects to the job's store (which outlives the node). That
   copy costs more and only a hard fault needs it, so it has its own cadence (``mirror_schedule``):
   the ring, which every soft fault restores from, is not thinned out by the mirror's cost.
-- With ``checkpoint.dir`` the state is also saved as durable checkpoints (:mod:`persist`), and a
+- With ``checkpoint.dir`` the state is also saved as durable checkpoints (:mod:`durable`), and a
   preemption signal turns into a final checkpoint at the next step boundary.
 - A (re)started process's first entry resumes what a previous one left: the shared-memory
   snapshot every rank holds, else the newest checkpoint that verifies everywhere, else step 0.
@@ -28,7 +28,7 @@ from resilient.events import Event
 from resilient.launch_env import LaunchEnv
 from resilient.runtime.coordination.coordinator import Coordinator
 from resilient.runtime.keeping import resume
-from resilient.runtime.keeping.persist import Persistence
+from resilient.runtime.keeping.durable import Persistence
 from resilient.runtime.run.generation import Generation
 from resilient.runtime.run.schedule import SnapshotSchedule
 from resilient.runtime.run.session import Session

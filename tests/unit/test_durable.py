@@ -13,7 +13,7 @@ import pytest
 from resilient.config import CheckpointConfig, load_config
 from resilient.errors import ConfigError
 from resilient.events import EventLog
-from resilient.runtime.keeping.persist import Persistence
+from resilient.runtime.keeping.durable import Persistence
 
 
 def _persist(tmp_path: Path, **cfg: object) -> Persistence:
