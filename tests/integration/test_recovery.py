@@ -245,3 +245,26 @@ def test_an_error_before_the_first_step_is_shown_as_itself(tmp_path, how, who, s
             assert named and int(named[1]) in culprits and named[2] == shown.split(":")[0], r.stderr
     assert own and set(own) <= set(culprits), res.describe()
     assert not res.of("state_restored") and not res.of("step_resumed")
+
+
+def test_a_rank_a_step_behind_the_one_that_faulted_finishes_its_step_and_both_resume_live(
+    tmp_path: Path,
+) -> None:
+    # rank 1 raises at the start of step 12 while rank 0 is in step 11's tail (after its
+    # backward, before its update): rank 0 finishes step 11 and leaves at its end, so both vouch
+    # for step 12 and resume there live, not from the ring's snapshot of step 10
+    script = str(Path(__file__).with_name("_behind_train.py"))
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "hit").mkdir()
+    ref = run_ranks([script], 2, cwd=tmp_path / "ref", run_id="ref", timeout=120)
+    assert ref.ok, ref.describe()
+    hit = run_ranks([script, "fault"], 2, cwd=tmp_path / "hit", run_id="hit", timeout=120)
+    assert hit.ok, hit.describe()
+    agreed = {e["rank"]: e for e in hit.of("restore_agreed")}
+    assert {r: (e["step"], e["source"]) for r, e in agreed.items()} == {0: (12, "live"), 1: (12, "live")}, (
+        agreed
+    )
+    assert agreed[0]["fault_step"] == 11  # (rank 0 was a step behind when the fault came)
+    want = torch.load(tmp_path / "ref" / "final.pt")
+    got = torch.load(tmp_path / "hit" / "final.pt")
+    assert assert_bit_exact(want, got, "model") >= 4

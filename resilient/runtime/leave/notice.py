@@ -159,25 +159,44 @@ class Detection:
                 return
             self._remote_handled.add(generation)
         reason = f"peer: rank {fault.rank} faulted at step {fault.step}: {fault.signature}"
-        self.leave(generation, reason, finish_tail=fault.kind in TAIL_KINDS)
+        finish = fault.kind in TAIL_KINDS
+        mine = self.loop.step
+        # (the peer raised in the next step: it completed this one, so this rank's step has no
+        # collective left; interrupted here it would vouch for a step the peer has left behind)
+        behind = finish and fault.step is not None and mine is not None and fault.step == mine + 1
+        self.leave(generation, reason, finish_tail=finish, behind=behind)
 
-    def leave(self, generation: int, reason: str, *, finish_tail: bool = False) -> None:
+    def leave(self, generation: int, reason: str, *, finish_tail: bool = False, behind: bool = False) -> None:
         """(any thread) The one way a step of ``generation`` is ended from outside the main thread
         (a peer's fault, this rank's hang): the group aborted, so that a blocked collective fails
         here and on the peers, then the main thread interrupted. ``finish_tail``: a rank past its
         optimizer's update may first finish its step (its state is then kept for a live resume),
-        for ``TAIL_GRACE_S`` at most."""
-        self.groups.abort(generation)
+        for ``TAIL_GRACE_S`` at most; ``behind`` (the peer faulted in the next step): wherever this
+        rank is in its step, with its group left alone until the grace (a step's time) is over,
+        since a collective it issued may still be completing."""
+        if not behind:
+            self.groups.abort(generation)
         live = self.loop.live
-        if finish_tail and live.leave_at_step_end(generation, self.loop.gen.number, reason):
-            timer = threading.Timer(TAIL_GRACE_S, self._tail_expired, (generation, reason))
+        if finish_tail and live.leave_at_step_end(generation, self.loop.gen.number, reason, behind=behind):
+            grace = max(TAIL_GRACE_S, self._step_s()) if behind else TAIL_GRACE_S
+            timer = threading.Timer(grace, self._tail_expired, (generation, reason))
             timer.daemon = True
             timer.start()
             return
+        self.groups.abort(generation)  # (idempotent)
         self.interrupter.interrupt(generation, reason)
+
+    def _step_s(self) -> float:
+        """The last completed step's wall time (0: none yet), the most a step's remainder takes."""
+        began = self.loop.began_at
+        step = self.loop.step
+        if step is None or step - 1 not in began or step not in began:
+            return 0.0
+        return max(0.0, began[step] - began[step - 1])
 
     def _tail_expired(self, generation: int, reason: str) -> None:
         if self.loop.live.take_leaving(generation):  # (the step did not end in time: interrupted where it is)
+            self.groups.abort(generation)
             self.interrupter.interrupt(generation, reason)
 
     def main_thread_where(self) -> tuple[str, bool]:

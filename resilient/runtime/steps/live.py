@@ -132,13 +132,15 @@ class LiveResume:
         """A tracked optimizer's update (not a closure's forward and backward) is running now."""
         return self.enabled and self.cap is not None and self._in_step and self.began > self.cap.began
 
-    def leave_at_step_end(self, generation: int, running: int, reason: str) -> bool:
+    def leave_at_step_end(self, generation: int, running: int, reason: str, *, behind: bool = False) -> bool:
         """A peer faulted (the listener's thread): a rank past its optimizer's update, or in it (a
         local update that ends in milliseconds), finishes the step and leaves at its end, its
         state captured (True), instead of being interrupted where it is, where it could vouch for
-        nothing. ``running``: the generation the main thread is in."""
+        nothing. ``behind``: the peer faulted in the next step, so it completed this one, and every
+        collective of this step was issued here too: what is left of it is this rank's own work,
+        wherever it is in the step. ``running``: the generation the main thread is in."""
         with self._leave_lock:
-            if not (self.past_update() or self.updating()) or running != generation:
+            if not (behind or self.past_update() or self.updating()) or running != generation:
                 return False
             self._leaving = (generation, reason)
             return True
