@@ -69,14 +69,19 @@ def test_fsdp2_transformer_recovers_bit_exact(tmp_path: Path) -> None:
 )
 def test_dataloader_epoch_loop_resumes_mid_epoch_bit_exact(tmp_path: Path, workers: int, live: bool) -> None:
     # snapshots every 5 steps, 16 batches an epoch: the fault as step 23 begins resumes there
-    # (live) or restores step 20 (the ring), the 5th batch of the 2nd epoch; dropout and the
-    # loader's worker RNGs must continue as they were
+    # (live) or restores step 20 (the ring), the 5th batch of the 2nd epoch (either is what the
+    # rules admit with live on: a loaded machine may fall back); dropout and the loader's worker
+    # RNGs must continue as they were
     cfg = tmp_path / "every5.yaml"
     cfg.write_text(f"snapshot:\n  interval: 5\n  live: {str(live).lower()}\n")
     argv = [EPOCHS, "--epochs", "2", "--num-workers", str(workers)]
     ref = _run(tmp_path, "ref", argv)
     hit = _run(
-        tmp_path, "hit", [*argv, "--config", str(cfg)], plan="exception@23:1", restored=23 if live else 20
+        tmp_path,
+        "hit",
+        [*argv, "--config", str(cfg)],
+        plan="exception@23:1",
+        restored=(23, 20) if live else 20,
     )
     assert _same(ref, hit) >= 8
 
@@ -85,13 +90,13 @@ def test_a_stateful_dataloader_in_the_manual_loop_resumes_mid_epoch_bit_exact(tm
     # torchdata's StatefulDataLoader + DistributedSampler + dropout, ctx.steps(n) with a new
     # iter(loader) at each epoch's start (the DDP tutorial's loop), no generator on the loader:
     # the restored iterator must not draw its seeds from the restored RNG a second time (resumed
-    # live at step 23: the loader's state as that step began)
+    # live at step 23, the loader's state as that step began, or from the ring's step 20)
     pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
     cfg = tmp_path / "every5.yaml"
     cfg.write_text("snapshot:\n  interval: 5\n")
     argv = [EPOCHS, "--epochs", "2", "--loader", "stateful", "--loop", "manual"]
     ref = _run(tmp_path, "ref", argv)
-    hit = _run(tmp_path, "hit", [*argv, "--config", str(cfg)], plan="exception@23:1", restored=23)
+    hit = _run(tmp_path, "hit", [*argv, "--config", str(cfg)], plan="exception@23:1", restored=(23, 20))
     assert _same(ref, hit) >= 8
 
 
