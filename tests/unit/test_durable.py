@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from resilient.config import CheckpointConfig, load_config
 from resilient.errors import ConfigError
-from resilient.events import EventLog
+from resilient.events import EventLog, read_events
 from resilient.runtime.keeping.durable import Persistence
 
 
@@ -184,3 +185,28 @@ def test_the_agents_sigterm_watch_passes_signals_on_and_leaves_no_trace(tmp_path
         p.ckpt.close()
         os.close(r)
         os.close(w)
+
+
+def test_a_save_the_faulted_rank_never_reaches_is_given_up_at_once_not_at_its_commit_timeout(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 saved step 20 while rank 1 faulted in step 19: rank 1's part never comes. The
+    recovery's settle says so, and rank 0's commit fails now (reported) instead of in 600 s."""
+    config = CheckpointConfig(dir=tmp_path / "ck", interval=10, commit_timeout_s=600)
+    p = Persistence(
+        config,
+        rank=0,
+        world_size=2,
+        token="t",
+        events=EventLog(tmp_path / "events.jsonl", 0),
+        exchange=lambda name, payload: [payload, payload],
+    )
+    p.ckpt.save(20, {"model": {"w": torch.ones(4)}})
+    assert p.ckpt.in_flight() is not None  # (waiting for rank 1's part)
+    t0 = time.monotonic()
+    p.settle(0, 19, fault=(1, 19))
+    assert time.monotonic() - t0 < 30  # (its commit timeout is 600 s)
+    (failed,) = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint_failed"]
+    assert "rank 1" in failed["error"] and "step 19" in failed["error"], failed
+    assert p.failures == 1
+    p.ckpt.close()

@@ -300,8 +300,19 @@ class Persistence:
         return None
 
     # ---- saving --------------------------------------------------------------------------------
-    def settle(self, generation: int, step: int | None) -> None:
-        """Wait for the save in flight, if any (its failure is a checkpoint failure, reported)."""
+    def settle(
+        self, generation: int, step: int | None, *, fault: tuple[int, int | None] | None = None
+    ) -> None:
+        """Wait for the save in flight, if any (its failure is a checkpoint failure, reported).
+        ``fault``: the rank the generation's fault came from and the step it hit there, which that
+        rank never completed and so never saves a later step: a save of one can never commit, and
+        its part is said to be lost where the committing rank waits, so that it gives the save up
+        now instead of at its commit timeout."""
+        flight = self.ckpt.in_flight()
+        origin, hit = fault if fault is not None else (-1, None)
+        if flight is not None and origin >= 0 and hit is not None and flight[0] > hit:
+            why = RuntimeError(f"its fault at step {hit} ended it before it saved step {flight[0]}")
+            report_failure(self.ckpt.root, flight[0], self.ckpt.token, origin, why)
         try:
             self.ckpt.wait()
         except CheckpointError as e:

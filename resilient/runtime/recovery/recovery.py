@@ -213,7 +213,7 @@ class Recovery:
             # a write still in flight would make this rank alone wait at its next save, a wait its
             # peers see as a hang: finish it here, where the recovery barrier holds them
             self.hard_timer.arm(s.cfg.checkpoint.commit_timeout_s + self.t.barrier + 10.0)
-            persist.settle(gen, left.step)
+            persist.settle(gen, left.step, fault=(left.primary.rank, left.primary.step))
             lap("saves_s")
         self.restorer.settle()
         if self.replacing is None:
