@@ -22,8 +22,12 @@ agents run no standby there (a replacement on a failing node would not get far e
 Both modes snapshot every ``--snapshot-interval`` steps (1: what a job that wants a lost node to
 re-run at most one step sets) and checkpoint every ``--ckpt-every``.
 
+The spare arrives once the job runs, so it parks (its standby in the script) and takes the lost
+node's seat: in mode memory the survivor keeps its process (``survivor_kept``); in mode
+checkpoint nothing vouches for the lost rank's state in memory and the group restarts.
+
 Figures, from the nodes' event logs: ``recovery_s`` (the kill → every rank completed a step after
-its restore; the rendezvous' keep-alive expiry, 3 s here, is in it, the same in both modes),
+its restore),
 ``catchup_s`` (the kill → rank 0 completed again the last step it had completed before the kill),
 ``restore_s`` (the restore itself, the slowest rank), ``rerun`` (steps done again: the last step
 rank 0 completed before the kill, + 1, - the step restored), and where the spare's state came from.
@@ -148,8 +152,12 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
             out["error"] = "node 1 does not hold rank 1"
             return out
         nodes.append(Node(cwd / "spare", argv))
-        spare_said = lambda: [e for e in nodes[0].events() if e["event"] == Event.SPARE_WAITING]  # noqa: E731
-        _wait("the spare waiting in the rendezvous", spare_said, 120, nodes)
+        def spare_ready() -> bool:
+            said = {e["event"] for e in nodes[2].events()}
+            return Event.SPARE_PARKED in said and (args.cascade or Event.STANDBY_READY in said)
+
+        _wait("the spare parked, its standby ready", spare_ready, 120, nodes)
+        pid0 = next(e["pid"] for e in nodes[0].events() if e["event"] == Event.RUN_STARTED and e["rank"] == 0)
         last = _wait(f"rank 0 at step {args.kill_at}",
                      lambda: [e for e in steps_of(nodes[0], 0) if e["step"] >= args.kill_at],
                      300, nodes)  # fmt: skip
@@ -194,12 +202,19 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
         again = _wait(f"rank 0 back at step {done_before}", back, args.timeout, survivors)
         spare = next(e for e in got if e in nodes[2].events())
         out.update(
-            recovered=True, recovery_s=max(firsts) - t_kill, catchup_s=min(again) - t_kill,
+            recovered=True,
+            recovery_s=max(firsts) - t_kill,
+            catchup_s=min(again) - t_kill,
             killed_after=last[0]["step"],
-            restore_s=max(e["duration_s"] for e in got), restored_step=got[0]["step"],
-            rerun=done_before + 1 - got[0]["step"], source=Path(spare["source"]).name,  # (a checkpoint's dir)
+            # (an in-process restore's time is its load; a restarted worker's, its duration)
+            restore_s=max(e.get("duration_s", e.get("load_s", 0.0)) for e in got),
+            restored_step=got[0]["step"],
+            rerun=done_before + 1 - got[0]["step"],
+            source=Path(spare["source"]).name,  # (a checkpoint's dir)
             spare_sources=spare.get("sources", {}),
-        )  # fmt: skip
+            survivor_kept=pid0 == next(e["pid"] for e in got if e in nodes[0].events()),
+            seat=next((e for e in nodes[2].events() if e["event"] == Event.SEAT_TAKEN), None),
+        )
         return out
     except (TimeoutError, RuntimeError) as e:
         out["error"] = str(e)

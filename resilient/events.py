@@ -48,6 +48,10 @@ class Event(str, enum.Enum):
     STANDBY_READY = "standby_ready"  # the agent: a warm standby waits (warmth: parked | imported)
     STANDBY_FALLBACK = "standby_fallback"  # the agent: a standby could not park in the script, and why
     NODE_LOST = "node_lost"
+    NODE_REPLACED = "node_replaced"  # a member's agent: a lost node's seat was taken by a spare node
+    SEAT_TAKEN = "seat_taken"  # a spare node's agent: it started a lost node's ranks (their survivors kept)
+    SPARE_PARKED = "spare_parked"  # a spare node's agent: it waits, warm, to take a lost node's seat
+    NODE_FENCED = "node_fenced"  # a member's agent: its seat was taken (it was thought lost): it stops
     SPARE_WAITING = "spare_waiting"  # the agent: nodes wait in the rendezvous to take a lost node's place
     NODE_EXCLUDED = "node_excluded"
     # the agent: a dead worker's shared-memory snapshots written to checkpoint.dir (flush_on_death)

@@ -43,12 +43,14 @@ the backend the supervisor is given.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
+from loguru import logger
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -61,8 +63,10 @@ from resilient.launch_env import Var
 from resilient.launcher.deaths import DeathWatch, WakeableTime
 from resilient.launcher.elastic import Elastic
 from resilient.launcher.flusher import Flusher
-from resilient.launcher.policy import Action, LaunchPolicy
+from resilient.launcher.policy import Action, LaunchPolicy, Replace
 from resilient.launcher.replace import Replacer
+from resilient.launcher.seating import Seating
+from resilient.launcher.spare import LEASE_S
 from resilient.launcher.supervisor import Round, Seen, Supervisor
 from resilient.launcher.waiting import Membership
 
@@ -80,6 +84,7 @@ class ResilientAgent(LocalElasticAgent):
         standby_mode: str,
         admit_waiting: bool = False,
         shm_name: str | None = None,
+        seats_at: tuple[str, int] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -110,7 +115,20 @@ class ResilientAgent(LocalElasticAgent):
         self.deaths = DeathWatch(self.elastic.pids, self._clock.wake)
         self.forward_signals: Any = None  # the launcher's handler for SIGUSR1/SIGTERM (preemption)
         self._restarts = 0
-        self.membership = Membership(self._emit, admit_waiting)  # (which waiting nodes restart the group)
+        # a lost node's seat is taken by a spare node (c10d, --replace rank): nodes.py, spare.py
+        self.seating: Seating | None = None
+        if seats_at is not None and policy.cfg.replace is Replace.RANK:
+            run_id = self.get_worker_group().spec.rdzv_handler.get_run_id()
+            count = self.get_worker_group().spec.local_world_size
+            self.seating = Seating(seats_at, run_id, self.elastic, replacer, heartbeat_dir, self._emit, count)
+        seating = self.seating
+        self.membership = Membership(  # (which waiting nodes restart the group)
+            self._emit,
+            admit_waiting,
+            taken=seating.seat_taken if seating is not None else (lambda group_rank: False),
+            spares=seating.spares if seating is not None else (lambda: 0),
+            grace_s=2 * LEASE_S + 1.0,
+        )
         self.elastic.count_waiting(self.membership.count)
         self.elastic.publish_store_address()
 
@@ -125,6 +143,13 @@ class ResilientAgent(LocalElasticAgent):
     def close_standbys(self) -> None:
         self.supervisor.replacer.close()
         self.deaths.close()
+
+    def leave_seat(self, result: RunResult | None) -> None:
+        """Stop holding this node's seat; goodbye unless it failed (a spare may take it then)."""
+        if self.seating is not None:
+            sup = self.supervisor
+            bye = (result is not None and not result.is_failed()) or sup.verdict is not None or sup.excluded
+            self.seating.close(bye=bye)
 
     def flush_before_exit(self, result: RunResult | None, timeout_s: float) -> None:
         """The agent gives up (restarts spent, a verdict, its node excluded, its own error): what
@@ -150,8 +175,23 @@ class ResilientAgent(LocalElasticAgent):
             self.deaths.close()
 
     # ---- lifecycle hooks --------------------------------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torch's rendezvous, unless this node parks as a running round's spare and takes a lost
+        node's seat (:mod:`resilient.launcher.spare`)."""
+        seating = self.seating
+        if seating is not None:
+            spec = worker_group.spec
+            if seating.park(str(spec.entrypoint), tuple(str(a) for a in spec.args)) is not None:
+                seating.take(worker_group)
+                return
+        super()._rendezvous(worker_group)
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        state = self.elastic.rendezvous()
+        with self.seating.starting() if self.seating is not None else contextlib.nullcontext() as seat_round:
+            return self._start(worker_group, seat_round)
+
+    def _start(self, worker_group: WorkerGroup, seat_round: int | None) -> dict[int, Any]:
+        state = self.elastic.sync_rendezvous() if seat_round is not None else self.elastic.rendezvous()
         if state is not None:
             self.membership.round_started(state)
         for w in worker_group.workers:
@@ -161,11 +201,13 @@ class ResilientAgent(LocalElasticAgent):
         # Every agent of a rendezvous round sees the same round number, unlike its restart count
         # (an agent restarted for a peer's failure does not count it): the workers' store keys and
         # checkpoint directories are named after it, so all ranks of a launch agree.
-        round_no = state.round if state is not None else None
+        round_no = seat_round if seat_round is not None else state.round if state is not None else None
         if round_no is not None:
             os.environ[Var.LAUNCH_ROUND] = str(round_no)  # inherited by the workers started now
         pids = super()._start_workers(worker_group)
         self.supervisor.started()
+        if self.seating is not None:
+            self.seating.started(worker_group, round_no)
         if self.forward_signals is not None:  # starting workers installed torch's own SIGTERM handler
             for sig in (signal.SIGUSR1, signal.SIGTERM):
                 signal.signal(sig, self.forward_signals)
@@ -200,6 +242,8 @@ class ResilientAgent(LocalElasticAgent):
     # ---- monitoring -------------------------------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         sup = self.supervisor
+        if self.seating is not None and self.seating.fenced is not None and sup.verdict is None:
+            return self._fenced(self.seating.fenced)
         found = sup.tend()
         if found is not None and found.decision.action is not Action.REPLACE:
             return self._group_failed(worker_group, found)
@@ -210,6 +254,15 @@ class ResilientAgent(LocalElasticAgent):
             sup.report(seen)
             sup.act(sup.decide(seen, can_replace=False))
         return result
+
+    def _fenced(self, by: str) -> RunResult:
+        """A spare took this node's seat (it was cut off long enough to be taken for lost): its
+        workers' ranks run there now, so these stop, and the agent leaves (exit 75)."""
+        self._emit(Event.NODE_FENCED, taken_by=by)
+        logger.error(f"this node's seat was taken by spare {by} (it was taken for lost): stopping")
+        self.supervisor.verdict = int(ExitCode.HARD_FAULT)
+        self.elastic.stop_group(f"seat taken by spare {by}")
+        return RunResult(state=WorkerState.FAILED)
 
     def _group_failed(self, worker_group: WorkerGroup, found: Round) -> RunResult:
         """The failed result on which torch's loop restarts or stops the group, for a round whose

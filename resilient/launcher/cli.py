@@ -43,6 +43,7 @@ from resilient.launch_env import SlurmPlace, Var
 from resilient.launcher.agent import ResilientAgent
 from resilient.launcher.elastic import Elastic
 from resilient.launcher.policy import LaunchConfig, LaunchPolicy, Replace
+from resilient.launcher.seats import store_endpoint
 from resilient.native import names
 
 _DEFAULT = LaunchConfig()  # (the launcher's budgets and schedule: their defaults live there)
@@ -423,6 +424,7 @@ def _agent(
         standby_mode=args.standby_mode,
         admit_waiting=args.admit_waiting,
         shm_name=job.shm_name,
+        seats_at=store_endpoint(config.rdzv_backend, config.rdzv_endpoint),
     )
     agent.supervisor.native_stacks = args.native_stacks
     _forward_preemption(agent)
@@ -463,6 +465,7 @@ def _wind_up(
     # gone, would kill the launcher and replace its verdict with a signal's exit code.
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    agent.leave_seat(result)  # (first: a spare must not take the seat of a node that ends well)
     agent.close_standbys()
     agent.flush_before_exit(result, args.flush_timeout)  # (the job's shared memory goes next)
     agent.flusher.close()
@@ -480,14 +483,15 @@ def _wind_up(
 
 
 def _exit_code(
-    args: argparse.Namespace, config: Any, job: _Job, agent: ResilientAgent, result: RunResult
+    args: argparse.Namespace, config: Any, job: _Job, agent: ResilientAgent, result: RunResult | None
 ) -> int:
     """The launcher's exit code, said on stderr where it is not 0 (and recorded as ``run_failed``
     where the launcher gives up)."""
     sup = agent.supervisor
-    if sup.verdict == int(ExitCode.FATAL) or (
-        sup.verdict is None and not sup.excluded and result.is_failed()
-    ):
+    if result is None and sup.verdict is None:  # a spare node that parked until the job ended
+        return int(ExitCode.SUCCESS)
+    failed = result is not None and result.is_failed()
+    if sup.verdict == int(ExitCode.FATAL) or (sup.verdict is None and not sup.excluded and failed):
         cause = sup.failures[-1]["cause"] if sup.failures else "restarts exhausted"
         with EventLog(job.events, rank=-1, **job.where) as log:
             log.emit(
@@ -510,7 +514,7 @@ def _exit_code(
             file=sys.stderr,
         )
         return int(ExitCode.HARD_FAULT)
-    if result.is_failed():
+    if failed:
         summary = "; ".join(f"rank {f.get('global_rank')}: {f['cause']}" for f in sup.failures[-8:])
         within = f" within {args.restart_window:g} s" if args.restart_window else ""
         print(

@@ -16,8 +16,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from loguru import logger
@@ -42,6 +42,8 @@ PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous:_RendezvousState", "closed"),
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousExitOp"),
     ("torch.distributed.launcher.api", "_get_addr_and_port"),
+    ("torch.distributed.elastic.multiprocessing.api", "get_subprocess_handler"),
+    ("torch.distributed.elastic.agent.server.api:SimpleElasticAgent", "_store"),
 )
 
 _UNBOUNDED = 1 << 30
@@ -61,6 +63,7 @@ class RendezvousView:
     participants: frozenset[Any]  # the nodes of the running round
     wait_list: frozenset[Any]  # nodes waiting for the next round
     closed: bool
+    ranks: dict[Any, int] = field(default_factory=dict)  # each participant's group rank
 
 
 class Elastic:
@@ -216,7 +219,44 @@ class Elastic:
         host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
         return dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=10), wait_for_workers=False)
 
+    @contextlib.contextmanager
+    def handlers(self, make: Callable[..., Any]) -> Iterator[None]:
+        """While in this block, torch starts each worker's process with ``make(**its arguments)``
+        (a spare promotes its standbys there) instead of its own ``get_subprocess_handler``."""
+        from torch.distributed.elastic.multiprocessing import api as mp_api
+
+        real = mp_api.get_subprocess_handler
+        mp_api.get_subprocess_handler = lambda **kw: make(real, **kw)
+        try:
+            yield
+        finally:
+            mp_api.get_subprocess_handler = real
+
     # ---- the rendezvous (c10d's DynamicRendezvousHandler) ----------------------------------------
+    def take_seat(self, worker_group: Any, seat: Any, raw_store: Any) -> None:
+        """``worker_group`` holds ``seat`` (a lost node's, :mod:`resilient.launcher.spare`) as torch's
+        rendezvous would have assigned it: its workers, the round's store (where torch's exit
+        barrier counts the nodes), the workers' store address."""
+        import torch.distributed as dist
+
+        from resilient.launcher.spare import seat_workers
+
+        prefix = f"torch.rendezvous.{self._handler.get_run_id()}.{seat.round}"  # (torch's, per round)
+        store = dist.PrefixStore(prefix, raw_store)
+        worker_group.workers = seat_workers(seat)
+        worker_group.store = store
+        worker_group.group_rank = seat.group_rank
+        worker_group.group_world_size = seat.group_world_size
+        worker_group.master_addr = seat.master_addr
+        worker_group.master_port = seat.master_port
+        self._agent._store = store
+
+    def sync_rendezvous(self) -> RendezvousView | None:
+        """The rendezvous state read from its store now (a node outside the round has none)."""
+        with contextlib.suppress(Exception):
+            self._handler.num_nodes_waiting()
+        return self.rendezvous()
+
     @property
     def _handler(self) -> Any:
         return self._spec.rdzv_handler
@@ -232,6 +272,7 @@ class Elastic:
             participants=frozenset(getattr(state, "participants", ())),
             wait_list=frozenset(getattr(state, "wait_list", ())),
             closed=bool(getattr(state, "closed", False)),
+            ranks=dict(getattr(state, "participants", {}) or {}),
         )
 
     def count_waiting(self, count: Callable[[int, RendezvousView | None], int]) -> None:

@@ -50,6 +50,7 @@ class Replacer:
         self._emit = emit
         self._standbys: list[Standby] = []
         self._store_client: Any = None  # the workers' store, where a death is posted as a fault
+        self._spare_deaths = 0  # a spare node's standbys that died before they were ready
 
     def replace(self, local_rank: int, beat: Beat, cause: str) -> int:
         """A new process for ``local_rank`` that joins the survivors in ``beat.generation``;
@@ -110,18 +111,53 @@ class Replacer:
     def _spawn(self, local_rank: int, env: dict[str, str]) -> tuple[Process, bool]:
         """A process for ``local_rank`` with ``env``: a promoted standby if one waits, else a new one."""
         how = self.backend.invocation(local_rank)
-        tgt = target(how.entrypoint, how.args)
+        sb = self.promote(local_rank, env, how.entrypoint, how.args, how.stdout, how.stderr)
+        if sb is not None:
+            return sb, True
+        return self.backend.spawn(local_rank, env), False
+
+    def promote(
+        self,
+        local_rank: int,
+        env: dict[str, str],
+        entrypoint: str,
+        args: tuple[str, ...],
+        stdout: str | None,
+        stderr: str | None,
+    ) -> Standby | None:
+        """A waiting standby made ``local_rank``'s worker started as ``entrypoint *args`` with
+        ``env``; None when none waits that can."""
+        tgt = target(entrypoint, args)
         for sb in [s for s in self._standbys if tgt is not None and s.alive() and s.takes(tgt)]:
             self._standbys.remove(sb)
             assert tgt is not None
             try:
-                sb.promote(local_rank, {**os.environ, **env}, tgt, how.stdout, how.stderr)
+                sb.promote(local_rank, {**os.environ, **env}, tgt, stdout, stderr)
             except OSError as e:  # it died meanwhile (its order pipe is closed): the next, or a new one
                 logger.warning(f"standby {sb.proc.pid} could not be promoted ({e}): not used")
                 sb.close()
                 continue
-            return sb, True
-        return self.backend.spawn(local_rank, env), False
+            return sb
+        return None
+
+    def keep_spare_standbys(self, count: int, entrypoint: str, args: tuple[str, ...]) -> None:
+        """A spare node (no workers yet) keeps ``count`` standbys parked in the script it would
+        run (``entrypoint *args``), to take a lost node's ranks."""
+        for sb in [s for s in self._standbys if not s.alive()]:
+            self._spare_deaths += 0 if sb.ready() else 1  # (died before it was ready)
+            sb.close()
+        self._standbys = [s for s in self._standbys if s.alive()]
+        self._announce()
+        if self._spare_deaths >= 3:  # the script cannot park here: the seat's ranks start cold
+            if self._spare_deaths == 3:
+                self._spare_deaths += 1
+                logger.warning("a spare's standbys died before they were ready 3 times: none are kept")
+            return
+        park = target(entrypoint, args) if self.park else None
+        hide = tuple(sorted(RANK_VARS | {k for k in os.environ if k.startswith("TORCHELASTIC_")}))
+        self.heartbeat_dir.mkdir(parents=True, exist_ok=True)  # (their ready marks; no worker made it)
+        while len(self._standbys) < count:
+            self._standbys.append(Standby(dict(os.environ), self.heartbeat_dir, park, hide))
 
     def keep_standbys(self, newest_start: float) -> None:
         """Start a standby when fewer than asked wait, once every worker is stepping and the
@@ -138,15 +174,7 @@ class Replacer:
         for sb in [s for s in self._standbys if not s.alive()]:
             sb.close()  # (its ready and fallback files)
         self._standbys = [s for s in self._standbys if s.alive()]
-        for sb in self._standbys:
-            if not sb.announced and sb.ready():
-                sb.announced = True
-                self._emit(
-                    Event.STANDBY_READY,
-                    standby_pid=sb.proc.pid,
-                    standbys=len(self._standbys),
-                    warmth=sb.warmth(),
-                )
+        self._announce()
         if len(self._standbys) >= self.standby_count:
             return
         if time.monotonic() - newest_start < STANDBY_DELAY_S:
@@ -158,6 +186,22 @@ class Replacer:
         how = self.backend.invocation(0)
         park = target(how.entrypoint, how.args) if self.park else None
         self._standbys.append(Standby({**os.environ, **how.env}, self.heartbeat_dir, park, self._rank_vars()))
+
+    def _announce(self) -> None:
+        """A ``standby_ready`` event for each standby that became ready since the last look."""
+        for sb in self._standbys:
+            if not sb.announced and sb.ready():
+                sb.announced = True
+                self._emit(
+                    Event.STANDBY_READY,
+                    standby_pid=sb.proc.pid,
+                    standbys=len(self._standbys),
+                    warmth=sb.warmth(),
+                )
+
+    def ready(self) -> int:
+        """How many standbys wait ready."""
+        return sum(1 for s in self._standbys if s.alive() and s.ready())
 
     def _rank_vars(self) -> tuple[str, ...]:
         """The worker variables a parking standby's script must not see: a worker's identity, the

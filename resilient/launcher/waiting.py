@@ -6,11 +6,13 @@ running round that wait to re-join (a peer whose worker died), or every waiting 
 ``admit_waiting`` (torchrun's behaviour); a new node otherwise waits as a spare, said once in a
 ``spare_waiting`` event; plus (b) one if a member vanished from the rendezvous: its keep-alive
 expired (a lost node, ``node_lost``), which torch's agent would notice only when its own workers
-fail.
+fail. A lost member whose seat a spare node took (:mod:`resilient.launcher.spare`) counts for
+nothing: its ranks were started on the spare and its survivors stay (``node_replaced``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,18 +23,38 @@ from resilient.launcher.elastic import RendezvousView
 
 
 class Membership:
-    """The running round's nodes (``members``, set when workers start) and the count above."""
+    """The running round's nodes (``members``, set when workers start) and the count above.
 
-    def __init__(self, emit: Callable[..., None], admit_waiting: bool) -> None:
+    ``taken(group_rank)``: a spare node claimed that member's seat (it took the lost node's
+    ranks; :mod:`resilient.launcher.spare`), so its loss restarts nothing; ``spares()``: how many
+    spare nodes park to do so, for whom a lost member waits up to ``grace_s`` before it counts."""
+
+    def __init__(
+        self,
+        emit: Callable[..., None],
+        admit_waiting: bool,
+        taken: Callable[[int], bool] = lambda group_rank: False,
+        spares: Callable[[], int] = lambda: 0,
+        grace_s: float = 0.0,
+    ) -> None:
         self.emit = emit
         self.admit_waiting = admit_waiting
+        self.taken = taken
+        self.spares_parked = spares
+        self.grace_s = grace_s
         self.members: set[Any] | None = None
+        self.ranks: dict[Any, int] = {}  # each member's group rank
         self.spares: frozenset[Any] = frozenset()  # the nodes that wait as spares, as last said
         self.lost_reported = False
+        self.replaced: set[Any] = set()  # lost members whose seats a spare took
+        self._lost_since: float | None = None
 
     def round_started(self, state: RendezvousView) -> None:
         self.members = set(state.participants)
+        self.ranks = dict(state.ranks)
         self.lost_reported = False
+        self.replaced = set()
+        self._lost_since = None
 
     def count(self, n: int, state: RendezvousView | None) -> int:
         """The nodes waiting, as torch's agent should count them (``n``: as torch counts them)."""
@@ -45,9 +67,30 @@ class Membership:
             self.spares = spares
             if spares:
                 self.emit(Event.SPARE_WAITING, nodes=sorted(str(x) for x in spares))
-        lost = self.members - state.participants - queued
-        if lost and not state.closed and not self.lost_reported:
+        lost = self._lost(state)
+        if lost and not self.lost_reported:
             self.lost_reported = True
             self.emit(Event.NODE_LOST, nodes=sorted(str(x) for x in lost))
             logger.error(f"node(s) {sorted(str(x) for x in lost)} left the rendezvous: restarting")
-        return waiting + (1 if lost and not state.closed else 0)
+        return waiting + (1 if lost else 0)
+
+    def _lost(self, state: RendezvousView) -> set[Any]:
+        """The members gone from the rendezvous that no spare took the place of (one that may
+        still be taken waits ``grace_s``)."""
+        assert self.members is not None
+        if state.closed:
+            return set()
+        gone = self.members - state.participants - state.wait_list - self.replaced
+        for node in [x for x in gone if x in self.ranks and self.taken(self.ranks[x])]:
+            self.replaced.add(node)
+            gone.discard(node)
+            self.emit(Event.NODE_REPLACED, nodes=[str(node)], group_rank=self.ranks[node])
+            logger.warning(f"node {node} left the rendezvous; a spare node took its seat: no restart")
+        if not gone:
+            self._lost_since = None
+            return gone
+        now = time.monotonic()
+        self._lost_since = self._lost_since or now
+        if now - self._lost_since < self.grace_s and self.spares_parked() > 0:
+            return set()
+        return gone

@@ -69,7 +69,8 @@ def test_a_node_lost_after_its_worker_died_comes_back_from_the_flushed_snapshot(
     # lost rank's state). Node 1's worker is SIGKILLed, its agent flushes the dead rank's
     # snapshots, then the whole node is lost (a failing GPU taking its node down). The spare takes
     # rank 1 from the flushed snapshot: at most the step in flight re-runs, not the 4 since the
-    # last checkpoint.
+    # last checkpoint. (Nothing in memory vouches for it: the spare's new rank cannot join the
+    # survivor in its process; the group restarts and reads the flushed copy back.)
     import os
     import signal
     import time
@@ -87,7 +88,7 @@ def test_a_node_lost_after_its_worker_died_comes_back_from_the_flushed_snapshot(
         b.wait_event("checkpoint_saved", lambda e: e["step"] >= 4 and e["rank"] >= 0)
         assert job.ranks(b) == {1}, "node 1 should hold rank 1 (node 0 started first)"
         spare = job.start(*_train(tmp_path, cfg, "--step-ms", "300"))
-        a.wait_event("spare_waiting")
+        spare.wait_event("spare_parked")  # (it parks beside the running round)
         a.wait_event("step_completed", lambda e: e["step"] >= 10 and e["rank"] == 0)
         worker = next(e["pid"] for e in b.events() if e["event"] == "run_started" and e["rank"] == 1)
         t_kill = time.time()

@@ -12,9 +12,11 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from resilient.errors import SetupFailed, StateRestoreError
 from resilient.runtime.coordination.agreement import RestorePlan, restore_plan
 from resilient.runtime.keeping.resume import StoreCopy
 from resilient.runtime.steps.handover import FromPeer, Handover
@@ -186,3 +188,53 @@ def test_no_donor_where_the_copies_are_not_shown_to_be_replicas(tmp_path: Path) 
     # a capture of another generation, or by another process, is not the predecessor's last
     assert "generation 2, not 3" in joining.replacement_offer(3, None)["why"]
     assert "not 1" in joining.replacement_offer(2, 1)["why"]
+
+
+def _post(steps: list[int], live: dict[str, Any]) -> str:
+    return json.dumps({"steps": steps, "live": live})
+
+
+def test_a_replacement_from_another_node_takes_the_ring_step_from_a_survivor_shown_equal() -> None:
+    # rank 1's node was lost: its replacement holds nothing but its predecessor's store copies
+    # (steps 7 and 8, the model's fingerprint posted for each); rank 0 survived with steps 8, 7
+    # in its ring and posted the same fingerprint of step 8 after its state was last set (0)
+    stored = {"7": {"model": "f7"}, "8": {"model": "f8"}}
+    lost = {"why": "a replacement: no capture", "replacement": True, "stored": stored}
+    survivor = {"why": "refused", "vouch": {"since": 0, "prints": {"8": {"model": "f8", "optimizer": "o8"}}}}
+    plan = RestorePlan.parse(restore_plan([_post([8, 7], survivor), _post([8, 7], lost)]))
+    assert plan.live is None and plan.restore_step() == 8
+    assert plan.ring_donors == {"1": 0} and plan.ring_refused is None
+    # a survivor whose copy differs (not a replica: a sharded state) is no donor: the ranks fall
+    # back (the launcher restarts the group from the checkpoint), saying why
+    other = {"why": "refused", "vouch": {"since": 0, "prints": {"8": {"model": "zz"}}}}
+    plan = RestorePlan.parse(restore_plan([_post([8, 7], other), _post([8, 7], lost)]))
+    assert plan.ring_donors is None and "no replica holds its state" in str(plan.ring_refused)
+    with pytest.raises(StateRestoreError, match="not restorable from memory"):
+        plan.restore_step()
+    # nor is one whose state was set from elsewhere after that step
+    late = {"why": "refused", "vouch": {"since": 8, "prints": {"8": {"model": "f8"}}}}
+    plan = RestorePlan.parse(restore_plan([_post([8, 7], late), _post([8, 7], lost)]))
+    assert plan.ring_refused is not None
+
+
+def test_a_replacement_from_another_node_with_no_store_copy_falls_back_not_fatal() -> None:
+    # nothing of the lost rank survived (the store copy is off): not "failed before its first
+    # step" (a verdict that ends the job) but a restore the group restart takes from disk
+    bare = {"why": "a replacement: no capture", "replacement": True}
+    plan = RestorePlan.parse(restore_plan([_post([8, 7], {"why": "refused"}), _post([], bare)]))
+    assert plan.empty == []
+    with pytest.raises(StateRestoreError, match="holds no state"):
+        plan.restore_step()
+    # a rank that is no replacement and holds nothing did fail before its first step
+    plan = RestorePlan.parse(restore_plan([_post([8, 7], {"why": "refused"}), _post([], {"why": "x"})]))
+    with pytest.raises(SetupFailed):
+        plan.restore_step()
+
+
+def test_a_replacement_state_from_the_store_copy_comes_from_its_donor_for_the_rest() -> None:
+    h = Handover(1)
+    h.stored = {8: ({"data": {"pos": 3}, RNG: {"torch": None}}, {"model": "f8"})}
+    state = h.stored_state(8, donor=0)
+    assert state["data"] == {"pos": 3} and RNG in state
+    assert isinstance(state["model"], FromPeer) and state["model"].donor == 0
+    assert h.since == 8 and h.stored_steps() == [8]

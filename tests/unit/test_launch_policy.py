@@ -354,7 +354,7 @@ def test_the_adapter_reads_the_rendezvous_counts_waiting_nodes_and_leaves() -> N
     agent = _fake_agent(r0=_Handler(100))
     e = Elastic(agent)
     view = e.rendezvous()
-    assert view == RendezvousView(4, frozenset({"n0", "n1"}), frozenset({"n2"}), False)
+    assert view == RendezvousView(4, frozenset({"n0", "n1"}), frozenset({"n2"}), False, {"n0": 0, "n1": 1})
     seen: list[tuple[int, RendezvousView | None]] = []
     e.count_waiting(lambda n, state: seen.append((n, state)) or 0)
     handler = agent.get_worker_group().spec.rdzv_handler

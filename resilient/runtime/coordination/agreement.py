@@ -31,6 +31,10 @@ class RestorePlan:
     live: int | None = None  # the step every rank vouched for in its live state (runtime/steps/live.py)
     live_refused: dict[str, str] | None = None  # why not, by rank ("all": for every rank)
     live_donors: dict[str, int] | None = None  # a replacement's rank -> the survivor it takes its state from
+    # a replacement from another node (its predecessor's node lost) -> the survivor whose snapshot
+    # of ``step`` it takes its large objects from (its small ones: the store copy); why none, by rank
+    ring_donors: dict[str, int] | None = None
+    ring_refused: dict[str, str] | None = None
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
@@ -54,6 +58,8 @@ class RestorePlan:
             raise SetupFailed(
                 f"ranks {self.empty} hold no snapshot: they failed before the first step", self.empty
             )
+        if self.ring_refused:
+            raise StateRestoreError(f"not restorable from memory: {self.ring_refused}")
         if self.step is None:
             raise StateRestoreError(f"no snapshot step held by every rank: {self.held}")
         return self.step
@@ -88,7 +94,10 @@ def restore_plan(payloads: list[str]) -> str:
         held.append(steps)
     if malformed:
         return RestorePlan(malformed=malformed).to_json()
-    empty = [r for r, s in enumerate(held) if not s]
+    # a replacement from another node holding nothing did not fail before its first step: its
+    # predecessor's memory went with its node (no store copy to take it from)
+    bare = {r for r, (s, lv) in enumerate(zip(held, lives, strict=True)) if not s and _replacement(lv)}
+    empty = [r for r, s in enumerate(held) if not s and r not in bare]
     common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
     plan: dict[str, Any] = {"step": max(common) if common else None, "empty": empty}
     if not common and not empty:
@@ -97,7 +106,18 @@ def restore_plan(payloads: list[str]) -> str:
         plan["layout_same"] = len(layouts) == len(payloads) and len({json.dumps(v) for v in layouts}) == 1
     if any(lv is not None for lv in lives):
         plan.update(live_plan(lives, plan["step"]))
+    if plan.get("live") is None and plan["step"] is not None:
+        found, refused = stored_donors(lives, plan["step"])
+        plan.update({"ring_donors": found or None, "ring_refused": refused or None})
+    if bare:
+        why = "a replacement whose predecessor's node was lost holds no state: no store copy of it"
+        plan["ring_refused"] = {**(plan.get("ring_refused") or {}), **{str(r): why for r in sorted(bare)}}
     return RestorePlan(**plan).to_json()
+
+
+def _replacement(offer: Any) -> bool:
+    """A replacement's offer at the recovery barrier (``handover.replacement_offer``)."""
+    return isinstance(offer, dict) and bool(offer.get("replacement"))
 
 
 def live_plan(offers: list[Any], ring_step: int | None) -> dict[str, Any]:
@@ -148,6 +168,43 @@ def donors(offers: list[Any]) -> tuple[dict[str, int], dict[str, str]]:
             refused[str(r)] = (
                 f"no survivor posted fingerprints equal to its predecessor's (snapshot steps {steps}) "
                 "at a step after its state was set: not a replica"
+            )
+    return found, refused
+
+
+def stored_donors(offers: list[Any], step: int) -> tuple[dict[str, int], dict[str, str]]:
+    """For each replacement restoring ``step`` from its predecessor's store copy (``stored``), the
+    lowest survivor whose posted fingerprints of ``step`` equal every one the predecessor posted
+    for objects too large for the store, at a step after that survivor's state was last set from
+    elsewhere; and why not, by rank, for those that need one and have none."""
+    found: dict[str, int] = {}
+    refused: dict[str, str] = {}
+    for r, o in enumerate(offers):
+        stored = o.get("stored") if isinstance(o, dict) else None
+        if not isinstance(stored, dict):
+            continue
+        want = stored.get(str(step))
+        if not isinstance(want, dict):
+            refused[str(r)] = f"its predecessor posted no store copy of step {step}"
+            continue
+        if not want:
+            continue  # (every object of it fits the store copy: nothing to take from a peer)
+        for q, v in enumerate(offers):
+            vouch = v.get("vouch") if isinstance(v, dict) else None
+            if (
+                not isinstance(vouch, dict)
+                or not isinstance(vouch.get("since"), int)
+                or step <= vouch["since"]
+            ):
+                continue
+            have = (vouch.get("prints") or {}).get(str(step)) or {}
+            if all(have.get(n) == p for n, p in want.items()):
+                found[str(r)] = q
+                break
+        else:
+            refused[str(r)] = (
+                f"no survivor posted fingerprints of step {step} equal to its predecessor's "
+                f"({sorted(want)}): no replica holds its state"
             )
     return found, refused
 

@@ -222,9 +222,10 @@ class Recovery:
             offer = self.restorer.replacement_offer(self.replacing, s.launch.predecessor_pid)
         lap("verify_s")
         layout = self.restorer.layout_digest()
+        held = self.restorer.offered_steps(self.keeper.held_steps(), joining=self.replacing is not None)
         failed: SetupFailed | StateRestoreError | None = None
         try:
-            plan = self.coord.recovery_barrier(gen, self.keeper.held_steps(), layout, live=offer)
+            plan = self.coord.recovery_barrier(gen, held, layout, live=offer)
             restore = plan.restore_step(left.primary)
         except (SetupFailed, StateRestoreError) as e:
             failed = e
@@ -251,16 +252,7 @@ class Recovery:
         # (DDP's layouts were agreed in the same barrier; another agreement only if they changed)
         same = agreed(terms.layout, plan.layout_same, self.coord.same)
         cpu0 = time.thread_time()
-        pending = self.restorer.prepare(
-            gen,
-            restore,
-            step,
-            left.fault_ts,
-            same,
-            live=plan.live is not None,
-            donors=plan.live_donors,
-            since=left.primary.since,
-        )
+        pending = self.restorer.prepare(gen, restore, step, left.fault_ts, same, plan, left.primary.since)
         lap("prepare_s")  # (last: the phases put it in the restore, docs/recovery.md#phases)
         parts: dict[str, Any] = {
             "fault_step": step,

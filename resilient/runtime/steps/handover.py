@@ -66,6 +66,9 @@ class Handover:
         self.store_copy = store_copy
         self.since: int | None = None  # where this process's large state last came from elsewhere
         self.joined: Mirrored | None = None  # a replacement's predecessor's capture, once offered
+        # a replacement with no predecessor on its node (its node was lost): its predecessor's
+        # store copies by snapshot step, (small objects, fingerprints of the others)
+        self.stored: dict[int, tuple[dict[str, Any], dict[str, str]]] = {}
 
     def captured(self, live: LiveResume, generation: int) -> None:
         if self.mirror is not None and live.enabled and live.cap is not None:
@@ -79,8 +82,8 @@ class Handover:
     def vouch(self, offer: dict[str, Any], symptom: str | None, registry: Registry) -> dict[str, Any]:
         """A survivor's offer, with its posted fingerprints for a replacement's: a peer's death
         may be seen first as a broken collective or a hang, so they go with every live offer."""
-        if self.mirror is None or "step" not in offer or self.since is None:
-            return offer
+        if self.mirror is None or self.since is None:
+            return offer  # (vouched with a refused offer too: a replacement may take the ring step)
         large = [
             n
             for n, o in zip(registry.names(), registry.objects(), strict=True)
@@ -93,7 +96,7 @@ class Handover:
         why = "not under resilient launch with a store copy"
         got = self.mirror.read() if self.mirror is not None else why
         if isinstance(got, str):
-            return {"why": f"a replacement: {got}"}
+            return {"why": f"a replacement: {got}", "replacement": True, **self._stored_offer()}
         if predecessor is not None and got.pid != predecessor:
             return {"why": f"a replacement: the live capture was written by pid {got.pid}, not {predecessor}"}
         if got.generation != generation:
@@ -101,6 +104,40 @@ class Handover:
             return {"why": f"a replacement: {why}"}
         self.joined = got
         return {"step": got.step, "seq": got.seq, "mirrored": {"prints": self._prints(got.large)}}
+
+    def _stored_offer(self) -> dict[str, Any]:
+        """A replacement without its predecessor's capture (a new node, the lost one's memory
+        gone): the snapshot steps its predecessor posted to the store copy with every RNG, offered
+        for the ring's step: the small objects from there, the others from a survivor whose
+        posted fingerprints equal them (``agreement.stored_donors``)."""
+        if self.store_copy is None or self.store_copy.max_bytes <= 0:
+            return {}
+        try:
+            for step in self.store_copy.own_steps():
+                got = self.store_copy.read(self.rank, step)
+                if got is not None and RNG in got[0]:
+                    self.stored[step] = got
+        except Exception as e:  # (the store copy is a second line of defence: the checkpoint)
+            logger.warning(f"rank {self.rank}: its predecessor's store copy not read: {e}")
+            self.stored = {}
+        if not self.stored:
+            return {}
+        return {"stored": {str(k): prints for k, (_, prints) in self.stored.items()}}
+
+    def stored_steps(self) -> list[int]:
+        """The snapshot steps a replacement can restore from the store copy and a peer."""
+        return sorted(self.stored, reverse=True)
+
+    def stored_state(self, step: int, donor: int | None) -> dict[str, Any]:
+        """A replacement's state of ``step``: its predecessor's small objects from the store copy,
+        the others to come from ``donor``'s snapshot of that step as each is tracked again."""
+        small, prints = self.stored[step]
+        state: dict[str, Any] = dict(small)
+        for name in prints:
+            assert donor is not None  # (the plan names one wherever a fingerprint was posted)
+            state[name] = FromPeer(donor, None, None)
+        self.started(step)
+        return state
 
     def _prints(self, names: list[str]) -> dict[str, dict[str, str]]:
         """{snapshot step: {name: fingerprint}} of what this rank (or its predecessor) posted."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from resilient.detectors import Detectors
 from resilient.events import Event
+from resilient.runtime.coordination.agreement import RestorePlan
 from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
 from resilient.runtime.run.generation import Generation, PendingRestore
 from resilient.runtime.run.session import Session
@@ -66,6 +67,12 @@ class Restorer:
         """A replacement's offer: its predecessor's last capture (handover.py)."""
         return self.handover.replacement_offer(generation, predecessor)
 
+    def offered_steps(self, held: list[int], joining: bool) -> list[int]:
+        """The snapshot steps this rank offers at the recovery barrier: those it ``held`` (ring,
+        shared memory); a replacement (``joining``) holding none on its node, its lost node's
+        predecessor's steps that the store copy and a peer restore (handover.py)."""
+        return held if held or not joining else self.handover.stored_steps()
+
     def layout_digest(self) -> str:
         """DDP's bucket layouts as the generation that ended left them (offered at the recovery
         barrier, whose verdict :meth:`prepare` applies)."""
@@ -78,13 +85,17 @@ class Restorer:
         fault_step: int | None,
         fault_ts: float | None,
         all_same: AllSame,
-        live: bool = False,
-        donors: dict[str, int] | None = None,
+        plan: RestorePlan | None = None,
         since: int | None = None,
     ) -> PendingRestore:
-        """The agreed ``step``'s state (``live``: the live objects' at the step every rank vouched
-        for, ``donors``' for a replacement, else its snapshot), to be loaded into each object as
-        the function tracks it in the next generation (``generation``: the one that ended)."""
+        """The agreed ``step``'s state (the ``plan``'s live step: the live objects' at the step
+        every rank vouched for, or its donors' for a replacement; else its snapshot, or for a
+        replacement from another node the store copy and its ring donor's), to be loaded into
+        each object as the function tracks it in the next generation (``generation``: the one
+        that ended)."""
+        live = plan is not None and plan.live is not None
+        donors = plan.live_donors if plan is not None else None
+        ring_donors = plan.ring_donors if plan is not None else None
         t0 = time.monotonic()
         registry = self.gen().registry
         self.buckets.at_recovery(registry.objects(), generation, step, all_same, self.session.t.barrier)
@@ -95,9 +106,16 @@ class Restorer:
         elif live:
             state, owned, source = self.live.state(registry), True, "live"
             send_to = sorted(int(r) for r, q in donors.items() if q == rank)
+        elif self.handover.stored:  # (a replacement from another node: handover.py)
+            state, owned, source = (
+                self.handover.stored_state(step, (ring_donors or {}).get(str(rank))),
+                True,
+                "store+peer",
+            )
         else:
             state, owned = self.keeper.materialize(step)
             source = "ring" if owned else "shm"
+            send_to = sorted(int(r) for r, q in (ring_donors or {}).items() if q == rank)
         t2 = time.monotonic()
         self.ring.drop_after(step)
         self.keeper.drop_after(step)
