@@ -213,6 +213,18 @@ def certify_stacks(session: nox.Session) -> None:
         session.run("chaos", "certify", f"configs/chaos/{cfg}.yaml", "--out", out, *trials, env=env)
 
 
+@nox.session(name="certify-nodes", python=PY)
+def certify_nodes(session: nox.Session) -> None:
+    """A lost node (configs/chaos/nodes.yaml): two nodes of one rank and a parked spare node; the
+    node holding rank 1 loses every process and its /dev/shm. DDP: the spare takes its seat, the
+    survivor keeps its process; FSDP2: the group restarts from the checkpoint. Bit-exact
+    (chaos_nodes/). About 3 min a trial."""
+    _install(session, "dev", "chaos")
+    trials = session.posargs or ["--trials", "1"]
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run("chaos", "certify", "configs/chaos/nodes.yaml", "--out", "chaos_nodes", *trials, env=env)
+
+
 @nox.session(name="certify-live", python=PY)
 def certify_live(session: nox.Session) -> None:
     """Live resume across the stacks (configs/chaos/live.yaml): exception, OOM, hang and a stalled

@@ -10,8 +10,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,7 +77,9 @@ def fresh(cwd: Path) -> Path:
 
 
 class Job:
-    """``resilient launch`` of the example in ``cwd``; killed by process group when done."""
+    """``resilient launch`` of the example in ``cwd``, one agent or several as nodes of one job
+    (``job.nodes``, and a ``job.spare`` started once they run); killed by process group when done.
+    ``p`` is the first agent's process (it hosts the rendezvous and the workers' store)."""
 
     def __init__(
         self,
@@ -88,10 +92,14 @@ class Job:
         cwd = cwd.resolve()  # the job runs inside it: paths handed to it must not be relative to it
         cwd.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
-        argv = _launch_argv(cert, cwd, _command(cert, cwd), link)
+        self.spare: subprocess.Popen[bytes] | None = None  # the spare node's agent, once started
+        self.lost: set[int] = set()  # agents a fault took down with their node (their exit is not the job's)
+        j = cert.job
+        rdzv = _Rendezvous(f"chaos{os.getpid()}x{time.monotonic_ns()}", j.nodes) if j.nodes > 1 else None
+        argv = _launch_argv(cert, cwd, _command(cert, cwd), link, rdzv)
         env = _environment(cwd, plan, attempt, link)
         self.log = open(cwd / "launch.log", "a")  # noqa: SIM115 - closed in stop()
-        self.p = subprocess.Popen(
+        self._start = lambda: subprocess.Popen(
             argv,
             cwd=workdir(cert, cwd),
             env=env,
@@ -99,10 +107,41 @@ class Job:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self.p = self._start()
+        self.agents = [self.p]
+        if rdzv is not None:
+            rdzv.wait_store(self.p)
+            self.agents += [self._start() for _ in range(j.nodes - 1)]
+            if j.spare:
+                threading.Thread(target=self._start_spare, args=(j.nodes,), daemon=True).start()
+
+    def _start_spare(self, nodes: int) -> None:
+        """The spare node's agent, once every node's workers started (it then parks beside them)."""
+        while self.p.poll() is None:
+            started = {e["pid"] for e in events(self.cwd) if e["event"] == Event.WORKERS_STARTED}
+            if len(started) >= nodes:
+                self.spare = self._start()
+                self.agents.append(self.spare)
+                return
+            time.sleep(0.1)  # (polls the event log the agents append to)
+
+    def spare_ready(self) -> bool:
+        """The spare node's agent parked and one of its standbys waits, ready."""
+        if self.spare is None:
+            return False
+        said = {e["event"] for e in events(self.cwd) if e["pid"] == self.spare.pid}
+        return Event.SPARE_PARKED in said and Event.STANDBY_READY in said
 
     def stop(self, timeout: float) -> int | None:
+        """Every agent's end (the first failure's exit code; None: not within ``timeout``)."""
+        deadline = time.monotonic() + timeout
         try:
-            return self.p.wait(timeout)
+            rcs = []
+            for agent in list(self.agents):
+                rc = agent.wait(max(0.0, deadline - time.monotonic()))
+                if agent.pid not in self.lost:
+                    rcs.append(rc)
+            return next((rc for rc in rcs if rc != 0), 0)
         except subprocess.TimeoutExpired:
             return None
         finally:
@@ -110,17 +149,43 @@ class Job:
             self.log.close()
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.p.pid, signal.SIGKILL)
-        self.p.wait()
+        for agent in list(self.agents):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
         for e in events(self.cwd):  # workers run in sessions of their own
             if e["event"] == Event.RUN_STARTED and e["rank"] >= 0:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(int(e["pid"]), signal.SIGKILL)
-        for leftover in Path("/dev/shm").glob(f"resilient-*-{self.p.pid}"):
-            import shutil
+        for agent in self.agents:
+            for leftover in Path("/dev/shm").glob(f"resilient-*-{agent.pid}"):
+                shutil.rmtree(leftover, ignore_errors=True)
 
-            shutil.rmtree(leftover, ignore_errors=True)
+
+class _Rendezvous:
+    """A c10d rendezvous on 127.0.0.1 for a job of several agents."""
+
+    def __init__(self, rdzv_id: str, nodes: int) -> None:
+        from chaos.harness import free_port
+
+        self.rdzv_id, self.port = rdzv_id, free_port()
+        # (a spare parks outside the round: with nodes:nodes+1 a group restart after a loss would
+        # wait the rendezvous' last call, 30 s, for a node more)
+        self.nnodes = str(nodes)
+
+    def argv(self) -> list[str]:
+        endpoint = f"127.0.0.1:{self.port}"
+        keep_alive = "keep_alive_interval=1,keep_alive_max_attempt=3"  # (a lost node: 3 s)
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", self.rdzv_id]
+        return [*rdzv, "--nnodes", self.nnodes, "--rdzv-conf", keep_alive]
+
+    def wait_store(self, first: subprocess.Popen[bytes]) -> None:
+        """The first agent hosts the rendezvous' store: the others must find it, not host one."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and first.poll() is None:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+                return
+            time.sleep(0.05)  # (the port opens when the agent's store listens)
 
 
 def _command(cert: Certification, cwd: Path) -> list[str]:
@@ -162,18 +227,21 @@ def _command(cert: Certification, cwd: Path) -> list[str]:
     return command
 
 
-def _launch_argv(cert: Certification, cwd: Path, command: list[str], link: VethLink | None) -> list[str]:
+def _launch_argv(
+    cert: Certification, cwd: Path, command: list[str], link: VethLink | None, rdzv: _Rendezvous | None
+) -> list[str]:
     """``resilient launch`` of ``command`` with the job's launcher settings, its event logs in
-    ``cwd``, every rank started through ``chaos.netns`` where a link is cut."""
+    ``cwd``, every rank started through ``chaos.netns`` where a link is cut; one node of
+    ``rdzv``'s where the job spans several."""
     j = cert.job
     return [
         sys.executable,
         "-m",
         "resilient.cli",
         "launch",
-        "--standalone",
+        *(rdzv.argv() if rdzv is not None else ["--standalone"]),
         "--nproc-per-node",
-        str(j.nproc),
+        str(j.nproc // j.nodes),
         "--max-restarts",
         str(j.max_restarts),
         "--max-replacements",

@@ -143,6 +143,18 @@ class Job(_Model):
         "ck", description="where the command checkpoints, relative to the directory it runs in"
     )
     nproc: int = Field(2, ge=1, le=8)
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=4,
+        description="`resilient launch` agents the ranks are spread over (a c10d rendezvous on "
+        "127.0.0.1, nproc / nodes ranks each), as nodes of one job",
+    )
+    spare: bool = Field(
+        False,
+        description="one more agent, started once the nodes' workers run: it parks as their spare "
+        "node (docs/launcher.md#several-nodes)",
+    )
     backend: Literal["gloo", "nccl", "auto"] = "gloo"  # the bundled example's; nccl: one GPU per rank
     steps: int = Field(40, ge=4)
     step_ms: float = Field(50.0, ge=0)
@@ -164,6 +176,14 @@ class Job(_Model):
         "{restart: {max_recoveries: 500}}",
     )
     timeout_s: float = Field(180.0, gt=0, description="a trial running longer is killed and fails")
+
+    @model_validator(mode="after")
+    def _spread(self) -> Job:
+        if self.nproc % self.nodes:
+            raise ValueError(f"nproc {self.nproc} is not a multiple of nodes {self.nodes}")
+        if self.spare and self.nodes < 2:
+            raise ValueError("spare: a spare node stands beside nodes: 2 or more")
+        return self
 
 
 _STREAM_KINDS: tuple[KindName, ...] = ("exception", "hang", "oom", "sigkill")

@@ -26,6 +26,7 @@ from chaos.faults.desync import Desync
 from chaos.faults.in_process import GilHang, Hang, RaiseException, Stall
 from chaos.faults.link import LinkDrop, LinkLoss
 from chaos.faults.memory import CudaOom, HostOom, KernelOom
+from chaos.faults.node import LoseNode
 from chaos.faults.numeric import GradSpike, NanGradient
 from chaos.faults.p2p_skip import P2pSkip
 from chaos.faults.segfault import Segfault
@@ -55,6 +56,7 @@ REGISTRY = KindRegistry(
         GradSpike(),
         Bitflip(),
         Straggler(),
+        LoseNode(),
     ]
 )
 

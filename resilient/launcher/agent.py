@@ -85,6 +85,7 @@ class ResilientAgent(LocalElasticAgent):
         admit_waiting: bool = False,
         shm_name: str | None = None,
         seats_at: tuple[str, int] | None = None,
+        max_nodes: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -115,22 +116,37 @@ class ResilientAgent(LocalElasticAgent):
         self.deaths = DeathWatch(self.elastic.pids, self._clock.wake)
         self.forward_signals: Any = None  # the launcher's handler for SIGUSR1/SIGTERM (preemption)
         self._restarts = 0
-        # a lost node's seat is taken by a spare node (c10d, --replace rank): nodes.py, spare.py
-        self.seating: Seating | None = None
-        if seats_at is not None and policy.cfg.replace is Replace.RANK:
-            run_id = self.get_worker_group().spec.rdzv_handler.get_run_id()
-            count = self.get_worker_group().spec.local_world_size
-            self.seating = Seating(seats_at, run_id, self.elastic, replacer, heartbeat_dir, self._emit, count)
-        seating = self.seating
-        self.membership = Membership(  # (which waiting nodes restart the group)
-            self._emit,
-            admit_waiting,
-            taken=seating.seat_taken if seating is not None else (lambda group_rank: False),
-            spares=seating.spares if seating is not None else (lambda: 0),
-            grace_s=2 * LEASE_S + 1.0,
+        # a lost node's seat is taken by a spare node (c10d, --replace rank): seats.py, spare.py
+        self.seating = (
+            self._seating(seats_at, max_nodes, replacer) if policy.cfg.replace is Replace.RANK else None
         )
+        self.membership = self._membership(admit_waiting)  # (which waiting nodes restart the group)
         self.elastic.count_waiting(self.membership.count)
         self.elastic.publish_store_address()
+
+    def _seating(
+        self, where: tuple[str, int] | None, max_nodes: int | None, replacer: Replacer
+    ) -> Seating | None:
+        """This node's seat in the rendezvous store, or its spare's watch (None: no c10d store)."""
+        if where is None:
+            return None
+        spec = self.get_worker_group().spec
+        run_id, count = spec.rdzv_handler.get_run_id(), spec.local_world_size
+        seating = Seating(where, run_id, self.elastic, replacer, self.heartbeat_dir, self._emit, count)
+        seating.max_nodes = max_nodes
+        return seating
+
+    def _membership(self, admit_waiting: bool) -> Membership:
+        seating = self.seating
+        if seating is None:
+            return Membership(self._emit, admit_waiting)
+        return Membership(
+            self._emit,
+            admit_waiting,
+            taken=seating.seat_taken,
+            spares=seating.spares,
+            grace_s=2 * LEASE_S + 1.0,
+        )
 
     def _emit(self, event: Event, **fields: Any) -> None:
         if self.events is not None:

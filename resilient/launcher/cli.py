@@ -425,6 +425,7 @@ def _agent(
         admit_waiting=args.admit_waiting,
         shm_name=job.shm_name,
         seats_at=store_endpoint(config.rdzv_backend, config.rdzv_endpoint),
+        max_nodes=config.max_nodes,
     )
     agent.supervisor.native_stacks = args.native_stacks
     _forward_preemption(agent)

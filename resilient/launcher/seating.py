@@ -27,6 +27,8 @@ from resilient.launcher.replace import Replacer
 from resilient.launcher.seats import Keys, Seat, SeatHolder, connect
 from resilient.launcher.spare import LEASE_S, JobOver, Spare, Taken, spare_id
 
+FULL_WAIT_S = 300.0  # how long a node that arrived beyond the job's nodes waits for their seats
+
 
 class Seating:
     """``where``: the rendezvous store; ``count``: the workers (and standbys) a node runs;
@@ -42,6 +44,7 @@ class Seating:
         emit: Callable[..., None],
         count: int,
         lease_s: float = LEASE_S,
+        max_nodes: int | None = None,
     ) -> None:
         self.where = where
         self.keys = Keys(rdzv_id)
@@ -52,6 +55,7 @@ class Seating:
         self.emit = emit
         self.count = count
         self.lease_s = lease_s
+        self.max_nodes = max_nodes  # (a node that finds the round full waits for its seats: a spare)
         self.holder: SeatHolder | None = None
         self.taken: Taken | None = None  # the lost node's seat this spare took, until its workers start
         self.fenced: str | None = None  # who took this node's seat, if one did
@@ -72,7 +76,7 @@ class Seating:
             return None
         try:
             spare = Spare(self.where, self.rdzv_id, spare_id(), self.emit, self.lease_s)
-            seats = spare.running()
+            seats = self._seats(spare)
         except Exception as e:  # (the store not up yet: the job is starting)
             logger.debug("no running round to park beside: {}", e)
             return None
@@ -96,6 +100,20 @@ class Seating:
         posted = spare.post_deaths(taken)
         self.taken, self._taken_at, self._posted = taken, taken_at, posted
         return taken
+
+    def _seats(self, spare: Spare) -> list[Seat] | None:
+        """The running round's seats. Before any runs, the nodes count their arrivals: one that
+        comes after ``max_nodes`` others (every node of an allocation started at once, as srun
+        does, one more than the job needs) is a spare and waits for the seats (a bounded wait:
+        the members' workers are starting); the others join the rendezvous."""
+        seats = spare.running()
+        if seats is not None or self.max_nodes is None or spare.arrive() <= self.max_nodes:
+            return seats
+        deadline = time.monotonic() + FULL_WAIT_S
+        while seats is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # (polls the store: the members publish their seats as workers start)
+            seats = spare.running()
+        return seats
 
     def take(self, worker_group: Any) -> None:
         """``worker_group`` gets the taken seat (torch's rendezvous skipped)."""

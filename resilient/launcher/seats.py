@@ -76,6 +76,9 @@ class Keys:
     def claim(self, round_no: int, group_rank: int) -> str:
         return f"{self.base}/r{round_no}/claim/{group_rank}"
 
+    def arrived(self) -> str:
+        return f"{self.base}/arrived"  # nodes counted as they came, before any round ran
+
     def spares(self) -> str:
         return f"{self.base}/spares"  # how many spares park (added to as they come and go)
 

@@ -124,6 +124,10 @@ class Spare:
             return None
         return [Seat.loads(raw) for raw in self.store.multi_get(names)]
 
+    def arrive(self) -> int:
+        """This node's place among the nodes that came before any round ran (1: the first)."""
+        return int(self.store.add(self.keys.arrived(), 1))
+
     def park(self, seats: list[Seat], tend: Callable[[], None]) -> Taken | None:
         """Watch ``seats`` until one is lost (claimed: returned), the round ends without this
         spare (None) or the job ends (:class:`JobOver`). ``tend()`` runs between looks (the

@@ -221,3 +221,34 @@ def test_node_failing_health_checks_is_excluded(
     assert len(excluded) == 1 and excluded[0]["checks"][0]["check"] == "checkpoint_dir", excluded
     assert "left the job after 2 failed health checks" in b.output()
     assert_bit_exact(reference[1], [torch.load(tmp_path / "state" / "rank0.pt")])
+
+
+@pytest.mark.slow  # (CI runs the parked spare above; this is the start every node at once, as srun does)
+def test_a_node_started_with_the_others_beyond_nnodes_parks_as_their_spare(
+    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
+) -> None:
+    # three agents started together for --nnodes 2 (an allocation of three nodes, one launcher
+    # each): the one that finds the round full parks as its spare; the node holding rank 1 is
+    # lost and the spare takes its seat; every agent ends with 0, the spare too.
+    cfg = _config(tmp_path, "cfg", snapshot={"interval": 1, "store_copy_max_bytes": 16384})
+    job = Job(tmp_path, "together", "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2",
+              "--monitor-interval", "0.2", "--heartbeat-timeout", "10", "--rdzv-conf", RDZV_FAST)  # fmt: skip
+    try:
+        nodes = [job.start(*_train(tmp_path, cfg, "--step-ms", "300")) for _ in range(3)]
+        wait_until(
+            lambda: sum(any(e["event"] == "spare_parked" for e in n.events()) for n in nodes) == 1,
+            120,
+            lambda: f"one node parked as the spare: {[n.output()[-2000:] for n in nodes]}",
+            interval=0.1,
+        )
+        spare = next(n for n in nodes if any(e["event"] == "spare_parked" for e in n.events()))
+        spare.wait_event("standby_ready")
+        victim = next(n for n in nodes if 1 in job.ranks(n))
+        victim.wait_event("checkpoint_saved", lambda e: e["step"] >= 4 and e["rank"] >= 0)
+        job.lose(victim)
+        rcs = [n.finish() for n in nodes if n is not victim]
+    finally:
+        job.finish()
+    assert rcs == [0, 0], [n.output()[-3000:] for n in nodes]
+    assert [e["ranks"] for e in spare.events() if e["event"] == "seat_taken"] == [[1]]
+    assert_bit_exact(reference[2], [torch.load(tmp_path / "state" / f"rank{r}.pt") for r in range(2)])

@@ -351,3 +351,20 @@ def test_a_class_step_given_as_a_share_fits_the_job_length_given_on_the_command_
     cfg.write_text("classes:\n  bad: {fault: exception, step: 'lots%'}\n")
     with pytest.raises(schedule.BadInput, match="not a share"):
         schedule.load(cfg)
+
+
+def test_a_job_of_nodes_spreads_its_ranks_evenly_and_a_spare_stands_beside_two_or_more() -> None:
+    ok = schedule.Certification.model_validate(
+        {"job": {"nproc": 4, "nodes": 2, "spare": True}, "classes": {}}
+    )
+    assert (ok.job.nodes, ok.job.spare) == (2, True)
+    with pytest.raises(ValueError, match="nproc 3 is not a multiple of nodes 2"):
+        schedule.Certification.model_validate({"job": {"nproc": 3, "nodes": 2}, "classes": {}})
+    with pytest.raises(ValueError, match="nodes: 2 or more"):
+        schedule.Certification.model_validate({"job": {"nproc": 2, "spare": True}, "classes": {}})
+
+
+def test_the_lost_node_config_is_a_job_of_two_nodes_and_a_spare() -> None:
+    cert = schedule.load(Path("configs/chaos/nodes.yaml"))
+    assert (cert.job.nodes, cert.job.spare) == (2, True)
+    assert {c.fault for c in cert.classes.values()} == {"lose_node"}

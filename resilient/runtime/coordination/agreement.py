@@ -34,6 +34,7 @@ class RestorePlan:
     # a replacement from another node (its predecessor's node lost) -> the survivor whose snapshot
     # of ``step`` it takes its large objects from (its small ones: the store copy); why none, by rank
     ring_donors: dict[str, int] | None = None
+    ring_names: dict[str, list[str]] | None = None  # ... and which objects (the others: the store copy)
     ring_refused: dict[str, str] | None = None
 
     def to_json(self) -> str:
@@ -108,7 +109,10 @@ def restore_plan(payloads: list[str]) -> str:
         plan.update(live_plan(lives, plan["step"]))
     if plan.get("live") is None and plan["step"] is not None:
         found, refused = stored_donors(lives, plan["step"])
-        plan.update({"ring_donors": found or None, "ring_refused": refused or None})
+        names = {r: sorted(lives[int(r)]["stored"][str(plan["step"])]) for r in found}
+        plan.update(
+            {"ring_donors": found or None, "ring_names": names or None, "ring_refused": refused or None}
+        )
     if bare:
         why = "a replacement whose predecessor's node was lost holds no state: no store copy of it"
         plan["ring_refused"] = {**(plan.get("ring_refused") or {}), **{str(r): why for r in sorted(bare)}}

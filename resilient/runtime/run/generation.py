@@ -39,6 +39,7 @@ class PendingRestore:
     load_cpu_s: float = 0.0  # ... of this thread's CPU time
     source: str = "ring"  # where the state came from: live | peer | ring | shm (docs/recovery.md#live-resume)
     send_to: list[int] = field(default_factory=list)  # replacements this rank's live state goes to
+    send_only: dict[int, list[str]] = field(default_factory=dict)  # ... of these objects (absent: all)
     since: int | None = None  # a silent fault's first step (FaultRecord.since): later runs were its
 
     def load(self, registry: Registry, name: str, obj: Any, value: Callable[..., Any]) -> None:

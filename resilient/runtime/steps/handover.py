@@ -175,7 +175,7 @@ class Handover:
             got = recv_tree(v.donor, device=_device())
             v = r.state[name] = v.under_own(got[name])
         elif r.send_to and isinstance(obj, torch.nn.Module | torch.optim.Optimizer):
-            for dst in r.send_to:
+            for dst in [d for d in r.send_to if d not in r.send_only or name in r.send_only[d]]:
                 send_tree({name: v}, dst, device=_device())
         return v
 

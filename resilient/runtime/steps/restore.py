@@ -93,36 +93,38 @@ class Restorer:
         replacement from another node the store copy and its ring donor's), to be loaded into
         each object as the function tracks it in the next generation (``generation``: the one
         that ended)."""
-        live = plan is not None and plan.live is not None
-        donors = plan.live_donors if plan is not None else None
-        ring_donors = plan.ring_donors if plan is not None else None
+        plan = plan or RestorePlan()
         t0 = time.monotonic()
         registry = self.gen().registry
         self.buckets.at_recovery(registry.objects(), generation, step, all_same, self.session.t.barrier)
         t1 = time.monotonic()
-        donors, send_to, rank = donors or {}, [], self.session.rank
-        if live and str(rank) in donors:  # (a replacement: handover.py)
-            state, owned, source = self.handover.replacement_state(donors[str(rank)]), True, "peer"
-        elif live:
-            state, owned, source = self.live.state(registry), True, "live"
-            send_to = sorted(int(r) for r, q in donors.items() if q == rank)
-        elif self.handover.stored:  # (a replacement from another node: handover.py)
-            state, owned, source = (
-                self.handover.stored_state(step, (ring_donors or {}).get(str(rank))),
-                True,
-                "store+peer",
-            )
-        else:
-            state, owned = self.keeper.materialize(step)
-            source = "ring" if owned else "shm"
-            send_to = sorted(int(r) for r, q in (ring_donors or {}).items() if q == rank)
+        r = self._state(step, plan)
+        r.fault_step, r.fault_ts, r.since = fault_step, fault_ts, since
         t2 = time.monotonic()
         self.ring.drop_after(step)
         self.keeper.drop_after(step)
         self.parts = {"layouts_s": t1 - t0, "materialize_s": t2 - t1, "drop_s": time.monotonic() - t2}
-        return PendingRestore(
-            step, state, owned, fault_step, fault_ts, source=source, send_to=send_to, since=since
-        )
+        return r
+
+    def _state(self, step: int, plan: RestorePlan) -> PendingRestore:
+        """Where ``step``'s state comes from on this rank, and to whom it goes on."""
+        me = self.session.rank
+        donors, ring_donors = plan.live_donors or {}, plan.ring_donors or {}
+
+        def pending(state: dict[str, Any], source: str, owned: bool = True, **to: Any) -> PendingRestore:
+            return PendingRestore(step, state, owned, None, None, source=source, **to)
+
+        if plan.live is not None and str(me) in donors:  # (a replacement: handover.py)
+            return pending(self.handover.replacement_state(donors[str(me)]), "peer")
+        if plan.live is not None:
+            send_to = sorted(int(r) for r, q in donors.items() if q == me)
+            return pending(self.live.state(self.gen().registry), "live", send_to=send_to)
+        if self.handover.stored:  # (a replacement from another node: handover.py)
+            return pending(self.handover.stored_state(step, ring_donors.get(str(me))), "store+peer")
+        state, owned = self.keeper.materialize(step)
+        send_to = sorted(int(r) for r, q in ring_donors.items() if q == me)
+        only = {int(r): names for r, names in (plan.ring_names or {}).items()}
+        return pending(state, "ring" if owned else "shm", owned, send_to=send_to, send_only=only)
 
     def resumed(self, r: PendingRestore, began: float | None) -> None:
         """At the re-entered function's first ``ctx.steps``: every object of the snapshot was
