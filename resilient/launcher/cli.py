@@ -490,6 +490,10 @@ def _exit_code(
     where the launcher gives up)."""
     sup = agent.supervisor
     if result is None and sup.verdict is None:  # a spare node that parked until the job ended
+        left = agent.seating.left if agent.seating is not None else None
+        if left is not None:  # (not the job's success: the members' codes say what it was)
+            print(f"resilient launch: this spare node leaves: {left}", file=sys.stderr)
+            return int(ExitCode.HARD_FAULT)
         return int(ExitCode.SUCCESS)
     failed = result is not None and result.is_failed()
     if sup.verdict == int(ExitCode.FATAL) or (sup.verdict is None and not sup.excluded and failed):

@@ -25,7 +25,7 @@ from resilient.launch_env import Var
 from resilient.launcher.elastic import Elastic
 from resilient.launcher.replace import Replacer
 from resilient.launcher.seats import Keys, Seat, SeatHolder, connect
-from resilient.launcher.spare import LEASE_S, JobOver, Spare, Taken, spare_id
+from resilient.launcher.spare import LEASE_S, JobOver, Spare, StoreGone, Taken, spare_id
 
 FULL_WAIT_S = 300.0  # how long a node that arrived beyond the job's nodes waits for their seats
 
@@ -60,6 +60,7 @@ class Seating:
         self.taken: Taken | None = None  # the lost node's seat this spare took, until its workers start
         self.fenced: str | None = None  # who took this node's seat, if one did
         self.member = False  # it held a seat once: it joins torch's rendezvous from then on
+        self.left: str | None = None  # why this spare left without the job's end (its exit: 75)
         self._store: Any = None  # (the members' reads of claims; the round's store of a taken seat)
 
     def _client(self) -> Any:
@@ -92,6 +93,8 @@ class Seating:
             taken = spare.park(seats, tend)
         except JobOver as e:
             self.replacer.close()
+            if isinstance(e, StoreGone):
+                self.left = str(e)
             raise RendezvousGracefulExitError(str(e)) from e
         if taken is None:
             self.replacer.close()

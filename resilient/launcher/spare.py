@@ -52,6 +52,11 @@ class JobOver(Exception):
     """Every member said goodbye while this spare parked: nothing to take."""
 
 
+class StoreGone(JobOver):
+    """The rendezvous store went while this spare parked, without the members' goodbyes: its host
+    was lost (or the job ended badly). Not the job's success: the members' exit codes say."""
+
+
 class _Watched:
     """One member as the spare sees it: its liveness socket and its lease's last beat."""
 
@@ -142,8 +147,8 @@ class Spare:
                     got = self._look(watched, seats[0].round)
                 except JobOver:
                     raise
-                except Exception as e:  # (the store's host ended: the job is over, or it was lost)
-                    raise JobOver(f"the rendezvous store is gone ({e})") from e
+                except Exception as e:  # (the store's host ended without goodbyes, or was lost)
+                    raise StoreGone(f"the rendezvous store is gone ({e})") from e
                 if got is None or isinstance(got, Taken):
                     return got
         finally:

@@ -45,8 +45,19 @@ class TrainingJob:
         return 2 * self.nproc
 
     @classmethod
-    def submit(cls, cluster: SlurmCluster, dir: Path, nproc: int, steps: int, *script_args: str,
-               limit: str = "10", options: tuple[str, ...] = ()) -> TrainingJob:  # fmt: skip
+    def submit(
+        cls,
+        cluster: SlurmCluster,
+        dir: Path,
+        nproc: int,
+        steps: int,
+        *script_args: str,
+        limit: str = "10",
+        options: tuple[str, ...] = (),
+        spares: int = 0,
+    ) -> TrainingJob:
+        """``spares``: nodes of the allocation beyond the job's two that park as spares
+        (``SPARE_NODES``; the allocation's size and ``--no-kill`` go in ``options``)."""
         job = cls(cluster, dir, nproc, steps)
         # (every node idle first: the job gets the first two, whatever the previous test left)
         wait_until(lambda: set(cluster.node_states().values()) == {"idle"}, 120,
@@ -58,6 +69,7 @@ class TrainingJob:
             "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
             # this interpreter's `resilient` first (pytest may run outside the venv's PATH)
             "PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}",
+            "SPARE_NODES": str(spares),
         }  # fmt: skip
         job.submitted = time.monotonic()
         options = (f"--time={limit}", f"--output={dir / 'slurm-%j.out'}", *options)

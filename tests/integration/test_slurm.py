@@ -258,6 +258,62 @@ def test_a_lost_node_ends_the_job_and_slurm_requeues_it_on_the_nodes_that_are_up
     report("node lost", job, **{"resumed at step": step, "resumed after": resumed})
 
 
+def _spare_job_stepping(cluster: SlurmCluster, run_dir: Path, steps: int, wait_until: Any) -> TrainingJob:
+    """The job of three nodes, one of them its spare, submitted and past its step 12."""
+    run_dir.mkdir()
+    three = ("--nodes=3", "--no-kill")
+    job = TrainingJob.submit(cluster, run_dir, 1, steps, "--step-ms", "200", options=three, spares=1)
+    parked = lambda: job.of("spare_parked", workers=False)  # noqa: E731
+    wait_until(parked, JOB_TIMEOUT, lambda: f"a launcher parked as the spare:\n{job.log()[-3000:]}")
+    job.reached(12, JOB_TIMEOUT)
+    return job
+
+
+def _a_spare_job_whose_rank_1_is_off_the_head(
+    cluster: SlurmCluster, tmp_path: Path, steps: int, wait_until: Any
+) -> tuple[TrainingJob, str]:
+    """The job of three nodes (one a spare) once it stepped, and the node holding rank 1. The first
+    node hosts the rendezvous' store and group rank 0's agent the workers': losing either ends a
+    job (docs/limits.md). Where the ranks land is the rendezvous' to say: a run that put rank 1
+    on the first node is cancelled and the job submitted again (at most three times)."""
+    for attempt in range(3):
+        job = _spare_job_stepping(cluster, tmp_path / f"run{attempt}", steps, wait_until)
+        victim = job.node_of(1)
+        if victim != job.nodes()[0]:
+            return job, victim
+        cluster.run("scancel", str(job.id), check=False)
+        gone = lambda j=job: cluster.job(j.id)["JobState"] not in ("RUNNING", "COMPLETING")  # noqa: E731
+        wait_until(gone, 60, f"job {job.id} cancelled")
+    pytest.fail("the rendezvous put rank 1 on the first node three times")
+
+
+def test_a_lost_node_with_a_spare_in_the_allocation_keeps_the_job_running(
+    slurm_cluster: SlurmCluster, torchrun_reference: Any, tmp_path: Path, wait_until: Any
+) -> None:
+    # three nodes allocated, two train (SPARE_NODES=1): the launcher that arrives last parks as
+    # their spare. The node holding rank 1 loses power; the spare takes its seat, rank 0 keeps its
+    # process, and with --no-kill Slurm does not end the job when it marks the node DOWN.
+    steps = 40
+    job, victim = _a_spare_job_whose_rank_1_is_off_the_head(slurm_cluster, tmp_path, steps, wait_until)
+    pid0 = next(e["pid"] for e in job.of("run_started") if e["rank"] == 0)
+    lost = time.time()
+    try:
+        assert slurm_cluster.lose_node(victim) >= 3
+        info = job.wait_completed(JOB_TIMEOUT)
+    finally:
+        slurm_cluster.restore_node(victim)
+    assert (info["ExitCode"], info["Restarts"]) == ("0:0", "0"), job.log()[-4000:]
+    # (Slurm resizes a --no-kill job to the nodes left when it marks one DOWN: never NODE_FAIL)
+    assert [r["State"] for r in job.runs()] in (["COMPLETED"], ["RESIZING", "COMPLETED"]), job.runs()
+    (taken,) = job.of("seat_taken", workers=False)
+    assert taken["ranks"] == [1], taken
+    assert [e["pid"] for e in job.of("run_started") if e["rank"] == 0] == [pid0]  # never restarted
+    pid1 = next(e["pid"] for e in job.of("run_started") if e["rank"] == 1)  # (the lost node's)
+    back = min(p["t"] for p in job.progress() if p["rank"] == 1 and p["pid"] != pid1) - lost
+    job.assert_matches(torchrun_reference[job.world, steps])
+    report("node lost, a spare in the allocation", job, **{"rank 1 stepping after": back})
+
+
 def test_teardown_leaves_no_process_even_when_the_test_fails(
     slurm_cluster: SlurmCluster, tmp_path: Path, wait_until: Any
 ) -> None:

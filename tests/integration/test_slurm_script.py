@@ -116,9 +116,9 @@ def test_each_node_runs_one_launcher_with_the_rendezvous_on_the_first_node(tmp_p
     code, out, _ = run_script(tmp_path, "0", "0")
     assert code == 0, out
     port = 20000 + 4242 % 20000
-    want = (f"launch --nnodes 2 --rdzv-backend c10d --rdzv-endpoint 10.0.0.n1:{port} --rdzv-id slurm-4242 "
-            "--nproc-per-node 2 train.py --steps 9")  # fmt: skip
-    for node in ("n1", "n2"):
+    rest = f"--nnodes 2 --rdzv-backend c10d --rdzv-endpoint 10.0.0.n1:{port} --rdzv-id slurm-4242"
+    for node, host in (("n1", 1), ("n2", 0)):  # the first node's launcher hosts the rendezvous' store
+        want = f"launch --rdzv-conf is_host={host} {rest} --nproc-per-node 2 train.py --steps 9"
         assert (tmp_path / f"calls.launch.{node}").read_text().strip() == want
     text = SBATCH.read_text()
     for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@", "#SBATCH --ntasks-per-node=1"):

@@ -5,6 +5,7 @@ if it comes back, finds itself fenced."""
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from resilient.events import Event
 from resilient.launcher.elastic import RendezvousView
 from resilient.launcher.seats import Keys, Lease, Seat, SeatHolder, store_endpoint
-from resilient.launcher.spare import JobOver, Spare
+from resilient.launcher.spare import JobOver, Spare, StoreGone
 from resilient.launcher.waiting import Membership
 from tests._wait import wait_until
 
@@ -181,3 +182,26 @@ def test_a_lost_member_counts_once_the_spares_grace_is_over() -> None:
     assert m.count(0, gone) == 0
     time.sleep(0.25)  # (the grace is wall time by design: a spare's claim never came)
     assert m.count(0, gone) == 1
+
+
+def test_a_spare_whose_store_vanished_without_goodbyes_does_not_call_it_the_jobs_end() -> None:
+    master = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    where = ("127.0.0.1", master.port)
+    a, _ = _holder(where)
+    a.hold(_seat(a, 0, size=1))
+    spare = Spare(where, "job", "spare-1", lambda e, **f: None, lease_s=30.0)
+    seats = spare.running()
+    assert seats is not None
+    stores = [master]
+    del master
+
+    def tend() -> None:
+        if stores:  # the store's host goes (its node lost): the server closes
+            stores.pop()
+            gc.collect()
+
+    try:
+        with pytest.raises(StoreGone):
+            spare.park(seats, tend)
+    finally:
+        a.close(bye=False)

@@ -77,10 +77,20 @@ def _connect(port: int, timeout: float) -> dist.Store:
 
 
 def link(
-    job: dist.Store, key: str, rank: int, local_rank: int, size: int, timeout: float, forever: float
+    job: dist.Store,
+    key: str,
+    rank: int,
+    local_rank: int,
+    size: int,
+    timeout: float,
+    forever: float,
+    node: str | None = None,
 ) -> NodeLink | str:
     """Join this node's store (local rank 0 starts it and publishes where, under ``key`` in the
-    job's store). Returns the link, or why this rank stays on the job's store alone."""
+    job's store). Returns the link, or why this rank stays on the job's store alone. ``node``:
+    which node this is (its host and launcher); a spare node that took a lost one's ranks finds
+    the lost node's store published under the same key, and must not wait on its address."""
+    node = node or socket.gethostname()
     first = rank - local_rank
     if local_rank == 0:
         server = dist.TCPStore(
@@ -90,15 +100,15 @@ def link(
         protect_store_port(server.port)
         token = uuid.uuid4().hex
         server.set("token", token)
-        mine = f"{socket.gethostname()} {server.port} {token}"
+        mine = f"{node} {server.port} {token}"
         if job.compare_set(key, "", mine).decode() != mine:
             return "local rank 0 of this launch attempt started before (this process replaces it)"
         listener, monitor = _connect(server.port, forever), _connect(server.port, timeout)
         return NodeLink(first, size, server, listener, monitor, True, server)
     try:
         host, port, token = job.get(key).decode().split()
-        if host != socket.gethostname():
-            return f"local rank 0's node store is on {host}, not here"
+        if host != node:
+            return f"local rank 0's node store is on {host}, not here ({node})"
         protect_store_port(int(port))  # (a connection opened later, e.g. by a monitor thread)
         main = _connect(int(port), timeout)
         if main.get("token").decode() != token:

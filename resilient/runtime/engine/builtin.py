@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -287,6 +288,7 @@ class BuiltinRun:
             ep.local_world_size,
             self.t.barrier,
             coord_mod.FOREVER,
+            node=f"{socket.gethostname()}/{s.launch.launcher_pid}",  # (its launcher: its node)
         )
         link = got if isinstance(got, node_mod.NodeLink) else None
         self.coord.node, self.coord.on_lost = link, self._node_lost
