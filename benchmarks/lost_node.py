@@ -75,8 +75,12 @@ class Node:
         with open(cwd / "launch.log", "w") as log:
             self.p = subprocess.Popen(
                 [sys.executable, "-m", "resilient.cli", "launch", *argv],
-                cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                cwd=cwd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def events(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -125,17 +129,47 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
         sections["checkpoint"] = {"flush_on_death": True}
     cfg.write_text(yaml.safe_dump(sections))
     standby = ("--standby", "0") if args.cascade else ()
-    argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
-            "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2", "--monitor-interval", "0.2",
-            "--heartbeat-timeout", "30", "--rdzv-conf", RDZV_FAST, *standby,
-            EXAMPLE, "--steps", str(args.steps), "--dim", str(args.dim), "--config", str(cfg),
-            "--ckpt-dir", str(cwd / "ck"), "--ckpt-every", str(args.ckpt_every)]  # fmt: skip
+    argv = [
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        rdzv_id,
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.2",
+        "--heartbeat-timeout",
+        "30",
+        "--rdzv-conf",
+        RDZV_FAST,
+        *standby,
+        EXAMPLE,
+        "--steps",
+        str(args.steps),
+        "--dim",
+        str(args.dim),
+        "--config",
+        str(cfg),
+        "--ckpt-dir",
+        str(cwd / "ck"),
+        "--ckpt-every",
+        str(args.ckpt_every),
+    ]
     nodes: list[Node] = []
     out: dict[str, Any] = {"mode": mode, "recovered": False}
 
     def steps_of(node: Node, rank: int, after: float = 0.0) -> list[dict[str, Any]]:
-        return [e for e in node.events() if e["event"] == Event.STEP_COMPLETED and e["rank"] == rank
-                and e["ts"] > after]  # fmt: skip
+        return [
+            e
+            for e in node.events()
+            if e["event"] == Event.STEP_COMPLETED and e["rank"] == rank and e["ts"] > after
+        ]
 
     try:
         nodes.append(Node(cwd / "node0", argv))
@@ -152,15 +186,19 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
             out["error"] = "node 1 does not hold rank 1"
             return out
         nodes.append(Node(cwd / "spare", argv))
+
         def spare_ready() -> bool:
             said = {e["event"] for e in nodes[2].events()}
             return Event.SPARE_PARKED in said and (args.cascade or Event.STANDBY_READY in said)
 
         _wait("the spare parked, its standby ready", spare_ready, 120, nodes)
         pid0 = next(e["pid"] for e in nodes[0].events() if e["event"] == Event.RUN_STARTED and e["rank"] == 0)
-        last = _wait(f"rank 0 at step {args.kill_at}",
-                     lambda: [e for e in steps_of(nodes[0], 0) if e["step"] >= args.kill_at],
-                     300, nodes)  # fmt: skip
+        last = _wait(
+            f"rank 0 at step {args.kill_at}",
+            lambda: [e for e in steps_of(nodes[0], 0) if e["step"] >= args.kill_at],
+            300,
+            nodes,
+        )
         t_kill = time.time()
         if args.cascade:
             worker = next(
@@ -168,16 +206,24 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
             )
             os.kill(worker, signal.SIGKILL)
             seen = Event.SNAPSHOT_FLUSHED if mode == "flushed" else Event.WORKER_DIED
-            said = _wait(f"node 1's agent: {seen.value}",
-                         lambda: [e for e in nodes[1].events() if e["event"] == seen], 60, nodes)  # fmt: skip
+            said = _wait(
+                f"node 1's agent: {seen.value}",
+                lambda: [e for e in nodes[1].events() if e["event"] == seen],
+                60,
+                nodes,
+            )
             out["flush"] = {k: said[0].get(k) for k in ("steps", "nbytes", "duration_s", "gb_per_s", "error")}
         nodes[1].kill(rdzv_id)
         done_before = max(e["step"] for e in steps_of(nodes[0], 0) if e["ts"] <= t_kill)
         survivors = [nodes[0], nodes[2]]
 
         def restored() -> list[dict[str, Any]] | None:
-            got = [e for n in survivors for e in n.events()
-                   if e["event"] == Event.STATE_RESTORED and e["ts"] > t_kill]  # fmt: skip
+            got = [
+                e
+                for n in survivors
+                for e in n.events()
+                if e["event"] == Event.STATE_RESTORED and e["ts"] > t_kill
+            ]
             return got if len(got) == 2 else None
 
         def stepping() -> list[float] | None:
@@ -260,8 +306,10 @@ def main() -> None:
             return statistics.median(r[key] for r in rs)
 
         rerun = f"steps re-run {med('rerun'):.0f} (max {max(r['rerun'] for r in ok)})"
-        print(f"{mode:10s} recovered {len(ok)}/{n}  recovery {med('recovery_s'):.2f} s  back at the step "
-              f"{med('catchup_s'):.2f} s  restore {med('restore_s'):.2f} s  {rerun}")  # fmt: skip
+        print(
+            f"{mode:10s} recovered {len(ok)}/{n}  recovery {med('recovery_s'):.2f} s  back at the step "
+            f"{med('catchup_s'):.2f} s  restore {med('restore_s'):.2f} s  {rerun}"
+        )
 
 
 if __name__ == "__main__":

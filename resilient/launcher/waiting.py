@@ -36,12 +36,14 @@ class Membership:
         taken: Callable[[int], bool] = lambda group_rank: False,
         spares: Callable[[], int] = lambda: 0,
         grace_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.emit = emit
         self.admit_waiting = admit_waiting
         self.taken = taken
         self.spares_parked = spares
         self.grace_s = grace_s
+        self.clock = clock
         self.members: set[Any] | None = None
         self.ranks: dict[Any, int] = {}  # each member's group rank
         self.spares: frozenset[Any] = frozenset()  # the nodes that wait as spares, as last said
@@ -89,7 +91,7 @@ class Membership:
         if not gone:
             self._lost_since = None
             return gone
-        now = time.monotonic()
+        now = self.clock()
         self._lost_since = self._lost_since or now
         if now - self._lost_since < self.grace_s and self.spares_parked() > 0:
             return set()
