@@ -86,6 +86,13 @@ class SnapshotConfig(Section):
         "(RNG, data position, scheduler) to the job's store with every snapshot, so that a lost "
         "node's per-rank state survives it; 0 turns the copy off",
     )
+    buddy: bool = Field(
+        True,
+        description="under `resilient launch` with more than one node: each rank also sends every "
+        "snapshot it mirrors to a rank on the next node, in a background thread, unless that rank "
+        "holds an equal copy already (a data-parallel replica), so that a lost node's sharded state "
+        "comes back from memory (docs/recovery.md#buddy-copies); needs the store copy",
+    )
 
     live: bool = Field(
         True,

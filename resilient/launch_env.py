@@ -10,8 +10,10 @@ Slurm's through :meth:`SlurmPlace.from_environ`); the launcher writes its own th
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,3 +196,12 @@ def _endpoint(
     agent_store = (get(Var.USE_AGENT_STORE) or "").lower() == "true"
     hosts = rank == 0 and not agent_store
     return Endpoint(host, int(port), rank, world, local_rank, hosts_store=hosts, local_world_size=local_world)
+
+
+def local_address(towards: tuple[str, int]) -> str:
+    """This host's address on the route to ``towards``: what a process there can reach (a spare
+    node's agent, a buddy rank on another node)."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(towards)
+        return str(s.getsockname()[0])
+    return "127.0.0.1"

@@ -216,7 +216,7 @@ class ShmSnapshot:
         finally:
             if mm is not None:
                 mm.close()
-        _verify_sums(meta, tensors, path)
+        verify_sums(meta, tensors, path)
         return want, decode(meta["skeleton"], tensors)
 
     @staticmethod
@@ -231,7 +231,7 @@ class ShmSnapshot:
                 tensors.append(raw.view(dt).reshape(tuple(shape)))
             else:
                 tensors.append(torch.empty(tuple(shape), dtype=dt))
-        _verify_sums(meta, tensors, "snapshot slot")
+        verify_sums(meta, tensors, "snapshot slot")
         return decode(meta["skeleton"], tensors)
 
     def close(self) -> None:
@@ -246,7 +246,7 @@ class ShmSnapshot:
         shutil.rmtree(self.top, ignore_errors=True)
 
 
-def _verify_sums(meta: Mapping[str, Any], tensors: list[torch.Tensor], where: object) -> None:
+def verify_sums(meta: Mapping[str, Any], tensors: list[torch.Tensor], where: object) -> None:
     """The slot's tensors against the byte sums taken when they were captured, if any were."""
     sums = meta.get("sums")
     if not sums:

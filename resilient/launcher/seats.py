@@ -32,6 +32,8 @@ from typing import Any
 
 from loguru import logger
 
+from resilient.launch_env import local_address
+
 BEAT_S = 0.25  # how often a member rewrites its lease
 BYE = b"bye\n"  # what a member's agent sends a spare before it ends on its own
 
@@ -124,14 +126,6 @@ class Lease:
         d = json.loads(raw)
         ranks = {int(k): (int(v[0]), int(v[1])) for k, v in d.get("ranks", {}).items()}
         return cls(int(d["n"]), ranks, bool(d.get("bye", False)))
-
-
-def local_address(towards: tuple[str, int]) -> str:
-    """This host's address on the route to ``towards`` (what a spare there can reach)."""
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(towards)
-        return str(s.getsockname()[0])
-    return "127.0.0.1"
 
 
 class SeatHolder:

@@ -36,6 +36,8 @@ class RestorePlan:
     ring_donors: dict[str, int] | None = None
     ring_names: dict[str, list[str]] | None = None  # ... and which objects (the others: the store copy)
     ring_refused: dict[str, str] | None = None
+    # ... or the survivor holding its predecessor's buddy copy of ``step`` (runtime/keeping/buddy.py)
+    ring_buddies: dict[str, int] | None = None
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
@@ -108,11 +110,7 @@ def restore_plan(payloads: list[str]) -> str:
     if any(lv is not None for lv in lives):
         plan.update(live_plan(lives, plan["step"]))
     if plan.get("live") is None and plan["step"] is not None:
-        found, refused = stored_donors(lives, plan["step"])
-        names = {r: sorted(lives[int(r)]["stored"][str(plan["step"])]) for r in found}
-        plan.update(
-            {"ring_donors": found or None, "ring_names": names or None, "ring_refused": refused or None}
-        )
+        plan.update(ring_plan(lives, sorted(common, reverse=True)))
     if bare:
         why = "a replacement whose predecessor's node was lost holds no state: no store copy of it"
         plan["ring_refused"] = {**(plan.get("ring_refused") or {}), **{str(r): why for r in sorted(bare)}}
@@ -174,6 +172,46 @@ def donors(offers: list[Any]) -> tuple[dict[str, int], dict[str, str]]:
                 "at a step after its state was set: not a replica"
             )
     return found, refused
+
+
+def ring_plan(offers: list[Any], steps: list[int]) -> dict[str, Any]:
+    """The newest of ``steps`` (held by every rank, newest first) at which each replacement from
+    another node has its large objects from a survivor's equal copy (:func:`stored_donors`) or
+    from its predecessor's buddy copy (:func:`buddies`); where none has, the newest step's
+    refusals. Without such replacements: the newest step."""
+    first: dict[str, Any] | None = None
+    for step in steps:
+        found, refused = stored_donors(offers, step)
+        held = buddies(offers, step, list(refused))
+        left = {r: why for r, why in refused.items() if r not in held}
+        names = {r: sorted(offers[int(r)]["stored"][str(step)]) for r in found}
+        plan = {
+            "step": step,
+            "ring_donors": found or None,
+            "ring_names": names or None,
+            "ring_buddies": held or None,
+            "ring_refused": left or None,
+        }
+        if not left:
+            return plan
+        first = first or plan
+    return first or {}
+
+
+def buddies(offers: list[Any], step: int, ranks: list[str]) -> dict[str, int]:
+    """For each of ``ranks`` (replacements with no replica) whose predecessor posted a store copy
+    of ``step``, the lowest other rank offering its buddy copy of that step."""
+    found: dict[str, int] = {}
+    for r in ranks:
+        stored = offers[int(r)].get("stored") if isinstance(offers[int(r)], dict) else None
+        if not isinstance(stored, dict) or not isinstance(stored.get(str(step)), dict):
+            continue  # (no fingerprints to check a copy against, nor its small objects)
+        for q, o in enumerate(offers):
+            held = o.get("buddy") if isinstance(o, dict) and q != int(r) else None
+            if isinstance(held, dict) and isinstance(held.get(r), list) and step in held[r]:
+                found[r] = q
+                break
+    return found
 
 
 def stored_donors(offers: list[Any], step: int) -> tuple[dict[str, int], dict[str, str]]:

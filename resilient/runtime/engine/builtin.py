@@ -44,11 +44,13 @@ from resilient.errors import (
     StepInterrupted,
 )
 from resilient.events import Event
+from resilient.launch_env import local_address
 from resilient.runtime.coordination import coordinator as coord_mod
 from resilient.runtime.coordination import node as node_mod
 from resilient.runtime.coordination.pg import GroupOwner
 from resilient.runtime.engine.warmup import first_use_imports
 from resilient.runtime.keeping import resume
+from resilient.runtime.keeping.buddy import Buddy, buddy_of
 from resilient.runtime.keeping.builtin_keeper import BuiltinKeeper, ring_share
 from resilient.runtime.keeping.durable import Persistence
 from resilient.runtime.leave.notice import Detection
@@ -85,6 +87,7 @@ class Collaborators:
     persist: Persistence | None
     shm: ShmSnapshot | None
     store_copy: resume.StoreCopy | None
+    buddy: Buddy | None = None  # (snapshot.buddy, more than one node)
     straggler_store: dist.Store | None = None  # the straggler watch's connection (straggler.enabled)
 
 
@@ -132,8 +135,25 @@ def collaborators(setup: Setup, wiring: Wiring) -> Collaborators:
         persist=persist,
         shm=shm,
         store_copy=store_copy,
+        buddy=_buddy(setup, wiring, session, shm, store_copy),
         straggler_store=wiring.side_store(t.barrier) if stragglers else None,
     )
+
+
+def _buddy(
+    setup: Setup, wiring: Wiring, session: Session, shm: ShmSnapshot | None, copy: resume.StoreCopy | None
+) -> Buddy | None:
+    """This rank's buddy copy (keeping/buddy.py): under ``resilient launch`` with the store copy
+    on, ``snapshot.buddy``, and more than one node."""
+    ep, snap = setup.launch.endpoint, setup.cfg.snapshot
+    if shm is None or copy is None or copy.max_bytes <= 0 or not snap.buddy:
+        return None
+    if buddy_of(ep.rank, ep.world_size, ep.local_world_size) is None:
+        return None
+    side = wiring.side_store(setup.cfg.timeouts.barrier)  # (the sender thread's own connection)
+    copies = resume.StoreCopy(side, copy.prefix, ep.rank, copy.max_bytes)
+    host = local_address((ep.host, ep.port))
+    return Buddy(shm, ep.rank, ep.world_size, ep.local_world_size, side, session.run_id, copies, host)
 
 
 def _straggler_watch(c: Collaborators, detector: Stragglers | None) -> StragglerWatch | None:
@@ -214,11 +234,12 @@ class BuiltinRun:
             shm=c.shm,
             store_copy=c.store_copy,
             arm=self.hard_timer.arm,
+            buddy=c.buddy,
         )
         self.groups = GroupOwner(lambda generation: s.wiring.build_group(generation, s.ns))
         handover = None
         if c.shm is not None and c.store_copy is not None and s.world_size > 1:  # (handover.py)
-            handover = Handover(s.rank, LiveMirror(c.shm.dir), c.store_copy)
+            handover = Handover(s.rank, LiveMirror(c.shm.dir), c.store_copy, c.buddy)
         self.loop = StepLoop(
             s,
             self.keeper,
@@ -357,6 +378,7 @@ class BuiltinRun:
                         mirror_interval=self.keeper.mirror_schedule.interval if self.keeper.shm else None,
                         monitor_wakeups=self.detection.monitor.wakeups,
                         checkpoint_failures=persist.failures if persist else 0,
+                        buddy=self.keeper.buddy.summary() if self.keeper.buddy else None,
                     )
                     return result
                 self.pending = self.recovery.recover(exc)

@@ -27,7 +27,9 @@ from resilient.errors import CheckpointError, StateRestoreError, StepInterrupted
 from resilient.events import Event
 from resilient.launch_env import LaunchEnv
 from resilient.runtime.coordination.coordinator import Coordinator
+from resilient.runtime.keeping import buddy as buddy_mod
 from resilient.runtime.keeping import resume
+from resilient.runtime.keeping.buddy import Buddy
 from resilient.runtime.keeping.durable import Persistence
 from resilient.runtime.run.generation import Generation
 from resilient.runtime.run.schedule import SnapshotSchedule
@@ -69,6 +71,7 @@ class BuiltinKeeper:
         shm: ShmSnapshot | None,
         store_copy: resume.StoreCopy | None,
         arm: Callable[[float], None],
+        buddy: Buddy | None = None,
     ) -> None:
         self.session = session
         self.ring = ring
@@ -76,6 +79,7 @@ class BuiltinKeeper:
         self.persist = persist
         self.shm = shm
         self.store_copy = store_copy
+        self.buddy = buddy  # each mirrored snapshot also goes to a rank on another node
         self._arm = arm
         s = session
         self.mirror_schedule = SnapshotSchedule(
@@ -235,6 +239,8 @@ class BuiltinKeeper:
         if self.store_copy is not None:
             with contextlib.suppress(Exception):  # (the store copy is a second line of defence)
                 self.store_copy.drop_after(step)
+        if self.buddy is not None:
+            self.buddy.drop_after(step)
 
     def materialize(self, step: int) -> tuple[dict[str, Any], bool]:
         if step in self.ring.steps() or self.shm is None:
@@ -275,6 +281,10 @@ class BuiltinKeeper:
                 if state is None:
                     state, sums = registry.capture(), None
                 self.mirror(nxt, state, sums)
+                if self.buddy is not None and self.mirror_schedule.calibrating(nxt):
+                    # auto measures the buddy copy as if it were on the critical path: its
+                    # interval then fits the budget even where the copy competes with the step
+                    self.buddy.settled(buddy_mod.WAIT_S)
                 mirror_s = clock() - t_mirror
             self.mirror_schedule.observe(nxt, step_s, mirror_s)
         if p is None:
@@ -302,6 +312,8 @@ class BuiltinKeeper:
         mine = (step, s.rank, s.world_size)
         slots = self.shm_slots()
         if mine not in slots:  # not when just restored from it
+            if self.buddy is not None and slots:  # (the capture takes the older slot)
+                self.buddy.before_capture(slots[0][0])
             self._slots = None  # (unknown if the copy fails half-way)
             self.shm.capture(step, state, checksum=False, owner=(s.rank, s.world_size), sums=sums)
             # the capture took the older slot (or a free one): the newest other stays
@@ -311,9 +323,15 @@ class BuiltinKeeper:
                 self.store_copy.publish(step, s.world_size, state)
             except Exception as e:  # the store copy is a second line of defence, not a reason to stop
                 logger.warning(f"rank {s.rank}: store copy of step {step} not posted: {e}")
+                return
+            if self.buddy is not None:  # (after the store copy: its fingerprints vouch for the copy)
+                self.buddy.send(step)
 
     def close(self) -> None:
-        """At exit: the preemption handlers go, the last save is flushed."""
+        """At exit: the buddy copy's threads and the preemption handlers go, the last save is
+        flushed."""
+        if self.buddy is not None:
+            self.buddy.close()
         if self.persist is None:
             return
         self.persist.uninstall()

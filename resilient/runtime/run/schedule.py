@@ -55,6 +55,10 @@ class SnapshotSchedule:
             self.interval = self._adopt()
         return (k - ADOPT_AT) % self.interval == 0
 
+    def calibrating(self, nxt: int) -> bool:
+        """Whether the state kept after ``nxt`` completed steps is one ``auto`` measures."""
+        return self.fixed is None and nxt - self.base in SAMPLES
+
     def observe(self, nxt: int, step_s: float | None, capture_s: float | None) -> None:
         k = nxt - self.base
         if self.fixed is not None or k > ADOPT_AT:

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from resilient.runtime.keeping import buddy as buddy_mod
+from resilient.runtime.keeping.buddy import Buddy
 from resilient.runtime.keeping.resume import StoreCopy, fingerprint, recv_tree, send_tree
 from resilient.runtime.run.generation import PendingRestore
 from resilient.runtime.steps.live import LiveResume
@@ -59,9 +61,14 @@ class Handover:
     (``mirror`` None) outside ``resilient launch``, alone, or without a store copy."""
 
     def __init__(
-        self, rank: int, mirror: LiveMirror | None = None, store_copy: StoreCopy | None = None
+        self,
+        rank: int,
+        mirror: LiveMirror | None = None,
+        store_copy: StoreCopy | None = None,
+        buddy: Buddy | None = None,
     ) -> None:
         self.rank = rank
+        self.buddy = buddy  # the copies this rank holds of another node's rank (keeping/buddy.py)
         self.mirror = mirror if store_copy is not None and store_copy.max_bytes > 0 else None
         self.store_copy = store_copy
         self.since: int | None = None  # where this process's large state last came from elsewhere
@@ -83,13 +90,23 @@ class Handover:
         """A survivor's offer, with its posted fingerprints for a replacement's: a peer's death
         may be seen first as a broken collective or a hang, so they go with every live offer."""
         if self.mirror is None or self.since is None:
-            return offer  # (vouched with a refused offer too: a replacement may take the ring step)
+            return {**offer, **self.held()}  # (vouched with a refused offer too: see below)
         large = [
             n
             for n, o in zip(registry.names(), registry.objects(), strict=True)
             if isinstance(o, torch.nn.Module | torch.optim.Optimizer)
         ]
-        return {**offer, "vouch": {"since": self.since, "prints": self._prints(large)}}
+        return {**offer, "vouch": {"since": self.since, "prints": self._prints(large)}, **self.held()}
+
+    def held(self) -> dict[str, Any]:
+        """The buddy copies this rank offers for a replacement whose state no replica holds."""
+        if self.buddy is None:
+            return {}
+        try:
+            return {"buddy": self.buddy.held()}
+        except OSError as e:  # (a second line of defence: the checkpoint)
+            logger.warning(f"rank {self.rank}: buddy copies not offered: {e}")
+            return {}
 
     def replacement_offer(self, generation: int, predecessor: int | None) -> dict[str, Any]:
         """A replacement's offer: its predecessor's last capture (``predecessor``: its pid)."""
@@ -128,14 +145,21 @@ class Handover:
         """The snapshot steps a replacement can restore from the store copy and a peer."""
         return sorted(self.stored, reverse=True)
 
-    def stored_state(self, step: int, donor: int | None) -> dict[str, Any]:
+    def stored_state(
+        self, step: int, donor: int | None, holder: tuple[str, int] | None = None
+    ) -> dict[str, Any]:
         """A replacement's state of ``step``: its predecessor's small objects from the store copy,
-        the others to come from ``donor``'s snapshot of that step as each is tracked again."""
+        the others from its buddy copy at ``holder`` (read now, each object checked against the
+        fingerprint its predecessor posted), else to come from ``donor``'s snapshot of that step
+        as each is tracked again."""
         small, prints = self.stored[step]
         state: dict[str, Any] = dict(small)
-        for name in prints:
-            assert donor is not None  # (the plan names one wherever a fingerprint was posted)
-            state[name] = FromPeer(donor, None, None)
+        if holder is not None:
+            state.update(buddy_mod.fetch(holder, self.rank, step, prints))
+        else:
+            for name in prints:
+                assert donor is not None  # (the plan names one wherever a fingerprint was posted)
+                state[name] = FromPeer(donor, None, None)
         self.started(step)
         return state
 

@@ -13,6 +13,7 @@ from typing import Any
 from resilient.detectors import Detectors
 from resilient.events import Event
 from resilient.runtime.coordination.agreement import RestorePlan
+from resilient.runtime.keeping import buddy
 from resilient.runtime.keeping.buckets import AllSame, DdpBuckets
 from resilient.runtime.run.generation import Generation, PendingRestore
 from resilient.runtime.run.session import Session
@@ -120,7 +121,11 @@ class Restorer:
             send_to = sorted(int(r) for r, q in donors.items() if q == me)
             return pending(self.live.state(self.gen().registry), "live", send_to=send_to)
         if self.handover.stored:  # (a replacement from another node: handover.py)
-            return pending(self.handover.stored_state(step, ring_donors.get(str(me))), "store+peer")
+            holder = (plan.ring_buddies or {}).get(str(me))
+            if holder is None:
+                return pending(self.handover.stored_state(step, ring_donors.get(str(me))), "store+peer")
+            at = buddy.address(self.session.store, buddy.prefix(self.session.run_id), holder)
+            return pending(self.handover.stored_state(step, None, at), "store+buddy")
         state, owned = self.keeper.materialize(step)
         send_to = sorted(int(r) for r, q in ring_donors.items() if q == me)
         only = {int(r): names for r, names in (plan.ring_names or {}).items()}
