@@ -22,6 +22,11 @@ agents run no standby there (a replacement on a failing node would not get far e
 Both modes snapshot every ``--snapshot-interval`` steps (1: what a job that wants a lost node to
 re-run at most one step sets) and checkpoint every ``--ckpt-every``.
 
+- torchrun (the peer, as its docs set up an elastic job): two ``torchrun --nnodes 1:2`` agents
+  run the example without the runtime (``--plain``: torch.save + fsync every ``--ckpt-every``
+  steps, a started worker loads the newest step every rank wrote); no spare: node 0's agent
+  restarts its worker in a rendezvous of the one node left, at world size 1, from the checkpoint.
+
 The spare arrives once the job runs, so it parks (its standby in the script) and takes the lost
 node's seat: in mode memory the survivor keeps its process (``survivor_kept``); in mode
 checkpoint nothing vouches for the lost rank's state in memory and the group restarts.
@@ -61,7 +66,7 @@ from chaos.harness import free_port  # noqa: E402
 from resilient.events import Event  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
-MODES = ("memory", "checkpoint")
+MODES = ("memory", "checkpoint", "torchrun")
 CASCADE_MODES = ("memory", "flushed", "checkpoint")
 RDZV_FAST = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1"
 
@@ -270,6 +275,104 @@ def trial(mode: str, cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
             n.kill(rdzv_id)
 
 
+def torchrun_trial(cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The peer, as torchrun's docs set up an elastic job: two ``torchrun --nnodes 1:2`` agents on
+    a c10d rendezvous run the example without the runtime (``--plain``: every rank torch.saves
+    and fsyncs its state every ``--ckpt-every`` steps; a started worker loads the newest step
+    every rank wrote). Node 1 is lost (agent and worker SIGKILLed); node 0's agent restarts its
+    worker in a rendezvous of the one node left, which resumes from the checkpoint at world 1."""
+    rdzv_id = f"lostrun{os.getpid()}{cwd.name}"
+    port = free_port()
+    cwd.mkdir(parents=True)
+    progress = cwd / "progress.jsonl"
+    argv = [
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id),
+        *("--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--monitor-interval", "0.2"),
+        *("--rdzv-conf", RDZV_FAST, EXAMPLE, "--plain", "--steps", str(args.steps), "--dim", str(args.dim)),
+        *("--hang-timeout", "2", "--ckpt-dir", str(cwd / "ck"), "--ckpt-every", str(args.ckpt_every)),
+        *("--progress", str(progress)),
+    ]
+    out: dict[str, Any] = {"mode": "torchrun", "recovered": False}
+    nodes: list[subprocess.Popen[bytes]] = []
+
+    def lines() -> list[dict[str, Any]]:
+        got = []
+        with contextlib.suppress(FileNotFoundError):
+            for line in progress.read_text().splitlines():
+                with contextlib.suppress(ValueError):  # (a line being written)
+                    got.append(json.loads(line))
+        return [e for e in got if "step" in e]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    try:
+        for i in range(2):
+            with open(cwd / f"node{i}.log", "w") as log:
+                nodes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "torch.distributed.run", *argv],
+                        cwd=cwd,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        at = _wait_lines(f"rank 0 at step {args.kill_at}", lines, lambda e: e["step"] >= args.kill_at, nodes)
+        worker1 = next(e["pid"] for e in lines() if e["rank"] == 1)
+        t_kill = time.time()
+        for pgid in (nodes[1].pid, worker1):  # (its workers run in sessions of their own)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        nodes[1].wait()
+        done_before = max(e["step"] for e in lines() if e["rank"] == 0 and e["t"] <= t_kill)
+        nodes = nodes[:1]
+        first = _wait_lines(
+            "rank 0 stepping again", lines, lambda e: e["t"] > t_kill and e["attempt"] > 0, nodes
+        )
+        again = _wait_lines(
+            f"rank 0 back at step {done_before}",
+            lines,
+            lambda e: e["t"] > t_kill and e["attempt"] > 0 and e["step"] >= done_before,
+            nodes,
+        )
+        restarted = min(e["step"] for e in lines() if e["t"] > t_kill and e["attempt"] > 0)
+        out.update(
+            recovered=True,
+            recovery_s=first[0]["t"] - t_kill,
+            catchup_s=again[0]["t"] - t_kill,
+            killed_after=at[0]["step"],
+            restored_step=restarted,
+            rerun=done_before + 1 - restarted,
+            world_after=1,
+            survivor_kept=False,
+        )
+        return out
+    except (TimeoutError, RuntimeError) as e:
+        out["error"] = str(e)
+        return out
+    finally:
+        for p in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for e in lines():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(e["pid"], signal.SIGKILL)
+
+
+def _wait_lines(
+    what: str, lines: Any, match: Any, nodes: list[subprocess.Popen[bytes]]
+) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # polls a file other processes append to
+        got = [e for e in lines() if match(e)]
+        if got:
+            return got
+        if all(p.poll() is not None for p in nodes):
+            raise RuntimeError(f"every agent exited waiting for {what}")
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=5)
@@ -290,7 +393,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
         for t in range(args.trials):
             for mode in modes:  # alternating: a slow minute of the machine hits both alike
-                r = trial(mode, Path(d) / f"{mode}{t}", args)
+                run = torchrun_trial if mode == "torchrun" else lambda c, a, m=mode: trial(m, c, a)
+                r = run(Path(d) / f"{mode}{t}", args)
                 results.append(r)
                 print(json.dumps(r), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -306,9 +410,10 @@ def main() -> None:
             return statistics.median(r[key] for r in rs)
 
         rerun = f"steps re-run {med('rerun'):.0f} (max {max(r['rerun'] for r in ok)})"
+        restore = f"  restore {med('restore_s'):.2f} s" if all("restore_s" in r for r in ok) else ""
         print(
             f"{mode:10s} recovered {len(ok)}/{n}  recovery {med('recovery_s'):.2f} s  back at the step "
-            f"{med('catchup_s'):.2f} s  restore {med('restore_s'):.2f} s  {rerun}"
+            f"{med('catchup_s'):.2f} s{restore}  {rerun}"
         )
 
 

@@ -22,6 +22,7 @@ from resilient.runtime.coordination.agreement import RestorePlan, restore_plan
 from resilient.runtime.keeping import buddy as buddy_mod
 from resilient.runtime.keeping.buddy import Buddy, buddy_of
 from resilient.runtime.keeping.resume import StoreCopy
+from resilient.runtime.recovery.recovery import loaded_everywhere
 
 RUN = "run"
 
@@ -144,7 +145,7 @@ def test_the_plan_takes_the_newest_step_a_buddy_holds_for_a_lost_shard() -> None
     assert plan.snapshot_step() == 7 and plan.ring_buddies == {"1": 0} and not plan.ring_refused
     assert _plan([7, 8]).snapshot_step() == 8
     refused = _plan([])
-    assert refused.ring_refused and "no replica holds its state" in refused.ring_refused["1"]
+    assert refused.ring_refused and "no replica holds its state; nor its buddy copy" in refused.ring_refused["1"]
     with pytest.raises(StateRestoreError, match="not restorable from memory"):
         refused.snapshot_step()
 
@@ -168,3 +169,25 @@ def test_a_mirror_waits_for_a_slow_link_only_as_long_as_allowed(
         assert 0.5 <= r1.buddy.waited_s < 5.0 and r1.buddy.acked == -1
     finally:
         stalled.close()
+
+
+def test_a_buddy_copy_that_does_not_load_makes_every_rank_fall_back_together() -> None:
+    votes: list[bool] = []
+
+    def fall_back(e: StateRestoreError) -> BaseException:
+        return RuntimeError(f"group restart: {e}")
+
+    def failing() -> Any:
+        raise StateRestoreError("'model' does not match the fingerprint its rank posted")
+
+    with_buddies = RestorePlan(step=7, ring_buddies={"1": 0})
+    # the new rank whose copy did not match: it says so, then falls back with its own reason
+    with pytest.raises(RuntimeError, match="group restart: 'model' does not match"):
+        loaded_everywhere(failing, with_buddies, lambda ok: votes.append(ok) or False, fall_back)
+    # a survivor that loaded its own snapshot hears it and falls back with it
+    with pytest.raises(RuntimeError, match="buddy copy did not load"):
+        loaded_everywhere(lambda: "pending", with_buddies, lambda ok: votes.append(ok) or False, fall_back)
+    assert votes == [False, True]
+    assert loaded_everywhere(lambda: "ok", with_buddies, lambda ok: True, fall_back) == "ok"
+    # no buddy copy in the plan: no vote at all (a recovery pays nothing for the feature)
+    assert loaded_everywhere(lambda: "ok", RestorePlan(step=7), lambda ok: 1 / 0 > 0, fall_back) == "ok"

@@ -183,7 +183,7 @@ def ring_plan(offers: list[Any], steps: list[int]) -> dict[str, Any]:
     for step in steps:
         found, refused = stored_donors(offers, step)
         held = buddies(offers, step, list(refused))
-        left = {r: why for r, why in refused.items() if r not in held}
+        left = {r: f"{why}; nor its buddy copy" for r, why in refused.items() if r not in held}
         names = {r: sorted(offers[int(r)]["stored"][str(step)]) for r in found}
         plan = {
             "step": step,

@@ -252,7 +252,12 @@ class Recovery:
         # (DDP's layouts were agreed in the same barrier; another agreement only if they changed)
         same = agreed(terms.layout, plan.layout_same, self.coord.same)
         cpu0 = time.thread_time()
-        pending = self.restorer.prepare(gen, restore, step, left.fault_ts, same, plan, left.primary.since)
+        pending = loaded_everywhere(
+            lambda: self.restorer.prepare(gen, restore, step, left.fault_ts, same, plan, left.primary.since),
+            plan,
+            lambda ok: self.coord.agree(gen, "buddy_loaded", "1" if ok else "0", "all") == "1",
+            lambda e: decision.failed_agreement(e, left.exc, s.rank, s.launch.under_launcher),
+        )
         lap("prepare_s")  # (last: the phases put it in the restore, docs/recovery.md#phases)
         parts: dict[str, Any] = {
             "fault_step": step,
@@ -361,6 +366,28 @@ class Recovery:
         self._departed.add(gen)
         with contextlib.suppress(Exception):
             self.coord.depart(gen, self.session.launch.endpoint.hosts_store)
+
+
+def loaded_everywhere(
+    prepare: Callable[[], PendingRestore],
+    plan: RestorePlan,
+    vote: Callable[[bool], bool],
+    fall_back: Callable[[StateRestoreError], BaseException],
+) -> PendingRestore:
+    """``prepare()``; where the plan has new ranks read buddy copies (which only they check),
+    every rank then learns whether each did: one that did not load makes every rank fall back
+    together (``fall_back``: under ``resilient launch``, the group's restart from the checkpoint),
+    not the new rank alone while its survivors wait for it in the next generation."""
+    if not plan.ring_buddies:
+        return prepare()
+    try:
+        pending = prepare()
+    except StateRestoreError as e:
+        vote(False)
+        raise fall_back(e) from e
+    if not vote(True):
+        raise fall_back(StateRestoreError("a new rank's buddy copy did not load (its log says why)"))
+    return pending
 
 
 class Laps:
