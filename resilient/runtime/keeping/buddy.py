@@ -3,10 +3,11 @@ that a lost node's sharded state (an FSDP2 shard, a pipeline stage) survives it 
 
 Under ``resilient launch`` with more than one node, rank ``r`` sends each snapshot it mirrors to
 its *buddy*, the same local rank on the next node (``(r + local_world_size) % world_size``), in a
-background thread: the slot's bytes as the shared-memory mirror wrote them (read like a seqlock:
-its description before and after the bytes must be the same), hashed (xxh3) as they go. The
-buddy's server thread writes them into its own node's shared memory, two slots alternating like
-the mirror's, and describes a slot only once every byte arrived and the hashes agree; a send
+background thread: the slot's bytes as the shared-memory mirror wrote them, copied by the kernel
+(``sendfile``), read like a seqlock (its description before and after the bytes must be the
+same), and their hash (xxh3). The buddy's server thread reads them straight into its own node's
+shared memory, two slots alternating like the mirror's, and describes a slot, with the sender's
+hash, only once every byte arrived whole; the hash is checked whenever the copy is read. A send
 still in flight when a newer snapshot is due is not queued behind (the newest wins). Every rank
 restores one of the two newest snapshots, so a mirror about to overwrite its older slot first
 waits until the newer one reached the buddy (bounded by ``WAIT_S``): the buddy's copy is never
@@ -210,23 +211,19 @@ class Buddy:
             return False  # (overwritten already: a newer one is on its way)
         i, raw, meta = found
         size = int(meta["size"])
-        h = xxhash.xxh3_128()
         with socket.create_connection(address(self.store, self.prefix, self.to), TIMEOUT_S) as sock:  # type: ignore[arg-type]
             _send_line(sock, {"op": "put", "rank": self.rank, "meta": meta})
             with open(self.shm.dir / f"slot{i}.bin", "rb") as f:
-                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
-                try:
-                    view = memoryview(mm) if mm is not None else memoryview(b"")
-                    for at in range(0, size, CHUNK):
-                        h.update(view[at : at + CHUNK])
-                        sock.sendall(view[at : at + CHUNK])
-                    view.release()
-                finally:
-                    if mm is not None:
-                        mm.close()
+                if size:
+                    sock.sendfile(f, 0, size)  # (the kernel copies: no pass through Python)
+                    with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+                        digest = xxhash.xxh3_128_hexdigest(mm)
+                else:
+                    digest = xxhash.xxh3_128_hexdigest(b"")
+            whole = False  # (the description gone or rewritten: the slot changed as it went)
             with contextlib.suppress(OSError):
                 whole = (self.shm.dir / f"slot{i}.json").read_bytes() == raw
-            _send_line(sock, {"ok": whole, "xxh3": h.hexdigest()})
+            _send_line(sock, {"ok": whole, "xxh3": digest})
             reply = _line(sock.makefile("rb"))
         if reply.get("ok"):
             self.sent_bytes += size
@@ -279,20 +276,22 @@ class Buddy:
         d.mkdir(parents=True, exist_ok=True)
         i = _older_slot(d)
         (d / f"slot{i}.json").unlink(missing_ok=True)
-        h = xxhash.xxh3_128()
-        with open(d / f"slot{i}.bin", "wb") as out:
-            left = size
-            while left:
-                chunk = f.read(min(CHUNK, left))
-                if not chunk:
-                    raise CheckpointError(f"buddy copy of rank {src}: the connection closed mid-copy")
-                h.update(chunk)
-                out.write(chunk)
-                left -= len(chunk)
+        with open(d / f"slot{i}.bin", "wb+") as out:
+            out.truncate(size)
+            if size:  # (straight into the slot's pages: one copy, by the kernel)
+                with mmap.mmap(out.fileno(), size) as mm, memoryview(mm) as view:
+                    got = 0
+                    while got < size:
+                        n = f.readinto(view[got : got + CHUNK])  # type: ignore[attr-defined]
+                        if not n:
+                            raise CheckpointError(f"buddy copy of rank {src}: the connection closed mid-copy")
+                        got += n
         trailer = _line(f)
-        if not trailer.get("ok") or trailer.get("xxh3") != h.hexdigest():
-            return False  # (its slot was overwritten as it went, or the bytes changed on the way)
-        write_json_durable(d / f"slot{i}.json", {**meta, "xxh3": h.hexdigest()}, durable=False)
+        digest = trailer.get("xxh3")
+        if not trailer.get("ok") or not isinstance(digest, str):
+            return False  # (its slot was overwritten as it went)
+        # the sender's hash of the bytes, checked against what is read whenever the copy is used
+        write_json_durable(d / f"slot{i}.json", {**meta, "xxh3": digest}, durable=False)
         return True
 
     def _serve_copy(self, conn: socket.socket, src: int, step: int) -> None:
