@@ -69,6 +69,10 @@ EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
 MODES = ("memory", "checkpoint", "torchrun")
 CASCADE_MODES = ("memory", "flushed", "checkpoint")
 RDZV_FAST = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1"
+# torchrun's first round must hold both agents (a node joining a running job makes torchrun
+# restart every worker, and on torch 2.13 that scale-up timed out on its role keys): 3 s of last
+# call, which its re-rendezvous after the loss waits too (torch's default is 30 s)
+RDZV_TORCHRUN = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=3"
 
 
 class Node:
@@ -288,7 +292,8 @@ def torchrun_trial(cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
     argv = [
         *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id),
         *("--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--monitor-interval", "0.2"),
-        *("--rdzv-conf", RDZV_FAST, EXAMPLE, "--plain", "--steps", str(args.steps), "--dim", str(args.dim)),
+        *("--rdzv-conf", RDZV_TORCHRUN, EXAMPLE, "--plain"),
+        *("--steps", str(args.steps), "--dim", str(args.dim)),
         *("--hang-timeout", "2", "--ckpt-dir", str(cwd / "ck"), "--ckpt-every", str(args.ckpt_every)),
         *("--progress", str(progress)),
     ]
@@ -317,6 +322,8 @@ def torchrun_trial(cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
                         start_new_session=True,
                     )
                 )
+            if i == 0:  # (node 0 hosts the rendezvous store: node 1 is the one lost)
+                _wait_lines("node 0's store", lambda: [{"up": 1}] if _listening(port) else [], bool, nodes)
         at = _wait_lines(f"rank 0 at step {args.kill_at}", lines, lambda e: e["step"] >= args.kill_at, nodes)
         worker1 = next(e["pid"] for e in lines() if e["rank"] == 1)
         t_kill = time.time()
@@ -357,6 +364,12 @@ def torchrun_trial(cwd: Path, args: argparse.Namespace) -> dict[str, Any]:
         for e in lines():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(e["pid"], signal.SIGKILL)
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        return True
+    return False
 
 
 def _wait_lines(
