@@ -205,7 +205,10 @@ class SeatHolder:
 
     def _accept(self) -> bool:
         """Take the spares' connections waiting (True: one came, look again at once)."""
-        ready, _, _ = select.select([self._listener], [], [], 0)
+        try:
+            ready, _, _ = select.select([self._listener], [], [], 0)
+        except (ValueError, OSError):  # (closed by close() after its join gave up, under load)
+            return False
         if not ready:
             return False
         with contextlib.suppress(OSError):
