@@ -168,6 +168,9 @@ def test_a_mirror_waits_for_a_slow_link_only_as_long_as_allowed(
     try:
         r1.buddy.before_capture(3)
         assert 0.5 <= r1.buddy.waited_s < 5.0 and r1.buddy.acked == -1
+        waited = r1.buddy.waited_s
+        r1.buddy.before_capture(3)  # the same stalled send: not waited for a second time
+        assert r1.buddy.waited_s - waited < 0.2
     finally:
         stalled.close()
 

@@ -109,6 +109,7 @@ class Buddy:
         self.send_s = 0.0  # their time in the sender thread
         self.waited_s = 0.0  # the mirror's waits for a send (on the step's critical path)
         self.acked = -1  # the newest step the buddy acknowledged
+        self._stalled = False  # a wait for the send in flight ran out: the next captures go on
         self._want: int | None = None
         self._streaming: int | None = None
         self._closed = False
@@ -157,8 +158,14 @@ class Buddy:
         t0 = time.monotonic()
         deadline = t0 + WAIT_S
         with self._cv:
-            while self.acked < newest and (self._want is not None or self._streaming is not None):
+            # (a send that outlived one wait is not waited for again until a send ends)
+            while (
+                not self._stalled
+                and self.acked < newest
+                and (self._want is not None or self._streaming is not None)
+            ):
                 if time.monotonic() >= deadline:
+                    self._stalled = True
                     break
                 self._cv.wait(deadline - time.monotonic())
         self.waited_s += time.monotonic() - t0
@@ -183,7 +190,7 @@ class Buddy:
                 logger.debug("rank {}: buddy copy of step {} not sent: {}", self.rank, step, e)
             finally:
                 with self._cv:
-                    self._streaming = None
+                    self._streaming, self._stalled = None, False
                     self._cv.notify_all()
 
     def _decide(self, step: int) -> bool | None:
