@@ -18,13 +18,14 @@ import torch
 import yaml
 
 from tests._wait import wait_until
-from tests.integration.conftest import EXAMPLE, STEPS, assert_bit_exact
+from tests.integration.conftest import EXAMPLE, STEPS, assert_bit_exact, load_states, run_example
 from tests.integration.test_launcher import Launch, _finish_all
 
 pytestmark = pytest.mark.integration
 
 # a lost node's rendezvous keep-alive expires after 1 s x 3; a round waits 1 s for late nodes
 RDZV_FAST = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1"
+SPARE_STEPS = 48
 
 
 class Job:
@@ -89,9 +90,7 @@ def _restored(node: Launch) -> list[dict[str, Any]]:
     return [e for e in node.events() if e["event"] == "state_restored" and e["generation"] == 0]
 
 
-def test_lost_node_is_replaced_by_a_parked_spare_its_survivor_kept_bit_exact(
-    tmp_path: Path, reference: dict[int, list[dict[str, Any]]]
-) -> None:
+def test_lost_node_is_replaced_by_a_parked_spare_its_survivor_kept_bit_exact(tmp_path: Path) -> None:
     # 2 nodes train; a third node arrives while they run and parks as their spare (a standby in
     # the script, nothing restarted); the second node is lost (agent, workers and /dev/shm). The
     # spare sees its agent's connection drop, claims its seat and starts rank 1 from its standby;
@@ -100,14 +99,17 @@ def test_lost_node_is_replaced_by_a_parked_spare_its_survivor_kept_bit_exact(
     # snapshot of the same step, whose fingerprints equal those the lost rank posted.
     snapshot = {"interval": 1, "store_copy_max_bytes": 16384}
     cfg = _config(tmp_path, "cfg", snapshot=snapshot, events={"steps": True})
+    # A run long enough for the spare's standby to be ready (a fresh process that imports torch, ~7 s
+    # after the job's start on 2 busy cores) with steps left to recover in: 48 x 250 ms.
+    longer = ["--steps", str(SPARE_STEPS), "--step-ms", "250"]
     job = Job(tmp_path, "spare", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2",
               "--monitor-interval", "0.2", "--heartbeat-timeout", "10", "--rdzv-conf", RDZV_FAST)  # fmt: skip
     try:
         # (slower steps than the others': the spare's agent starts and parks before the loss)
-        a, b = (job.start(*_train(tmp_path, cfg, "--step-ms", "300")) for _ in range(2))
+        a, b = (job.start(*_train(tmp_path, cfg, *longer)) for _ in range(2))
         b.wait_event("checkpoint_saved", lambda e: e["step"] >= 4 and e["rank"] >= 0)
         assert job.ranks(b) == {1}, "node 1 should hold rank 1 (node 0 started first)"
-        spare = job.start(*_train(tmp_path, cfg, "--step-ms", "300"))
+        spare = job.start(*_train(tmp_path, cfg, *longer))
         spare.wait_event("spare_parked")
         spare.wait_event("standby_ready")
         pid0 = _pid(a, 0)
@@ -128,7 +130,10 @@ def test_lost_node_is_replaced_by_a_parked_spare_its_survivor_kept_bit_exact(
     assert {e["rank"]: e["source"] for e in restored} == {0: "ring", 1: "store+peer"}, restored
     done = max(e["step"] for e in a.events() if e["event"] == "step_completed" and e["ts"] < t_loss)
     assert done + 1 - restored[0]["step"] <= 1, (done, restored)  # at most the step in flight re-runs
-    assert_bit_exact(reference[2], [torch.load(tmp_path / "state" / f"rank{r}.pt") for r in range(2)])
+    ref = run_example(tmp_path / "ref", 2, "--steps", str(SPARE_STEPS))
+    assert ref.ok, ref.describe()
+    finals = [torch.load(tmp_path / "state" / f"rank{r}.pt") for r in range(2)]
+    assert_bit_exact(load_states(tmp_path / "ref", 2), finals)
 
 
 def _restored_since(node: Launch, ts: float) -> list[dict[str, Any]]:
