@@ -44,9 +44,11 @@ def arranged_job(
     *,
     attempt: str | None = None,
     partial: bool = True,
+    at_points: Sequence[str] = (),
 ) -> Iterator[ArrangedJob]:
     """Arrange what ``placed`` needs, start the job in ``cwd`` with its in-process faults planned
-    (``attempt``: only in that launch attempt), yield it; kill it and undo the arrangement after."""
+    (``attempt``: only in that launch attempt) and ``at_points`` (faults at a recovery's points,
+    chaos/inject.py), yield it; kill it and undo the arrangement after."""
     with ExitStack() as stack:
         setup = Arrangement(stack)
         unavailable: dict[str, str] = {}  # kind → why
@@ -57,7 +59,9 @@ def arranged_job(
             if why is not None:
                 unavailable[name] = why
         runnable = [(s, f) for s, f in placed if f.fault not in unavailable]
-        plan = ",".join(f.spec(s) for s, f in runnable if REGISTRY[f.fault].in_process)
+        seconds = [f.during.spec() for _, f in runnable if f.during is not None]  # (a harness kind's too)
+        firsts = [f.spec(s) for s, f in runnable if REGISTRY[f.fault].in_process]
+        plan = ",".join([*firsts, *seconds, *at_points])
         runner = Runner(cert, cwd, plan, deadline, arrangement=setup, attempt=attempt)
         stack.callback(lambda: runner.job.kill())  # (late-bound: the job running at the end)
         skipped = list(dict.fromkeys(f"{REGISTRY[n].label()}: {why}" for n, why in unavailable.items()))

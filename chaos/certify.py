@@ -83,6 +83,8 @@ class Trial:
     restarts: int | None = None  # incarnations beyond the first, over every rank
     lost_checkpoints: int | None = None  # committed checkpoints that no longer load
     fired: int = 0
+    second: str | None = None  # a compound class's second fault (kind@point:rank)...
+    second_fired: bool | None = None  # ... and whether its rank's recovery reached it
     error: str = ""
     # a capability this machine lacks (never replaced by a pretend fault), or why the fault had
     # nothing to act on in the script (chaos.inject.outcomes)
@@ -243,6 +245,10 @@ def _run_trial(
         return t
     injections, idle = outcomes(jsonl(cwd / "injections.jsonl"))
     t.fired = len(injections)
+    during = cert.classes[name].during
+    if during is not None:
+        t.second = during.spec()
+        t.second_fired = any(i.get("during") == during.phase for i in injections)
     evs = events(cwd)
     if not injections:
         unacted(t, idle)
@@ -288,7 +294,13 @@ def _run_job(cert: Certification, name: str, t: Trial, cwd: Path) -> tuple[bool,
     deadline = time.monotonic() + j.timeout_s
     try:
         with arranged_job(
-            cert, cwd, [(t.fault_step, fault)], deadline, attempt="0", partial=False
+            cert,
+            cwd,
+            [(t.fault_step, fault)],
+            deadline,
+            attempt=None if c.during else "0",  # (a compound's second fault may strike a relaunch)
+            partial=False,
+            at_points=[c.during.spec()] if c.during else [],
         ) as arranged:
             runner = arranged.runner
             restored = runner.fire(t.fault_step, fault)
@@ -427,6 +439,8 @@ def _check(t: Trial, cert: Certification) -> list[str]:
         failed.append("standby_ready")
     if s.replay_verified and t.replay != "verified":
         failed.append("replay_verified")
+    if t.second is not None and not t.second_fired:  # (a compound class that was not one)
+        failed.append("second_fault")
     return failed
 
 

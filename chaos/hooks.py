@@ -6,7 +6,8 @@ training process never imports ``chaos``. :func:`from_env` returns a hook when t
 environment asks for one (the variables of :class:`Var`, which ``chaos/job.py`` sets). The hook
 
 - fires the plan's faults at the start of their step, in their rank, and ends a fault that lasts
-  its step once the step completed (:mod:`chaos.inject`);
+  its step once the step completed (:mod:`chaos.inject`); a fault planned at a recovery's point,
+  when the rank's recovery reaches it (``on_phase``);
 - writes a ``step_completed`` event per step (the certificate's timeline);
 - dumps the final tracked state of each rank, which the certificate compares bit for bit with a
   fault-free run's;
@@ -148,6 +149,10 @@ class ChaosHook(Hook):
         if self._events is not None:
             ev = Event.STEP_COMPLETED
             self._events.emit(ev, generation=generation, step=step, step_s=step_s, log=False)
+
+    def on_phase(self, phase: str, generation: int, step: int | None) -> None:
+        if self.injector is not None:  # (a compound class's second fault: chaos/inject.py)
+            self.injector.at_point(self.rank, phase)
 
     def on_finish(self, final_state: Callable[[], Mapping[str, Any]]) -> None:
         if self.injector is not None:

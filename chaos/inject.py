@@ -4,6 +4,11 @@ A plan is written ``kind@step[:rank][=arg][xN][/forwardM|/backwardM]``, comma-se
 ``exception@5:1,hang@9:0``. ``xN`` repeats the fault at that step N times (every time the step is
 re-run after a restart, up to N); without it a fault fires once. ``/forwardM`` (``/backwardM``)
 fires it inside the step, at the stage's microbatch M's forward (backward), chaos/points.py.
+
+``kind@point[:rank]`` (a point of :data:`~resilient.runtime.hooks.POINTS` in place of the step:
+``exception@restore:1``, ``sigkill@agree:0``) fires when the rank's recovery reaches that point
+(the runtime's ``on_phase`` hook), once per job: the second fault of a compound class, a fault
+inside the recovery from the first. The kinds that can: :data:`POINT_KINDS`.
 ``kind`` is one of the in-process kinds of :data:`chaos.faults.REGISTRY` (``chaos kinds`` lists
 them, and what each one does): the injector finds the kind there and lets it fire.
 
@@ -29,11 +34,13 @@ from typing import Any, NamedTuple
 from chaos.faults import REGISTRY, InjectedFault, Undo, Where
 from chaos.points import Point
 from resilient.events import read_events
+from resilient.runtime.hooks import POINTS
 
 KINDS = REGISTRY.names(lambda k: k.in_process)  # what a plan can name
+POINT_KINDS = REGISTRY.names(lambda k: k.in_recovery)  # what a plan can fire at a recovery's point
 _SPEC = re.compile(
-    r"^(?P<kind>[a-z_0-9]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?(?:x(?P<n>\d+))?"
-    r"(?:/(?P<at>forward|backward)(?P<mb>\d+))?$"
+    r"^(?P<kind>[a-z_0-9]+)@(?:(?P<step>\d+)|(?P<during>[a-z_]+))(?::(?P<rank>\d+))?(?:=(?P<arg>[\d.]+))?"
+    r"(?:x(?P<n>\d+))?(?:/(?P<at>forward|backward)(?P<mb>\d+))?$"
 )
 
 __all__ = ["KINDS", "Fault", "InjectedFault", "Injector", "NotActed", "outcomes"]
@@ -49,6 +56,7 @@ class Fault:
     times: int = 1
     at: str = "step"  # or forward / backward: inside the step, at microbatch ``microbatch``
     microbatch: int = 0
+    during: str | None = None  # a recovery's point (``step`` is then -1): fired there, not at a step
 
     @property
     def where(self) -> Where:
@@ -77,15 +85,17 @@ class Injector:
         faults = []
         for part in filter(None, (p.strip() for p in (plan or "").split(","))):
             m = _SPEC.match(part)
-            if not m or m["kind"] not in KINDS:
+            why = _bad_spec(m)
+            if m is None or why is not None:
                 raise ValueError(
-                    f"bad fault spec {part!r}: expected kind@step[:rank][=arg][xN][/forwardM|/backwardM], "
-                    f"kind in {KINDS}"
+                    f"bad fault spec {part!r}: expected kind@step[:rank][=arg][xN][/forwardM|/backwardM] "
+                    f"or kind@point[:rank]: {why or 'not of that form'}"
                 )
             faults.append(
                 Fault(
                     kind=m["kind"],
-                    step=int(m["step"]),
+                    step=int(m["step"]) if m["step"] else -1,
+                    during=m["during"],
                     rank=int(m["rank"] or 0),
                     arg=float(m["arg"]) if m["arg"] else None,
                     times=int(m["n"] or 1),
@@ -113,6 +123,16 @@ class Injector:
                     continue
                 self._fire(f, step, objects)
 
+    def at_point(self, rank: int, point: str) -> None:
+        """Fire the faults planned for ``rank`` at the recovery point ``point``."""
+        for f in self.faults:
+            if f.during == point and f.rank == rank and self.fired[f] < f.times:
+                self.fired[f] += 1
+                if _fired_in_job(f) >= f.times:
+                    continue
+                _record(f)
+                REGISTRY[f.kind].at_point(f)
+
     def step_over(self) -> None:
         """The step is over (it completed, or the run did): its one-step changes end, and a fault
         that did not act in it is recorded with why."""
@@ -137,7 +157,20 @@ class Injector:
             self._changes.append(_Change(step, f, until_step_over, fired=True))
 
     def counts(self) -> dict[str, int]:
-        return {f"{f.kind}@{f.step}:{f.rank}": self.fired[f] for f in self.faults}
+        return {f"{f.kind}@{f.during or f.step}:{f.rank}": self.fired[f] for f in self.faults}
+
+
+def _bad_spec(m: re.Match[str] | None) -> str | None:
+    """Why a matched plan entry names what cannot be (None: it can)."""
+    if m is None:
+        return None
+    if m["during"] is None:
+        return None if m["kind"] in KINDS else f"kind not in {KINDS}"
+    if m["during"] not in POINTS:
+        return f"point {m['during']!r} not in {POINTS}"
+    if m["at"] or m["arg"]:
+        return "a fault at a recovery's point takes no =arg or /point"
+    return None if m["kind"] in POINT_KINDS else f"at a point, kind in {POINT_KINDS}"
 
 
 def _fired_in_job(f: Fault) -> int:
@@ -146,11 +179,18 @@ def _fired_in_job(f: Fault) -> int:
     path = os.environ.get("CHAOS_INJECTIONS")  # chaos.hooks.Var.INJECTIONS
     if not path:
         return 0
-    planned = (f.kind, f.step, f.rank)
+    planned = (f.kind, _step(f), f.rank, f.during)
     return sum(
-        r.get("by") == "injector" and IDLE not in r and (r["kind"], r["step"], r["rank"]) == planned
+        r.get("by") == "injector"
+        and IDLE not in r
+        and (r["kind"], r["step"], r["rank"], r.get("during")) == planned
         for r in read_events(path)
     )
+
+
+def _step(f: Fault) -> int | None:
+    """The step a record names: None for a fault at a recovery's point."""
+    return None if f.during else f.step
 
 
 def _record(f: Fault) -> None:
@@ -165,9 +205,10 @@ def _record(f: Fault) -> None:
             "ts": time.time(),
             "kind": f.kind,
             "rank": f.rank,
-            "step": f.step,
+            "step": _step(f),
             "pid": os.getpid(),
             "by": "injector",
+            **({"during": f.during} if f.during else {}),
         },
         fsync=True,
     )

@@ -25,15 +25,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from chaos.faults import REGISTRY
 from resilient.config import yaml_problem
 from resilient.metrics.phases import PHASES
+from resilient.runtime.hooks import POINTS
 
 # the fault kinds' names (chaos/faults): pydantic checks a config's `fault:` against them and names
 # them all when one is unknown
 if TYPE_CHECKING:
     KindName = str
     PhaseName = str
+    PointName = str
+    PointKind = str
 else:
     KindName = Literal[REGISTRY.names()]
     PhaseName = Literal[PHASES]  # (a budget for a phase that is not one is refused, by name)
+    PointName = Literal[POINTS]
+    PointKind = Literal[REGISTRY.names(lambda k: k.in_recovery)]
 
 
 class BadInput(Exception):
@@ -95,6 +100,20 @@ class SLO(_Model):
 Point = Literal["step", "forward", "backward"]
 
 
+class During(_Model):
+    """A compound class's second fault: fired by ``rank`` itself when its recovery from the first
+    reaches ``phase`` (chaos/inject.py ``kind@point:rank``)."""
+
+    phase: PointName = Field(..., description="where in the recovery (resilient/runtime/hooks.py POINTS)")
+    fault: PointKind = Field(
+        ..., description="what fires there: exception, hang, gil_hang, segfault, sigkill"
+    )
+    rank: int = Field(1, ge=0)
+
+    def spec(self) -> str:
+        return f"{self.fault}@{self.phase}:{self.rank}"
+
+
 class FaultClass(_Model):
     fault: KindName
     step: int = Field(
@@ -107,6 +126,9 @@ class FaultClass(_Model):
         "forward or backward in the stage's module (a pipeline's: chaos/points.py)",
     )
     microbatch: int = Field(0, ge=0, description="`at: forward|backward`: the microbatch (from 0)")
+    during: During | None = Field(
+        None, description="a second fault, inside the recovery from the first (a compound class)"
+    )
     jitter: int = Field(0, ge=0, description="trials draw the step from step ± jitter")
     arg: float | None = None  # the kind's `=arg` (`chaos kinds`: stall s, kernel_oom MiB, ...)
     duration: float = Field(10.0, gt=0, description="link faults, slow_disk: seconds the fault lasts")
@@ -203,6 +225,9 @@ class Planned(_Model):
     repeat: int = Field(1, ge=1, description="in-process faults: fire again each time the step re-runs")
     at: Point = "step"  # as FaultClass.at
     microbatch: int = Field(0, ge=0)
+    during: During | None = Field(
+        None, description="a second fault, at the first recovery of its rank that reaches its point"
+    )
 
     @model_validator(mode="after")
     def _when(self) -> Planned:
@@ -286,6 +311,8 @@ class Certification(_Model):
             nproc, steps = c.job.get("nproc", self.job.nproc), c.job.get("steps", self.job.steps)
             if c.rank >= nproc:
                 raise ValueError(f"classes.{name}.rank: {c.rank} but job.nproc is {nproc}")
+            if c.during is not None and c.during.rank >= nproc:
+                raise ValueError(f"classes.{name}.during.rank: {c.during.rank} but job.nproc is {nproc}")
             if c.step + c.jitter >= steps - 1:
                 raise ValueError(
                     f"classes.{name}.step: {c.step} (+ jitter {c.jitter}) leaves no step after it "

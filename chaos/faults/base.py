@@ -102,6 +102,9 @@ class FaultKind:
     on_link: ClassVar[bool] = False  # hits the rank behind the job's veth link (one rank per job)
     skip_label: ClassVar[str] = ""  # how a run of many faults names this one when it is skipped
     kills: ClassVar[bool] = False  # the rank's process does not survive it: a standby may take its place
+    # can fire at a point of a recovery (``kind@point:rank``, runtime/hooks.py POINTS): the second
+    # fault of a compound class, fired by the rank itself where the recovery reached
+    in_recovery: ClassVar[bool] = False
 
     @property
     def in_process(self) -> bool:
@@ -123,6 +126,10 @@ class FaultKind:
         """Fire ``fault`` in this process (``objects``: the state the runtime tracks). A change that
         lasts the step returns its :data:`Undo`, which also says whether the fault acted."""
         raise TypeError(f"{self.name} is not fired in-process")
+
+    def at_point(self, fault: Fault) -> None:
+        """Fire ``fault`` in this process where a recovery reached its point (``in_recovery``)."""
+        self.inject(fault, ())
 
     def by_harness(self, run: Runner, f: Planned, done: int, pid: int) -> float | None:
         """Do ``f`` to ``pid``, the rank's process, which completed step ``done``. Returns when a

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 class RaiseException(InProcess):
     name = "exception"
+    in_recovery = True
     summary = "an exception (`InjectedFault`) raised in the step"
 
     def inject(self, fault: Fault, objects: Iterable[object]) -> Undo | None:
@@ -24,6 +25,7 @@ class RaiseException(InProcess):
 
 class Hang(InProcess):
     name = "hang"
+    in_recovery = True
     summary = "`time.sleep(3600)` in the step: a real hang, only an interrupt ends it"
 
     def inject(self, fault: Fault, objects: Iterable[object]) -> Undo | None:
@@ -51,6 +53,7 @@ class Stall(InProcess):
 
 class GilHang(InProcess):
     name = "gil_hang"
+    in_recovery = True
     kills = True  # (the launcher kills a worker that stopped beating)
     summary = (
         "a regular expression backtracking for hours: C code holding the GIL, unreachable by signals "

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 class Segfault(InProcess):
     name = "segfault"
+    in_recovery = True
     kills = True
     summary = "the rank reads address 0 (`ctypes.string_at(0)`) in the step: it dies of a real SIGSEGV"
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 from chaos.faults.base import ByHarness
 
 if TYPE_CHECKING:
+    from chaos.inject import Fault
     from chaos.runner import Runner
     from chaos.schedule import Planned
 
@@ -26,8 +27,13 @@ class Signal(ByHarness):
 
 class Sigkill(Signal):
     name = "sigkill"
-    summary = "SIGKILL sent to the rank's process"
+    summary = "SIGKILL sent to the rank's process (at a recovery's point: by the rank to itself)"
     signum = signal.SIGKILL
+    in_recovery = True
+
+    def at_point(self, fault: Fault) -> None:
+        # (the rank itself, where its recovery reached: the harness cannot see a phase's start)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Sigstop(Signal):

@@ -216,6 +216,12 @@ class CollectiveCount:
         if self._since is None:
             self._since = step
 
+    def carry(self, since: int) -> None:
+        """The generation resumed state that no check has found good since step ``since`` (a
+        live resume keeps what the last generation's open window held): its first window
+        reaches back there, so that a silent fault found in it names where it may have begun."""
+        self._since = since
+
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:
         """Leave what is issued inside out of the window: collectives of this rank alone, such as

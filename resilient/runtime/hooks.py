@@ -13,7 +13,9 @@ another. Hooks come from three places:
   chaos job's: ``chaos.hooks:from_env``, so a plain run never imports the harness).
 
 An exception raised by ``before_step`` is a fault in that step (this is how a harness injects
-one); the other methods must not raise.
+one). ``on_phase`` is told where a recovery is (:data:`POINTS`); what it raises is raised there,
+as if that phase had raised it (a harness injects a second fault inside a recovery this way: a
+hook written for observing must not raise). The other methods must not raise.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ if TYPE_CHECKING:
     from resilient.events import EventLog
 
 ENTRY_POINT_GROUP = "resilient.hooks"
+
+# Where ``on_phase`` is called, in the order a recovery passes them: the built-in engine's
+# recovery phases (runtime/recovery/recovery.py), the next generation's group built, the
+# function re-entered, its first tracked object loaded, its first step begun; and ``join``: a
+# replacement (a promoted standby, a new process) about to join its dead predecessor's survivors.
+POINTS = ("join", "leave", "check", "agree", "rebuild", "reenter", "restore", "first_step")
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,20 @@ class Hook:
 
     def on_finish(self, final_state: Callable[[], Mapping[str, Any]]) -> None:
         return None
+
+    def on_phase(self, phase: str, generation: int, step: int | None) -> None:
+        """A recovery reached ``phase`` (one of :data:`POINTS`); ``generation``: the one that
+        failed (``rebuild`` on: the one being entered); ``step``: the step it was in, or the
+        step restored. Optional: a hook without it is not called."""
+        return None
+
+
+def at_point(hooks: Sequence[object], phase: str, generation: int, step: int | None) -> None:
+    """Each hook's ``on_phase`` (those that have one), in order; what one raises is raised here."""
+    for h in hooks:
+        told = getattr(h, "on_phase", None)
+        if told is not None:
+            told(phase, generation, step)
 
 
 def discover(launch: LaunchEnv | None = None) -> list[StepHook]:

@@ -165,3 +165,22 @@ def test_what_one_rank_issues_uncounted_is_left_out_of_its_window(seq: _Seq) -> 
     seq.value += 2  # and both issued the step's two
     _both_check(a, b, 0)
     assert a.checks == b.checks == 1
+
+
+def test_a_live_resume_carries_the_unverified_steps_into_the_next_generation_s_window(seq: _Seq) -> None:
+    # a flipped bit at step 37 that no check saw before a NaN's live resume at step 50: the next
+    # generation's digests differ at step 63, and the fault must say it may have begun at 37's
+    # window (the replay check's reference ends there), not at 50
+    from resilient.runtime.run.generation import PendingRestore
+    from resilient.runtime.steps.loop import carry_unverified
+
+    store = dist.HashStore()
+    old = CollectiveCount(store, "g1", 0, 2)
+    for step in range(37, 51):
+        old.begin(step)
+    for source, since in (("live", 37), ("peer", 37), ("ring", 50)):
+        new = CollectiveCount(store, f"g2{source}", 0, 2)
+        restore = PendingRestore(50, {}, True, 50, None, source=source)
+        carry_unverified(old, new, restore)
+        new.begin(50)
+        assert new.window_start == since, source

@@ -190,3 +190,70 @@ def test_the_chaos_hook_ends_a_step_s_change_when_the_step_completes(monkeypatch
     assert dist.all_reduce is not original
     hook.after_step(0, 3, 0.1)
     assert dist.all_reduce is original and len(_idle(tmp_path / "inj.jsonl")) == 1
+
+
+def test_a_fault_at_a_recovery_s_point_parses_and_bad_points_are_named():
+    inj = Injector.parse("exception@15:1,sigkill@agree:0,hang@rebuild")
+    assert inj.faults[1:] == [Fault("sigkill", -1, 0, during="agree"), Fault("hang", -1, 0, during="rebuild")]
+    for bad, why in [
+        ("exception@nowhere:1", "point 'nowhere' not in"),
+        ("stall@agree:1", "at a point, kind in"),
+        ("exception@agree:1=3", "takes no =arg"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            Injector.parse(bad)
+
+
+def test_a_fault_at_a_point_fires_once_per_job_on_its_rank_only(monkeypatch, tmp_path):
+    record = tmp_path / "injections.jsonl"
+    monkeypatch.setenv("CHAOS_INJECTIONS", str(record))
+    inj = Injector.parse("exception@restore:1")
+    inj.at_point(0, "restore")  # another rank
+    inj.at_point(1, "agree")  # another point
+    with pytest.raises(InjectedFault):
+        inj.at_point(1, "restore")
+    inj.at_point(1, "restore")  # once
+    again = Injector.parse("exception@restore:1")  # a later process of the same job (a replacement)
+    again.at_point(1, "restore")
+    acted, idle = outcomes(inject.read_events(record))
+    assert [(r["kind"], r["step"], r["rank"], r["during"]) for r in acted] == [
+        ("exception", None, 1, "restore")
+    ]
+    assert idle == []
+
+
+def test_a_sigkill_at_a_point_is_the_rank_s_own_real_sigkill(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "from chaos.inject import Injector; "
+        "Injector.parse('sigkill@agree:0').at_point(0, 'agree'); print('alive')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, (done.returncode, done.stdout, done.stderr)
+    assert "alive" not in done.stdout
+
+
+def test_the_hooks_are_told_of_each_point_and_what_one_raises_is_raised_there():
+    from resilient.runtime.hooks import Hook, at_point
+
+    told: list[tuple[str, int, int | None]] = []
+
+    class Watching(Hook):
+        def on_phase(self, phase: str, generation: int, step: int | None) -> None:
+            told.append((phase, generation, step))
+
+    class Failing(Hook):
+        def on_phase(self, phase: str, generation: int, step: int | None) -> None:
+            if phase == "agree":
+                raise InjectedFault("in agree")
+
+    class Old:  # a hook written before on_phase existed: not called, no error
+        pass
+
+    at_point([Watching(), Old(), Failing()], "leave", 0, 12)
+    with pytest.raises(InjectedFault, match="in agree"):
+        at_point([Watching(), Failing()], "agree", 0, 12)
+    assert told == [("leave", 0, 12), ("agree", 0, 12)]

@@ -402,6 +402,8 @@ class BuiltinRun:
     def _attempt(self, fn: Callable[[StepLoop], Any]) -> tuple[bool, Any, BaseException | None]:
         gen = self.session.generation
         try:
+            if gen > 0:
+                self.session.at_point("reenter", self.loop.restored_step)
             result = fn(self.loop)
             self.loop.settle_at_end()
         except (Exception, StepInterrupted) as exc:
@@ -430,6 +432,8 @@ class BuiltinRun:
             gc_s = time.time() - t0
         t_build, cpu_build = time.time(), time.thread_time()
         try:
+            if gen > 0:
+                s.at_point("rebuild", self.pending.step if self.pending else None)
             self.loop.begin_generation(gen, self.pending)
         except Exception as e:
             # a peer that faulted right after building its side closes its connections while this

@@ -117,6 +117,7 @@ class Recovery:
 
     def _after_leaving(self, left: Left) -> PendingRestore:
         admission = self._admit(left)
+        self.session.at_point("check", left.step)
         self.check_health(left.generation, left.step)
         # the agreement's parts, for the restore_agreed event (docs/recovery.md#phases)
         lap = Laps(self.clock)
@@ -138,6 +139,7 @@ class Recovery:
         s = self.session
         gen, step = s.generation, self.loop.step
         fault_ts = time.time()
+        s.at_point("leave", step)
         own: FaultRecord | None = None
         if exc is not None:
             own = FaultRecord.from_exception(exc, rank=s.rank, generation=gen, step=step)
@@ -208,6 +210,7 @@ class Recovery:
     def _agree(self, left: Left, lap: Laps) -> Agreed:
         """Saves in flight settled, this rank's offer posted, and the plan every rank reads alike."""
         s, gen = self.session, left.generation
+        s.at_point("agree", left.step)
         persist = self.keeper.persist
         if persist is not None:
             # a write still in flight would make this rank alone wait at its next save, a wait its
@@ -319,26 +322,14 @@ class Recovery:
         s.generation = gen
         if s.heartbeat is not None:
             s.heartbeat.generation = gen
-        self._await_predecessor()
+        s.at_point("join", None)
+        await_predecessor(s.launch.predecessor_pid, s.rank, self.t.barrier)
         self.keeper.adopt_predecessor()
         self.replacing = gen
         try:
             return self.recover(StepInterrupted(f"peer: rank {s.rank} replaced, joins generation {gen}"))
         finally:
             self.replacing = None
-
-    def _await_predecessor(self) -> None:
-        """On a machine with GPUs, the dead worker this process replaces may still be freeing its
-        device memory (its agent SIGKILLed it just before starting this one): the restore waits
-        for its exit. Elsewhere nothing it held is needed again."""
-        pid = self.session.launch.predecessor_pid
-        if pid is None or not torch.cuda.is_available():
-            return
-        rank, t0 = self.session.rank, time.monotonic()
-        if not wait_exited(pid, self.t.barrier):
-            logger.warning(f"rank {rank}: predecessor pid {pid} still alive after {self.t.barrier:g} s")
-            return
-        logger.debug("rank {}: predecessor {} gone after {:.3f} s", rank, pid, time.monotonic() - t0)
 
     def _preempt(self, gen: int, primary: FaultRecord) -> None:
         """Every rank left its step: save the newest state all ranks hold, then exit for requeue.
@@ -366,6 +357,19 @@ class Recovery:
         self._departed.add(gen)
         with contextlib.suppress(Exception):
             self.coord.depart(gen, self.session.launch.endpoint.hosts_store)
+
+
+def await_predecessor(pid: int | None, rank: int, timeout: float) -> None:
+    """On a machine with GPUs, the dead worker a replacement takes the place of may still be
+    freeing its device memory (its agent SIGKILLed it just before starting this one): the restore
+    waits for its exit. Elsewhere nothing it held is needed again."""
+    if pid is None or not torch.cuda.is_available():
+        return
+    t0 = time.monotonic()
+    if not wait_exited(pid, timeout):
+        logger.warning(f"rank {rank}: predecessor pid {pid} still alive after {timeout:g} s")
+        return
+    logger.debug("rank {}: predecessor {} gone after {:.3f} s", rank, pid, time.monotonic() - t0)
 
 
 def loaded_everywhere(

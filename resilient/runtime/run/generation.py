@@ -135,6 +135,13 @@ class Generation:
         self.open_step: int | None = None  # begun by begin_step (a loop that is not ctx.steps), not ended
         self.progress = now
         self.stepped = False  # a step completed in this generation (hang limit: startup before)
+        self.told: set[str] = set()  # the recovery points the hooks were told of (once each)
+
+    def first_at(self, point: str) -> bool:
+        """Whether this generation reaches a recovery point (hooks.POINTS) for the first time."""
+        first = point not in self.told
+        self.told.add(point)
+        return first
 
     def batch(self) -> str | None:
         """The batch being run, where a data position is known (``epoch 2, batch 17 of 'loader'``)."""

@@ -23,7 +23,7 @@ from resilient.events import Event, EventLog
 from resilient.launch_env import Var
 from resilient.native import names
 from resilient.runtime.coordination.agreement import all_hold
-from resilient.runtime.hooks import RunInfo
+from resilient.runtime.hooks import RunInfo, at_point
 from resilient.runtime.run.checkup import Checkup
 from resilient.runtime.run.record import FaultRecorder
 from resilient.runtime.run.schedule import SnapshotSchedule
@@ -100,6 +100,11 @@ class Session:
         )
         for h in self.hooks:
             h.on_start(info)
+
+    def at_point(self, phase: str, step: int | None) -> None:
+        """The hooks told that a recovery reached ``phase`` (hooks.POINTS); raises what they raise."""
+        if self.hooks:
+            at_point(self.hooks, phase, self.generation, step)
 
     def _serve_metrics(self) -> None:
         """Under plain torchrun, local rank 0 serves the run's metrics (``metrics.port``); under

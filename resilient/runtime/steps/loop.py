@@ -26,6 +26,7 @@ from typing import Any
 from resilient.detectors import Detectors
 from resilient.detectors.collectives import (
     CollectiveCheck,
+    CollectiveCount,
     NodeLinkHolder,
     PeerWait,
     issued_on_default_group,
@@ -165,6 +166,7 @@ class StepLoop:
             )
         if count is not None:
             count.on_wait_end = self._peer_wait_ended
+            carry_unverified(self.gen.count, count, restore)
         self.gen = Generation(number, count, restore, s.clock())
         self.detectors.each(lambda d: d.generation(number))  # (the failed generation's objects go)
         self.live.generation()
@@ -192,6 +194,8 @@ class StepLoop:
                 d.tracked(name, obj)
             self.live.tracked(name, obj)  # (after the detectors: see live.py)
             if gen.restore is not None:  # (a handover's transfer is two ranks' alone: uncounted)
+                if gen.first_at("restore"):
+                    self.session.at_point("restore", gen.restore.step)
                 with gen.count.uncounted() if gen.count is not None else contextlib.nullcontext():
                     gen.restore.load(gen.registry, name, obj, self.handover.value)
 
@@ -274,6 +278,8 @@ class StepLoop:
         if len(self.began_at) > 4096:  # (beyond any snapshot interval a restore goes back)
             del self.began_at[next(iter(self.began_at))]
         gen, hooks = self.gen, self.session.hooks
+        if gen.number > 0 and gen.first_at("first_step"):
+            self.session.at_point("first_step", step)
         gen.registry.step_begins()
         if self.session.heartbeat is not None:  # the step a hard fault hits, exactly, for the agent
             self.session.heartbeat.beat(step)
@@ -348,3 +354,18 @@ class StepLoop:
             engine=s.engine,
             **detail,
         )
+
+
+def carry_unverified(
+    old: CollectiveCount | None, new: CollectiveCount, restore: PendingRestore | None
+) -> None:
+    """A resume that rolls nothing back (``live``, ``peer``) carries the failed generation's
+    unverified steps into the next: its first check window begins where the old one's did."""
+    since = old.window_start if old is not None else None
+    if (
+        restore is not None
+        and restore.source in ("live", "peer")
+        and since is not None
+        and since < restore.step
+    ):
+        new.carry(since)
