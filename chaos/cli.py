@@ -2,7 +2,8 @@
 
 chaos certify configs/chaos/cpu.yaml --out chaos_out [--classes sigkill,hang] [--trials N] [-- train.py ...]
 chaos run configs/chaos/schedule.yaml --out chaos_run [-- train.py ...]
-chaos stream configs/chaos/soak.yaml --out chaos_soak [--faults N]
+chaos stream configs/chaos/cpu.yaml --out chaos_stream [--faults N]
+chaos soak configs/chaos/soak.yaml --out chaos_soak [--faults N]
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     stream.add_argument(
         "--faults", type=count(0, 10**5), default=None, help="override the stream's fault count"
     )
+    soak = sub.add_parser("soak", help="many faults over the training stacks, many to a job (chaos/soak.py)")
+    soak.add_argument("config", type=Path)
+    soak.add_argument("--out", type=Path, default=Path("chaos_soak"))
+    soak.add_argument(
+        "--faults", type=count(1, 10**6), default=None, help="override the config's fault count"
+    )
     args = p.parse_args(words)
     if command and args.cmd not in _TAKE_COMMAND:
         p.error(f"chaos {args.cmd} takes no training command after --: {' '.join(command)!r}")
@@ -83,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             return _certify(args)
         if args.cmd == "stream":
             return _stream(args)
+        if args.cmd == "soak":
+            return _soak(args)
         if args.cmd == "run":
             return _run(args)
         if args.cmd == "kinds":
@@ -202,6 +211,27 @@ def _stream(args: Any) -> int:
     assert st is not None
     how = " on average" if st.random else ""
     _print_report(report, f"fault stream: one fault every {st.mtbf_s:g} s{how}")
+    return 0 if not report["failed"] else 1
+
+
+def _soak(args: Any) -> int:
+    import json
+
+    from pydantic import ValidationError
+
+    from chaos import soak
+
+    try:
+        spec = soak.load(args.config)
+    except (OSError, ValidationError) as e:
+        raise BadInput(f"{args.config}: {e}") from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = soak.run(spec, args.out, args.faults)
+    report["failed"] = soak.failed(report)
+    (args.out / "soak.json").write_text(json.dumps(report, indent=1))
+    soak.picture(report, args.out / "soak.png")
+    brief = {k: v for k, v in report.items() if k != "per_job"}
+    print(json.dumps(brief, indent=1))
     return 0 if not report["failed"] else 1
 
 

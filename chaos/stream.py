@@ -68,8 +68,10 @@ def run_schedule(
     faults: list[Planned],
     steps: int | None = None,
     probe_step_s: float | None = None,
+    refs: dict[str, tuple[list[dict[str, Any]], float]] | None = None,
 ) -> dict[str, Any]:
-    """A fault-free reference and the faulted run of the same job, with ``faults`` placed by step."""
+    """A fault-free reference and the faulted run of the same job, with ``faults`` placed by step
+    (``refs``: references of jobs run before, by job, reused for the same job)."""
     out.mkdir(parents=True, exist_ok=True)
     if probe_step_s is None:
         _, probe_step_s = reference(cert, out / "probe")
@@ -86,7 +88,13 @@ def run_schedule(
         "max_replacements": 10 * len(faults) + 3,
     }
     long = cert.model_copy(update={"job": type(cert.job).model_validate({**cert.job.model_dump(), **update})})
-    ref, ref_step_s = reference(long, out / "reference")
+    key = long.job.model_dump_json()
+    if refs is not None and key in refs:
+        ref, ref_step_s = refs[key]
+    else:
+        ref, ref_step_s = reference(long, out / "reference")
+        if refs is not None:
+            refs[key] = (ref, ref_step_s)
     cwd = fresh(out / "run")
     rc: int | None = None
     with own_checkpoints(long, cwd):
@@ -139,6 +147,7 @@ def _report(
         "steps": j.steps,
         "lost_committed_checkpoints": lost,
         "bit_exact": rc == 0 and _bit_exact(ref, finals),
+        "replays": replays(evs),
         "by_kind": _by_kind(per_fault),
         "wall_s": wall,
         "skipped": [*skipped, *dict.fromkeys(map(str, idle))],
@@ -180,8 +189,28 @@ def _fault(
         "recovered": any(e["ts"] > inj["ts"] for e in steps_ev),
         "detect_s": m.get("detect_s"),
         "recover_s": m.get("recover_s"),
+        "work_lost_s": m.get("work_lost_s"),
         "detected_by": m.get("detected_by"),
+        **({"during": inj["during"]} if inj.get("during") else {}),
     }
+
+
+def replays(evs: list[dict[str, Any]]) -> dict[str, int]:
+    """The runtime's verdicts on its replays in a job, counted over the restores (one per
+    generation, whichever rank said it first)."""
+    said = {
+        (e["generation"], e.get("pid")): e["event"].removeprefix("replay_")
+        for e in evs
+        if e["event"] in (Event.REPLAY_VERIFIED, Event.REPLAY_DIVERGED, Event.REPLAY_UNCHECKED)
+    }
+    by_gen: dict[Any, str] = {}
+    for (gen, _pid), verdict in said.items():
+        if by_gen.get(gen) != "diverged":  # (one rank's divergence is the restore's)
+            by_gen[gen] = verdict
+    out = {"verified": 0, "diverged": 0, "unchecked": 0}
+    for verdict in by_gen.values():
+        out[verdict] += 1
+    return out
 
 
 def _by_kind(per_fault: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
