@@ -254,7 +254,7 @@ def certify_live(session: nox.Session) -> None:
 
 @nox.session(python=PY)
 def soak(session: nox.Session) -> None:
-    """1,000 faults, soft, hard, silent and compound, over the training stacks of examples/, 10 to
+    """1,000 faults, soft, hard, silent and compound, over the training stacks of examples/, 20 to
     a job, each job bit-exact (configs/chaos/soak.yaml, chaos/soak.py; hours on 2 cores);
     `nox -s soak -- --faults 100` for a quick look. soak.json and soak.png in chaos_soak/."""
     _install(session, "dev", "chaos", *STACKS)

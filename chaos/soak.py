@@ -42,7 +42,7 @@ class Stack(_Model):
 class Soak(_Model):
     seed: int = 0
     faults: int = Field(1000, ge=1, description="in all, dealt over the stacks in turn")
-    per_job: int = Field(10, ge=1)
+    per_job: int = Field(20, ge=1)
     steps_per_fault: int = Field(12, ge=6)
     compound: float = Field(0.1, ge=0, le=1, description="the share of faults that carry a second one")
     seconds: list[During] = Field(
@@ -85,6 +85,10 @@ def deal(soak: Soak, stack: Stack, nproc: int, n: int, rng: random.Random) -> li
 
 
 def run(soak: Soak, out: Path, faults: int | None = None) -> dict[str, Any]:
+    """The soak; after each job its figures so far are written to ``out/soak.json`` (a soak
+    stopped early keeps them, ``"complete": false``)."""
+    import json
+
     from chaos.stream import run_schedule, verdict
 
     total = faults or soak.faults
@@ -93,6 +97,7 @@ def run(soak: Soak, out: Path, faults: int | None = None) -> dict[str, Any]:
     jobs: list[dict[str, Any]] = []
     names = list(soak.stacks)
     dealt, t0 = 0, time.monotonic()
+    so_far: dict[str, Any] = {}
     while dealt < total:
         name = names[len(jobs) % len(names)]
         stack = soak.stacks[name]
@@ -112,7 +117,9 @@ def run(soak: Soak, out: Path, faults: int | None = None) -> dict[str, Any]:
             f"soak: job {len(jobs)} ({name}): {report['faults_injected']} fired, failed {report['failed']}",
             flush=True,
         )
-    return summary(jobs, time.monotonic() - t0)
+        so_far = {**summary(jobs, time.monotonic() - t0), "complete": dealt >= total}
+        (out / "soak.json").write_text(json.dumps(so_far, indent=1))
+    return so_far
 
 
 def _pct(xs: list[float], q: float) -> float | None:

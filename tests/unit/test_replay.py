@@ -163,9 +163,8 @@ def test_a_silent_faults_replay_is_checked_against_the_run_before_its_window_onl
     check.restored(4, 9, "ring", 2, since=4)
     _run(t3, range(4, 10))
     (why,) = [kw["why"] for e, kw in seen if e is Event.REPLAY_UNCHECKED]
-    assert why.startswith(
-        "the restored state matched; a silent fault found at step 9 may have begun at step 4"
-    )
+    assert why.startswith("the restored state matched; a silent fault found at step 9")
+    assert "may have begun at step 4" in why
 
 
 def test_nothing_to_compare_is_said_and_why() -> None:

@@ -241,6 +241,10 @@ class Detection:
         # (a rank blocked on its peers waits a moment for theirs: a deadlock shows in both posts)
         grace = self.t.victim_grace if blocked else 0.0
         desync = count.diagnose(self.monitor_store, blocked, grace) if count is not None else None
+        if count is not None:
+            # a hang may be a skipped collective the count did not diagnose (the peer had not
+            # closed its window yet): the state since the window's start is no replay's reference
+            rec.since = count.window_start
         if desync is None or count is None:
             return rec
         # in a collective a neighbour's step lacked

@@ -195,8 +195,9 @@ class ReplayCheck:
         why = f"no digest was kept of steps {w.restored + 1}..{w.end} (one every {self.every})"
         if w.cut:
             why = (
-                f"a silent fault found at step {w.fault} may have begun at step {w.end}: the run "
-                f"after it is no reference, and no step before it was replayed"
+                f"a silent fault found at step {w.fault} (or a hang, which a skipped collective "
+                f"causes) may have begun at step {w.end}: the run after it is no reference, and no "
+                "step before it was replayed"
             )
         elif w.fault == w.restored:
             why = "nothing was replayed: the snapshot restored is the faulted step's start"
