@@ -36,6 +36,7 @@ class Stack(_Model):
         None, description="its script at a length: {steps} and {epochs} filled in (None: the bundled example)"
     )
     steps_per_epoch: int = Field(16, ge=1, description="{epochs}: the job's steps / this, rounded up")
+    runtime: dict[str, Any] = Field(default_factory=dict, description="the bundled example's runtime config")
     kinds: list[KindName] = Field(..., min_length=1)
 
 
@@ -60,6 +61,8 @@ def job_of(soak: Soak, stack: Stack, steps: int) -> schedule.Certification:
     """The stack's certificate config with its job ``steps`` long (its command filled in)."""
     cert = schedule.load(stack.config)
     update: dict[str, Any] = {"steps": steps, "checkpoint_every": soak.checkpoint_every}
+    if stack.runtime:
+        update["runtime"] = {**cert.job.runtime, **stack.runtime}
     if stack.command is not None:
         epochs = -(-steps // stack.steps_per_epoch)
         update["command"] = [w.format(steps=steps, epochs=epochs) for w in stack.command]
