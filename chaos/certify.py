@@ -59,6 +59,9 @@ class Trial:
     trial: int
     fault_step: int
     ok: bool = False  # the job finished (exit 0)
+    exit_code: int | None = None  # the launcher's (None: killed at the timeout)
+    ended_s: float | None = None  # fault → the launcher's exit
+    end_reason: str | None = None  # the launcher's run_failed, where it gave up
     detect_s: float | None = None
     detect_step: int | None = None  # the step the detection event names
     recover_s: float | None = None
@@ -240,7 +243,7 @@ def _run_trial(
     j = cert.job
     kind = REGISTRY[cert.classes[name].fault]
     t = Trial(name, trial, cert.trial_step(name, trial))
-    ran, restored = _run_job(cert, name, t, cwd)
+    ran, restored, ended = _run_job(cert, name, t, cwd)
     if not ran:
         return t
     injections, idle = outcomes(jsonl(cwd / "injections.jsonl"))
@@ -254,6 +257,8 @@ def _run_trial(
         unacted(t, idle)
         return t
     inj = injections[0]
+    t.ended_s = ended - inj["ts"]
+    t.end_reason = next((e["error"] for e in evs if e["event"] == Event.RUN_FAILED and e["rank"] == -1), None)
     t.standby = inj.get("standby")
     if t.standby is None and kind.kills and any(e["rank"] == -1 for e in evs):  # (under the launcher)
         t.standby = standby_at(evs, inj["ts"])
@@ -282,10 +287,10 @@ def _run_trial(
     return t
 
 
-def _run_job(cert: Certification, name: str, t: Trial, cwd: Path) -> tuple[bool, float | None]:
+def _run_job(cert: Certification, name: str, t: Trial, cwd: Path) -> tuple[bool, float | None, float]:
     """The trial's job with its class's one fault, until it ends: whether it ran (not: the fault
-    was skipped, ``t.skipped`` says why) and when the harness restored what the fault broke (None:
-    nothing to restore). ``t.ok`` and ``t.error`` say how the job ended."""
+    was skipped, ``t.skipped`` says why), when the harness restored what the fault broke (None:
+    nothing to restore) and when the job ended. ``t.ok`` and ``t.error`` say how it ended."""
     c, j = cert.classes[name], cert.job
     fault = Planned(fault=c.fault, rank=c.rank, step=t.fault_step, arg=c.arg, duration=c.duration)
     fault = fault.model_copy(update={"at": c.at, "microbatch": c.microbatch})
@@ -306,17 +311,18 @@ def _run_job(cert: Certification, name: str, t: Trial, cwd: Path) -> tuple[bool,
             restored = runner.fire(t.fault_step, fault)
             if runner.skipped:
                 t.skipped = "; ".join(runner.skipped)
-                return False, restored
+                return False, restored, time.time()
             rc = runner.job.stop(max(1.0, runner.deadline - time.monotonic()))
+            ended = time.time()
     except Unavailable as e:  # a capability this machine lacks: skipped, never faked
         t.skipped = str(e)
-        return False, restored
-    t.ok = rc == 0
+        return False, restored, time.time()
+    t.ok, t.exit_code = rc == 0, rc
     if rc is None:
         t.error = f"did not finish within {j.timeout_s:g} s"
     elif rc != 0:
         t.error = f"launcher exited {rc}"
-    return True, restored
+    return True, restored, ended
 
 
 def _take_measures(t: Trial, m: dict[str, Any]) -> None:
@@ -378,7 +384,8 @@ def run_trial(
 ) -> Trial:
     with own_checkpoints(cert, fresh(cwd)):
         t = _run_trial(cert, name, trial, cwd, ref, ref_step_s, ref_dir)
-    if t.error and not t.skipped and not t.failed_slos:  # no figures at all: that is a failure too
+    expected = t.exit_code is not None and t.exit_code == cert.classes[name].slo.ends_with
+    if t.error and not t.skipped and not t.failed_slos and not expected:  # no figures: a failure too
         t.failed_slos = ["ran"]
     return t
 
@@ -406,7 +413,12 @@ def unloadable_checkpoints(root: Path, nproc: int, skip: Collection[int] = ()) -
 def _check(t: Trial, cert: Certification) -> list[str]:
     s = cert.classes[t.cls].slo
     failed = []
-    if not t.ok:
+    if s.ends_with is not None:  # (a documented end: that exit, said why, within its bound)
+        if t.exit_code != s.ends_with or not t.end_reason:
+            failed.append("ends_with")
+        if s.ends_within_s is not None and (t.ended_s is None or t.ended_s > s.ends_within_s):
+            failed.append("ends_within_s")
+    elif not t.ok:
         failed.append("finished")
     if s.detect_s is not None and (t.detect_s is None or t.detect_s > s.detect_s):
         failed.append("detect_s")

@@ -78,6 +78,14 @@ class SLO(_Model):
     standby_ready: bool = Field(
         False, description="a standby waited when the harness fired (parked or imported): a warm replacement"
     )
+    ends_with: int | None = Field(
+        None,
+        description="a documented end instead of a finish: the launcher exits with this code (the "
+        "job cannot go on: 74, its store's host lost), its reason in run_failed, its checkpoints loading",
+    )
+    ends_within_s: float | None = Field(
+        None, gt=0, description="ends_with: fault → the launcher's exit, at most"
+    )
     rate_back_s: float | None = Field(
         None, gt=0, description="detection → steps within 10 % of the fault-free step time again, at most"
     )

@@ -24,6 +24,7 @@ from typing import Any
 import xxhash
 from loguru import logger
 
+from resilient import points
 from resilient.checkpoint.integrity import digest, file_digest
 from resilient.checkpoint.manifest import (
     MANIFEST,
@@ -245,14 +246,8 @@ def commit(
         own if r == 0 and own else RankEntry.model_validate_json((tmp / part_name(r)).read_bytes())
         for r in range(world_size)
     ]
-    for part in parts:
-        for f in part.files:
-            top, _, rel = f.path.partition("/")
-            where = tmp / rel if top == step_name(step) else root / f.path
-            if not where.is_file() or where.stat().st_size != f.size:
-                raise CheckpointError(
-                    f"{step_name(step)}: rank {part.rank} points at {f.path}, which is gone"
-                )
+    _files_there(root, tmp, step, parts)
+    points.reached("commit", step)  # (a harness's fault mid-commit: every part written, none renamed)
     manifest = Manifest(
         step=step, world_size=world_size, created=time.time(), ranks=parts, extra=extra or {}
     ).sealed()
@@ -268,6 +263,18 @@ def commit(
     os.rename(tmp, final)
     fsync_dir(root)
     return manifest
+
+
+def _files_there(root: Path, tmp: Path, step: int, parts: list[RankEntry]) -> None:
+    """Every file each rank's part points at is there, at its size (one written earlier too)."""
+    for part in parts:
+        for f in part.files:
+            top, _, rel = f.path.partition("/")
+            where = tmp / rel if top == step_name(step) else root / f.path
+            if not where.is_file() or where.stat().st_size != f.size:
+                raise CheckpointError(
+                    f"{step_name(step)}: rank {part.rank} points at {f.path}, which is gone"
+                )
 
 
 def referenced_dirs(manifest: Manifest) -> set[str]:

@@ -29,7 +29,7 @@ from typing import Any
 
 from loguru import logger
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
@@ -330,11 +330,35 @@ def main(argv: list[str] | None = None) -> int:
     agent = _agent(args, config, spec, job, events)
     exporter = _exporter(args, job, agent)
     result = None
+    lost: RendezvousConnectionError | None = None
     try:
         result = agent.run()
+    except RendezvousConnectionError as e:
+        lost = e
     finally:
         _wind_up(args, config, spec, job, agent, events, exporter, result)
+    if lost is not None:
+        return _store_lost(args, job, lost)
     return _exit_code(args, config, job, agent, result)
+
+
+STORE_LOST = 74  # the launcher's exit: the job's rendezvous store is gone (docs/launcher.md)
+
+
+def _store_lost(args: argparse.Namespace, job: _Job, e: RendezvousConnectionError) -> int:
+    """The rendezvous store went with the node that hosts it: no node can rejoin the job. Said
+    on stderr and as ``run_failed``; the exit tells the scheduler to requeue the job (it resumes
+    from its newest checkpoint)."""
+    why = f"{e.__cause__ or e}".splitlines()[0]
+    msg = (
+        f"resilient launch: the job's rendezvous store ({args.rdzv_endpoint}) is unreachable: {why}. "
+        "The node that hosts it was lost (or the network to it): this node cannot rejoin the job; "
+        "requeue it, it resumes from its newest checkpoint"
+    )
+    with EventLog(job.events, rank=-1, **job.where) as log:
+        log.emit(Event.RUN_FAILED, generation=0, step=None, error=msg, exitcode=STORE_LOST)
+    print(msg, file=sys.stderr)
+    return STORE_LOST
 
 
 def _elastic_config(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[Any, Any, list[str]]:

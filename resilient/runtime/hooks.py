@@ -38,9 +38,11 @@ ENTRY_POINT_GROUP = "resilient.hooks"
 
 # Where ``on_phase`` is called, in the order a recovery passes them: the built-in engine's
 # recovery phases (runtime/recovery/recovery.py), the next generation's group built, the
-# function re-entered, its first tracked object loaded, its first step begun; and ``join``: a
-# replacement (a promoted standby, a new process) about to join its dead predecessor's survivors.
-POINTS = ("join", "leave", "check", "agree", "rebuild", "reenter", "restore", "first_step")
+# function re-entered, its first tracked object loaded, its first step begun; ``join``: a
+# replacement (a promoted standby, a new process) about to join its dead predecessor's survivors;
+# and ``commit``, outside a recovery: a checkpoint about to be committed (its manifest written,
+# its directory renamed) by the rank that commits, in the thread that writes (resilient/points.py).
+POINTS = ("join", "leave", "check", "agree", "rebuild", "reenter", "restore", "first_step", "commit")
 
 
 @dataclass(frozen=True)

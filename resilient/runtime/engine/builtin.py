@@ -381,7 +381,7 @@ class BuiltinRun:
                         buddy=self.keeper.buddy.summary() if self.keeper.buddy else None,
                     )
                     return result
-                self.pending = self.recovery.recover(exc)
+                self.pending = self._recover(exc)
                 exc = None  # drop the failed generation (see Recovery.recover)
         except Preempted as e:
             s.events.emit(Event.RUN_PREEMPTED, generation=s.generation, step=e.step, error=str(e))
@@ -391,6 +391,15 @@ class BuiltinRun:
             raise
         finally:
             self.close()
+
+    def _recover(self, exc: BaseException | None) -> PendingRestore:
+        try:
+            return self.recovery.recover(exc)
+        except dist.DistNetworkError as e:  # (every recovery step agrees through the job's store)
+            raise HardFault(
+                f"rank {self.session.rank}: the job's store is unreachable ({str(e).splitlines()[0]}): the "
+                "node that hosts it was lost, or the network to it; in-process recovery needs it"
+            ) from e
 
     def _running(self) -> int | None:
         """The generation whose step may be interrupted now."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from resilient import points
 from resilient.contract import run_namespace
 from resilient.events import Event, EventLog
 from resilient.launch_env import Var
@@ -100,6 +101,8 @@ class Session:
         )
         for h in self.hooks:
             h.on_start(info)
+        if self.hooks:  # (the points code outside the run reaches: a checkpoint's commit)
+            self.wiring.on_close.append(points.listen(self.at_point))
 
     def at_point(self, phase: str, step: int | None) -> None:
         """The hooks told that a recovery reached ``phase`` (hooks.POINTS); raises what they raise."""
