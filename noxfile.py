@@ -230,8 +230,9 @@ def certify_compound(session: nox.Session) -> None:
     """Faults inside a recovery (configs/chaos/compound.yaml): an exception in the restore, the
     same fault again in the first step, a SIGKILL of the other rank in agree or of the faulted
     rank in leave, a hang in the group's rebuild, a GIL-bound hang in the health checks, a
-    promoted standby SIGKILLed as it joins, a second rank's SIGKILL while the first is replaced;
-    3 trials each, bit-exact (chaos_compound/). About 12 min."""
+    promoted standby SIGKILLed as it joins, a second rank's SIGKILL while the first is replaced,
+    the rank that commits SIGKILLed mid-commit; 3 trials each, bit-exact (chaos_compound/).
+    About 14 min. (The store's node lost: configs/chaos/nodes.yaml, nox -s certify-nodes.)"""
     _install(session, "dev", "chaos")
     trials = session.posargs or ["--trials", "3"]
     env = {"OMP_NUM_THREADS": "1"}
