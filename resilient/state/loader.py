@@ -91,7 +91,9 @@ class _Resumable:
     def __iter__(self) -> Iterator[Any]:
         pos = self._resilient_pos
         pending, pos.pending = pos.pending, None
-        if pending is None or pending["rng"] is None:  # a new pass (or nothing to resume)
+        # a new pass: nothing to resume, or a position restored at its pass's end (every batch
+        # yielded: the snapshot came between an epoch's last step and the next iter())
+        if pending is None or pending["rng"] is None or _pass_over(self, pending):
             pos.iterators += 1
             pos.rng = _get_states(self)
             pos.consumed = 0

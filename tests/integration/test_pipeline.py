@@ -170,3 +170,18 @@ def test_a_checkpoint_of_another_pipeline_layout_is_refused_naming_both(tmp_path
     failed = {e["rank"]: e["error"] for e in res.of("run_failed")}
     held = "'stage0' was saved holding blocks.1; this rank's holds blocks.2-3, norm, head"
     assert held in failed[1], failed
+
+
+def test_a_restore_at_an_epoch_s_first_step_begins_the_next_epoch_bit_exact(
+    tmp_path: Path, reference: Callable[..., list[dict[str, Any]]]
+) -> None:
+    # the example's loop calls iter(loader) at each epoch's first step (32 steps an epoch here):
+    # restored there, the loader's position is the last epoch's end, and the next iter() must
+    # begin the next epoch (it resumed the finished pass: StopIteration at every retry, exit 3;
+    # found by the soak)
+    args = ("--steps", "40")
+    res = _run(tmp_path / "job", 2, *args, plan="exception@32:1")
+    assert res.of("fault_detected"), res.describe()
+    assert not [e for e in res.of("fault_report") if "StopIteration" in e.get("message", "")], res.describe()
+    assert all(e["step"] <= 32 for e in res.of("state_restored")), res.of("state_restored")
+    _same(reference(2, *args), _states(tmp_path / "job" / "state", 2))

@@ -126,3 +126,29 @@ def test_a_stateful_loader_resumed_continues_as_if_never_stopped(
         assert torch.equal(a, b)
     for a, b in zip(epoch2, nxt, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_restored_at_its_pass_s_end_begins_the_next_pass_at_the_next_iter(workers: int) -> None:
+    # a manual epoch loop (`if step % len(loader) == 0: batches = iter(loader)`) restored at an
+    # epoch's first step: the snapshot came after the last batch, before the next iter(); the
+    # next iter() is the next epoch, as in the run that was not stopped (not the old one's end:
+    # StopIteration, every time, found by the soak in examples/train_pipeline.py)
+    torch.manual_seed(0)
+    reg = Registry()
+    ref = _loader(workers, False)
+    reg.add("loader", ref)
+    first = [*ref]
+    state = copy.deepcopy(reg.capture())  # every batch of the pass yielded
+    epoch2 = [*ref]
+
+    torch.manual_seed(123)
+    again = _loader(workers, False)
+    reg2 = Registry()
+    reg2.add("loader", again)
+    reg2.load("loader", state["loader"])
+    torch.set_rng_state(state["__rng__"]["torch"])
+    resumed = [*again]
+    assert len(resumed) == len(first) == len(epoch2)
+    for a, b in zip(epoch2, resumed, strict=True):
+        assert torch.equal(a, b)
