@@ -3,7 +3,7 @@
 chaos certify configs/chaos/cpu.yaml --out chaos_out [--classes sigkill,hang] [--trials N] [-- train.py ...]
 chaos run configs/chaos/schedule.yaml --out chaos_run [-- train.py ...]
 chaos stream configs/chaos/cpu.yaml --out chaos_stream [--faults N]
-chaos soak configs/chaos/soak.yaml --out chaos_soak [--faults N]
+chaos soak configs/chaos/soak.yaml --out chaos_soak [--faults N] [--resume]
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     soak.add_argument("--out", type=Path, default=Path("chaos_soak"))
     soak.add_argument(
         "--faults", type=count(1, 10**6), default=None, help="override the config's fault count"
+    )
+    soak.add_argument(
+        "--resume", action="store_true", help="keep the jobs OUT/soak.json holds and go on after them"
     )
     args = p.parse_args(words)
     if command and args.cmd not in _TAKE_COMMAND:
@@ -226,7 +229,7 @@ def _soak(args: Any) -> int:
     except (OSError, ValidationError) as e:
         raise BadInput(f"{args.config}: {e}") from None
     args.out.mkdir(parents=True, exist_ok=True)
-    report = soak.run(spec, args.out, args.faults)
+    report = soak.run(spec, args.out, args.faults, args.resume)
     report["failed"] = soak.failed(report)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1))
     soak.picture(report, args.out / "soak.png")

@@ -27,7 +27,7 @@ import yaml
 from pydantic import Field
 
 from chaos import schedule
-from chaos.schedule import During, KindName, Planned, _Model
+from chaos.schedule import BadInput, During, KindName, Planned, _Model
 
 
 class Stack(_Model):
@@ -87,9 +87,10 @@ def deal(soak: Soak, stack: Stack, nproc: int, n: int, rng: random.Random) -> li
     return out
 
 
-def run(soak: Soak, out: Path, faults: int | None = None) -> dict[str, Any]:
+def run(soak: Soak, out: Path, faults: int | None = None, resume: bool = False) -> dict[str, Any]:
     """The soak; after each job its figures so far are written to ``out/soak.json`` (a soak
-    stopped early keeps them, ``"complete": false``)."""
+    stopped early keeps them, ``"complete": false``). ``resume`` keeps those jobs and goes on
+    with the job after them, dealt as the uninterrupted soak would have dealt it."""
     import json
 
     from chaos.stream import run_schedule, verdict
@@ -97,9 +98,9 @@ def run(soak: Soak, out: Path, faults: int | None = None) -> dict[str, Any]:
     total = faults or soak.faults
     rng = random.Random(f"{soak.seed}/soak")
     refs: dict[str, tuple[list[dict[str, Any]], float]] = {}
-    jobs: list[dict[str, Any]] = []
+    jobs, wall_before = _resumed(soak, out, rng) if resume else ([], 0.0)
     names = list(soak.stacks)
-    dealt, t0 = 0, time.monotonic()
+    dealt, t0 = sum(j["faults_planned"] for j in jobs), time.monotonic() - wall_before
     so_far: dict[str, Any] = {}
     while dealt < total:
         name = names[len(jobs) % len(names)]
@@ -123,6 +124,27 @@ def run(soak: Soak, out: Path, faults: int | None = None) -> dict[str, Any]:
         so_far = {**summary(jobs, time.monotonic() - t0), "complete": dealt >= total}
         (out / "soak.json").write_text(json.dumps(so_far, indent=1))
     return so_far
+
+
+def _resumed(soak: Soak, out: Path, rng: random.Random) -> tuple[list[dict[str, Any]], float]:
+    """The jobs a stopped soak wrote, with ``rng`` advanced past their deals so the next job
+    gets the faults it would have got."""
+    import json
+
+    path = out / "soak.json"
+    if not path.exists():
+        return [], 0.0
+    before = json.loads(path.read_text())
+    jobs: list[dict[str, Any]] = before["per_job"]
+    for job in jobs:
+        stack = soak.stacks[job["stack"]]
+        cert = job_of(soak, stack, (job["faults_planned"] + 1) * soak.steps_per_fault + 4)
+        again = [f.spec(f.step or 0) for f in deal(soak, stack, cert.job.nproc, job["faults_planned"], rng)]
+        if again != job["planned"]:
+            raise BadInput(
+                f"{path}: job {job['stack']} was dealt {job['planned']}, this config deals {again}"
+            )
+    return jobs, float(before["wall_s"])
 
 
 def _pct(xs: list[float], q: float) -> float | None:

@@ -57,3 +57,38 @@ def test_the_summary_counts_faults_jobs_and_work_lost() -> None:
     assert (s["faults_fired"], s["second_faults_fired"], s["jobs_bit_exact"]) == (4, 2, 1)
     assert s["work_lost_s"]["max"] == 2.0 and s["longest_recovery_s"] == 4.0
     assert soak.failed(s) == ["jobs"]
+
+
+def test_a_resumed_soak_deals_the_next_job_as_the_whole_soak_would(tmp_path: Path) -> None:
+    import json
+
+    import pytest
+
+    from chaos.schedule import BadInput
+
+    spec = soak.load(ROOT / "configs" / "chaos" / "soak.yaml")
+    rng = random.Random(f"{spec.seed}/soak")
+    names = list(spec.stacks)
+    jobs = []
+    for i in range(3):
+        stack = spec.stacks[names[i]]
+        nproc = soak.job_of(spec, stack, 100).job.nproc
+        dealt = soak.deal(spec, stack, nproc, spec.per_job, rng)
+        jobs.append(
+            {
+                "stack": names[i],
+                "faults_planned": spec.per_job,
+                "planned": [f.spec(f.step or 0) for f in dealt],
+            }
+        )
+    (tmp_path / "soak.json").write_text(json.dumps({"per_job": jobs[:2], "wall_s": 5.0}))
+    again = random.Random(f"{spec.seed}/soak")
+    kept, wall = soak._resumed(spec, tmp_path, again)
+    assert (len(kept), wall) == (2, 5.0)
+    third = spec.stacks[names[2]]
+    nxt = soak.deal(spec, third, soak.job_of(spec, third, 100).job.nproc, spec.per_job, again)
+    assert [f.spec(f.step or 0) for f in nxt] == jobs[2]["planned"]
+    jobs[1]["planned"] = jobs[1]["planned"][::-1]  # another config's soak is not taken for this one's
+    (tmp_path / "soak.json").write_text(json.dumps({"per_job": jobs[:2], "wall_s": 5.0}))
+    with pytest.raises(BadInput, match=r"soak\.json: job"):
+        soak._resumed(spec, tmp_path, random.Random(f"{spec.seed}/soak"))
