@@ -7,12 +7,15 @@ import glob
 import os
 import shutil
 import subprocess
+import time
 
 import nox
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
-PY = "3.11"
+# The sessions run on the Python that runs nox (3.10 or newer); this pin's CPU wheel is for 3.11,
+# elsewhere pip takes PyPI's torch (a CUDA build, several GB).
+PY = None
 # A bare `torch` requirement pulls a multi-GB CUDA build; the CPU wheel of this version is what
 # machines like ours (and CI) install first. Real users get the range from pyproject.
 TORCH = "torch==2.13.0"
@@ -24,8 +27,8 @@ def _install(session: nox.Session, *extras: str) -> None:
     session.install("-e", f".[{','.join(extras)}]")
 
 
-# the trainers' integrations and torchdata: their CI smoke tests run (each skips without its extra)
-STACKS = ("lightning", "hf", "torchdata")
+# the trainers' integrations, torchdata and `engine: nvrx`: their CI tests run (each skips without its extra)
+STACKS = ("lightning", "hf", "torchdata", "nvrx")
 
 
 @nox.session(python=PY)
@@ -70,6 +73,59 @@ def tests_310(session: nox.Session) -> None:
     session.run(
         "pytest", "tests/unit", "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1"}
     )
+
+
+# The torch releases the project is tested on besides CI's pin: the oldest that passes (pyproject's
+# floor) and the newest. A pip constraint capping torch below one of them must be lifted first.
+TORCH_MATRIX = {"floor": "2.9.1", "2.14": "2.14.1", "2.15": "2.15.0"}
+MATRIX_CLASSES = "exception,hang,oom,nan,sigkill_warm"
+
+
+def _matrix(session: nox.Session, version: str) -> None:
+    """On ``torch==version``: the unit tests, the CI integration tests, and the CPU certificate of
+    the in-process classes and a killed rank's warm replacement, once each; the time printed."""
+    t0 = time.monotonic()
+    pin = f"torch=={version}"  # (in every install, so that no extra moves torch)
+    session.install(pin)
+    session.install("-e", f".[{','.join(('dev', 'chaos', *STACKS))}]", pin)
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run("pytest", "tests/unit", "-q", "-p", "no:cacheprovider", "-n", "2", env=env)
+    session.run(
+        "pytest", "tests/integration", "-q", "-p", "no:cacheprovider", "-m", "not slow and not slurm", env=env
+    )
+    out = f"chaos_torch_{version}"
+    session.run(
+        "chaos",
+        "certify",
+        "configs/chaos/cpu.yaml",
+        "--classes",
+        MATRIX_CLASSES,
+        "--trials",
+        "1",
+        "--out",
+        out,
+        env=env,
+    )
+    session.log(f"torch {version}: the matrix session took {time.monotonic() - t0:.0f} s")
+
+
+@nox.session(name="tests-torch-floor", python=PY)
+def tests_torch_floor(session: nox.Session) -> None:
+    """The matrix (see ``_matrix``) on the oldest torch pyproject admits."""
+    _matrix(session, TORCH_MATRIX["floor"])
+
+
+@nox.session(name="tests-torch-2.14", python=PY)
+def tests_torch_214(session: nox.Session) -> None:
+    """The matrix on torch 2.14."""
+    _matrix(session, TORCH_MATRIX["2.14"])
+
+
+@nox.session(name="tests-torch-2.15", python=PY)
+def tests_torch_215(session: nox.Session) -> None:
+    """The matrix on torch 2.15 (a download of a few GB)."""
+    _matrix(session, TORCH_MATRIX["2.15"])
 
 
 @nox.session(python=PY)
@@ -236,7 +292,9 @@ def certify_compound(session: nox.Session) -> None:
     _install(session, "dev", "chaos")
     trials = session.posargs or ["--trials", "3"]
     env = {"OMP_NUM_THREADS": "1"}
-    session.run("chaos", "certify", "configs/chaos/compound.yaml", "--out", "chaos_compound", *trials, env=env)
+    session.run(
+        "chaos", "certify", "configs/chaos/compound.yaml", "--out", "chaos_compound", *trials, env=env
+    )
 
 
 @nox.session(name="certify-live", python=PY)

@@ -393,7 +393,10 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         p = Path(path)
         file = str(p)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+            raise ConfigError(
+                f"config file not found: {p} (looked for {p.absolute()}; a relative path is read from "
+                "the working directory; leave config out for the built-in defaults)"
+            )
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:

@@ -34,7 +34,7 @@ and [`resilient/runtime/context.py`](../resilient/runtime/context.py) by `{COMMA
 ```python
 import resilient
 
-@resilient.wrap(config="configs/default.yaml")
+@resilient.wrap()
 def train(ctx: resilient.Context):  # a parameter named ctx receives the Context
     print(ctx.rank, ctx.world_size, ctx.device)
     ...

@@ -5,7 +5,7 @@
 
     from resilient.integrations import hf
 
-    @hf.wrap(config="configs/default.yaml")  # resilient.wrap, and every trainer.train() inside is resilient
+    @hf.wrap()  # resilient.wrap, and every trainer.train() inside is resilient
     def main():
         args = TrainingArguments(output_dir="out", max_steps=1000, seed=0, ...)
         trainer = Trainer(model=build_model(), args=args, train_dataset=dataset)

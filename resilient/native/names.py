@@ -17,8 +17,10 @@ dynamic linker put there. Linux, ELF, x86-64 and AArch64; elsewhere, without the
 optional at install), or when anything about a library is not as expected, it changes nothing there
 and says why (:func:`apply` returns the reason).
 
-Upstream: torch 2.13.0 still calls ``getnameinfo`` from ``libtorch_cpu.so`` with ``NI_NUMERICSERV``
-only (seen through an ``LD_PRELOAD`` interposer), so this is needed at least through 2.13. Its
+Upstream: torch 2.9.1, 2.13.0, 2.14.1 and 2.15.0 all call ``getnameinfo`` from ``libtorch_cpu.so``
+with ``NI_NUMERICSERV`` only (``benchmarks/store_names.py``: an ``LD_PRELOAD`` interposer, 4 calls
+for one server and one client, each with the flag after :func:`apply`), so it is applied on every
+torch the project supports. Its
 ``formatSockAddr`` stops calling it for the rest of the process once a lookup *fails* (the
 behaviour of pytorch/pytorch#159596, for #159007): a name server that never answers costs one
 timeout per process, but one that loses an answer and then gives one costs the timeout on every

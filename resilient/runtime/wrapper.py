@@ -94,7 +94,8 @@ def wrap(
 ) -> Any:
     """Make ``fn`` survive soft faults in-process.
 
-    Use as ``@resilient.wrap`` or ``@resilient.wrap(config="configs/default.yaml", hang_timeout=30)``.
+    Use as ``@resilient.wrap`` or ``@resilient.wrap(config="resilient.yaml", hang_timeout=30)`` (a YAML file
+    of your own, read from the working directory; ``configs/default.yaml`` is the commented template).
     The configuration is validated here, at decoration time. If ``fn`` has a parameter named ``ctx``,
     the :class:`Context` is passed to it; otherwise ``resilient.current()`` returns it. The runtime
     creates the default process group (on a fresh store generation) before each entry of ``fn``.

@@ -38,6 +38,10 @@ def test_exception_on_rank1(tmp_path, reference):
     (primary,) = {(e["origin_rank"], e["kind"], e["origin_step"]) for e in res.of("fault_detected")}
     assert primary == (1, "exception", 9)
     assert load_states(tmp_path, 2)[1]["fired"] == {"exception@9:1": 1}
+    # how the group was aborted and rebuilt is in the record (docs/recovery.md#phases)
+    assert {(e["abort"], e["rebuild"]) for e in res.of("group_rebuilt")} == {
+        ("sockets", "init_process_group")
+    }
 
 
 def test_a_peer_still_in_its_steps_tail_finishes_it_and_every_rank_resumes_live(tmp_path, reference):

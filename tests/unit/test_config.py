@@ -124,6 +124,17 @@ def test_missing_file_error_names_the_path(tmp_path: Path):
     assert str(p) in str(ei.value)
 
 
+def test_a_relative_config_path_not_found_names_the_directory_it_was_read_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)  # (a user's project, where the repository's configs/ is not)
+    with pytest.raises(ConfigError) as ei:
+        load_config("configs/default.yaml")
+    message = str(ei.value)
+    assert "\n" not in message and str(tmp_path / "configs" / "default.yaml") in message
+    assert "leave config out" in message
+
+
 def test_backoff_max_below_initial_rejected():
     with pytest.raises(ConfigError) as ei:
         load_config(restart={"backoff_initial_s": 5.0, "backoff_max_s": 1.0})

@@ -9,6 +9,13 @@ peer's collective fail at once with "Connection closed by peer". Listening socke
 
 NCCL is aborted with ``_abort_process_group`` (it unblocks pending collectives from another thread);
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` must not kill the process on error, see :func:`nccl_env`.
+
+torch's own gloo ``abort()`` (2.13+) still leaves a blocked collective blocked, here and on the
+peer, through 2.15; its in-place ``_reconfigure`` (2.14+) rebuilds a group ~7 ms faster but
+only among processes that all hold the old group, so a replacement could not join it, and the
+default group would stay on the old generation's store (``benchmarks/gloo_core_paths.py``,
+docs/recovery.md). Each generation's group is therefore built anew; :data:`PATHS` says how, in
+the ``group_rebuilt`` event.
 """
 
 from __future__ import annotations
@@ -60,6 +67,13 @@ def _socket_inodes() -> dict[int, str]:
         if link.startswith("socket:"):
             out[int(fd)] = link
     return out
+
+
+# how a group is aborted (by backend) and rebuilt: the ``group_rebuilt`` event's fields
+PATHS = {
+    "gloo": {"abort": "sockets", "rebuild": "init_process_group"},
+    "nccl": {"abort": "nccl_abort", "rebuild": "init_process_group"},
+}
 
 
 @dataclass
@@ -135,6 +149,11 @@ class Group:
             except Exception as e:
                 logger.warning("destroy_process_group failed after abort: {}", e)
         p2p.accept()  # (the aborted group's ops are gone with it)
+
+
+def group_paths(group: Any) -> dict[str, str]:
+    """How ``group`` is aborted and rebuilt (:data:`PATHS`, by its backend)."""
+    return PATHS.get(getattr(group, "backend", "gloo"), PATHS["gloo"])
 
 
 class GroupOwner:

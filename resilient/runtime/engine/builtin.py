@@ -47,7 +47,7 @@ from resilient.events import Event
 from resilient.launch_env import local_address
 from resilient.runtime.coordination import coordinator as coord_mod
 from resilient.runtime.coordination import node as node_mod
-from resilient.runtime.coordination.pg import GroupOwner
+from resilient.runtime.coordination.pg import GroupOwner, group_paths
 from resilient.runtime.engine.warmup import first_use_imports
 from resilient.runtime.keeping import resume
 from resilient.runtime.keeping.buddy import Buddy, buddy_of
@@ -468,6 +468,8 @@ class BuiltinRun:
                 build_s=time.time() - t_build,
                 cpu_s=(cpu := time.thread_time()),
                 build_cpu_s=cpu - cpu_build,
+                abort=(paths := group_paths(self.groups.current))["abort"],
+                rebuild=paths["rebuild"],
             )
         self.phase = Phase.RUNNING
         self.detection.watch(gen)

@@ -99,19 +99,28 @@ class NvrxEngine:
                 "engine: nvrx does not write durable checkpoints (checkpoint.dir is set): use "
                 "engine: resilient, or NVRx's own checkpointing beside this engine"
             )
+        self.inprocess = nvrx_inprocess()
         self.setup = setup
         self._wire = wiring
 
     def run(self, fn: Callable[[StepLoop], Any]) -> Any:
-        try:
-            import nvidia_resiliency_ext.inprocess as inprocess
-        except ImportError as e:
-            raise ConfigError(f"engine: nvrx needs nvidia-resiliency-ext importable: {e}") from e
+        inprocess = self.inprocess
         die_with_launcher(self.setup.launch.launcher_pid)
         w = self._wire(self.setup)
         session = Session(self.setup, w, engine=self.name, namespace="nvrx/")
         # NVRx's monitor thread runs the abort: it gets a store connection of its own
         return NvrxRun(session, w.side_store(session.t.barrier)).run(fn, inprocess)
+
+
+def nvrx_inprocess() -> Any:
+    """NVRx's in-process module, from the ``nvrx`` extra; its absence is a one-line error naming it."""
+    try:
+        import nvidia_resiliency_ext.inprocess as inprocess
+    except ImportError as e:
+        raise ConfigError(
+            f"engine: nvrx needs nvidia-resiliency-ext ({e}): pip install 'resilient[nvrx]'"
+        ) from None
+    return inprocess
 
 
 class NvrxRun:
