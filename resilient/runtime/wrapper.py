@@ -108,6 +108,10 @@ def wrap(
     cfg = config if isinstance(config, Config) else load_config(config, **overrides)
     if isinstance(config, Config) and overrides:
         cfg = load_config(None, **{**config.model_dump(), **overrides})
+    if cfg.engine == "nvrx":  # (its extra missing is a configuration error, said at decoration)
+        from resilient.runtime.engine.nvrx import nvrx_inprocess
+
+        nvrx_inprocess()
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         wants_ctx = "ctx" in inspect.signature(f).parameters

@@ -23,6 +23,10 @@ def test_engine_nvrx_without_nvidia_resiliency_ext_names_the_extra(monkeypatch: 
         NvrxEngine(Setup.of(cfg, launch=LaunchEnv.from_environ({})))
     message = str(ei.value)
     assert "pip install 'resilient[nvrx]'" in message and "\n" not in message
+    with pytest.raises(ConfigError, match=r"resilient\[nvrx\]"):  # at decoration, before any rank starts
+        import resilient
+
+        resilient.wrap(engine="nvrx")
 
 
 def test_a_plain_import_pulls_no_nvrx() -> None:
