@@ -56,6 +56,8 @@ from typing import Any
 
 import psutil
 
+from chaos import results as stamp
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
@@ -756,7 +758,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "suite.json")
     args = ap.parse_args()
 
-    results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
+    # one run, whole: a run of some phases (--only) never merges into, nor replaces, a whole one
+    complete = set(args.only) == set(phases)
+    st = stamp.begin(trials=args.trials, phases=args.only)
+    results: dict[str, Any] = {}
     import torch
 
     results["machine"] = {
@@ -783,10 +788,10 @@ def main() -> None:
     results["rows"] = table(results)
     results["wall_s"] = time.time() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1, default=str))
-    plot(results, args.out.with_suffix(".png"))
+    written = stamp.write(args.out, results, st, complete)
+    plot(results, written.with_suffix(".png"))
     print_table(results["rows"])
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    print(f"wrote {written} and {written.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -144,8 +144,11 @@ def _certify(args: Any) -> int:
         cert = cert.model_copy(
             update={"classes": {n: c.model_copy(update={"trials": None}) for n, c in cert.classes.items()}}
         )
+    from chaos import results
+
+    st = results.begin(trials=cert.trials, config=str(args.config), classes=only or sorted(cert.classes))
     trials = certify.certify(cert, args.out, only)
-    rows = report.write(cert, trials, args.out)
+    rows = report.write(cert, trials, args.out, st, complete=not only or set(only) >= set(cert.classes))
     console = Console(width=max(120, Console().width))
     console.print(report.table(rows))
     for r in rows:
@@ -199,7 +202,6 @@ def _print_report(report: dict[str, Any], title: str) -> None:
 
 
 def _stream(args: Any) -> int:
-    import json
 
     from chaos import schedule, stream
 
@@ -208,8 +210,11 @@ def _stream(args: Any) -> int:
         raise BadInput(f"{args.config}: no `stream:` section")
     if args.faults is not None:
         cert = cert.model_copy(update={"stream": cert.stream.model_copy(update={"faults": args.faults})})
+    from chaos import results
+
+    stamp = results.begin(config=str(args.config), faults=args.faults)
     report = stream.run(cert, args.out)
-    (args.out / "stream.json").write_text(json.dumps(report, indent=1))
+    results.write(args.out / "stream.json", report, stamp)
     st = cert.stream
     assert st is not None
     how = " on average" if st.random else ""
@@ -229,9 +234,7 @@ def _soak(args: Any) -> int:
     except (OSError, ValidationError) as e:
         raise BadInput(f"{args.config}: {e}") from None
     args.out.mkdir(parents=True, exist_ok=True)
-    report = soak.run(spec, args.out, args.faults, args.resume)
-    report["failed"] = soak.failed(report)
-    (args.out / "soak.json").write_text(json.dumps(report, indent=1))
+    report = soak.run(spec, args.out, args.faults, args.resume)  # (soak.json written, stamped)
     soak.picture(report, args.out / "soak.png")
     brief = {k: v for k, v in report.items() if k != "per_job"}
     print(json.dumps(brief, indent=1))
@@ -239,7 +242,6 @@ def _soak(args: Any) -> int:
 
 
 def _run(args: Any) -> int:
-    import json
 
     from chaos import schedule, stream
 
@@ -247,9 +249,12 @@ def _run(args: Any) -> int:
     if not cert.schedule:
         raise BadInput(f"{args.config}: no `schedule:` list of faults")
     cert = _with_command(cert, args.command)
+    from chaos import results
+
+    st = results.begin(config=str(args.config))
     report = stream.run_schedule(cert, args.out, list(cert.schedule))
     report["failed"] = stream.verdict(report, None, True)  # the final state must equal the reference
-    (args.out / "run.json").write_text(json.dumps(report, indent=1))
+    results.write(args.out / "run.json", report, st)
     _print_report(report, f"chaos run: {len(cert.schedule)} faults")
     return 0 if not report["failed"] else 1
 

@@ -3,7 +3,6 @@ the class's medians), the tables ``chaos certify`` prints, the timeline plot, ce
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -241,7 +240,17 @@ def timeline_png(trials: list[Trial], path: Path) -> None:
     plt.close(fig)
 
 
-def write(cert: Certification, trials: list[Trial], out: Path) -> list[dict[str, Any]]:
+def write(
+    cert: Certification,
+    trials: list[Trial],
+    out: Path,
+    st: dict[str, Any] | None = None,
+    complete: bool = True,
+) -> list[dict[str, Any]]:
+    """``certificate.json`` (stamped: ``st`` from :func:`chaos.results.begin`, taken before the
+    trials; ``complete`` False for a subset of the config's classes) and ``timeline.png``."""
+    from chaos import results
+
     rows = summarize(cert, trials)
     data = {
         "classes": rows,
@@ -250,6 +259,6 @@ def write(cert: Certification, trials: list[Trial], out: Path) -> list[dict[str,
         "seed": cert.seed,
         "passed": all(not r["failed"] for r in rows),
     }
-    (out / "certificate.json").write_text(json.dumps(data, indent=1))
+    results.write(out / "certificate.json", data, st or results.begin(), complete)
     timeline_png(trials, out / "timeline.png")
     return rows

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from pydantic import Field
 
-from chaos import schedule
+from chaos import results, schedule
 from chaos.schedule import BadInput, During, KindName, Planned, _Model
 
 
@@ -91,14 +91,14 @@ def run(soak: Soak, out: Path, faults: int | None = None, resume: bool = False) 
     """The soak; after each job its figures so far are written to ``out/soak.json`` (a soak
     stopped early keeps them, ``"complete": false``). ``resume`` keeps those jobs and goes on
     with the job after them, dealt as the uninterrupted soak would have dealt it."""
-    import json
 
     from chaos.stream import run_schedule, verdict
 
     total = faults or soak.faults
     rng = random.Random(f"{soak.seed}/soak")
     refs: dict[str, tuple[list[dict[str, Any]], float]] = {}
-    jobs, wall_before = _resumed(soak, out, rng) if resume else ([], 0.0)
+    jobs, wall_before, stamp_before = _resumed(soak, out, rng) if resume else ([], 0.0, None)
+    st = results.begin(faults=total, resumed_from=stamp_before)
     names = list(soak.stacks)
     dealt, t0 = sum(j["faults_planned"] for j in jobs), time.monotonic() - wall_before
     so_far: dict[str, Any] = {}
@@ -122,18 +122,21 @@ def run(soak: Soak, out: Path, faults: int | None = None, resume: bool = False) 
             flush=True,
         )
         so_far = {**summary(jobs, time.monotonic() - t0), "complete": dealt >= total}
-        (out / "soak.json").write_text(json.dumps(so_far, indent=1))
+        so_far["failed"] = failed(so_far)
+        results.write(out / "soak.json", so_far, st, complete=dealt >= total)
     return so_far
 
 
-def _resumed(soak: Soak, out: Path, rng: random.Random) -> tuple[list[dict[str, Any]], float]:
-    """The jobs a stopped soak wrote, with ``rng`` advanced past their deals so the next job
-    gets the faults it would have got."""
+def _resumed(
+    soak: Soak, out: Path, rng: random.Random
+) -> tuple[list[dict[str, Any]], float, dict[str, Any] | None]:
+    """The jobs a stopped soak wrote, its wall time and stamp, with ``rng`` advanced past their
+    deals so the next job gets the faults it would have got."""
     import json
 
     path = out / "soak.json"
     if not path.exists():
-        return [], 0.0
+        return [], 0.0, None
     before = json.loads(path.read_text())
     jobs: list[dict[str, Any]] = before["per_job"]
     for job in jobs:
@@ -144,7 +147,7 @@ def _resumed(soak: Soak, out: Path, rng: random.Random) -> tuple[list[dict[str, 
             raise BadInput(
                 f"{path}: job {job['stack']} was dealt {job['planned']}, this config deals {again}"
             )
-    return jobs, float(before["wall_s"])
+    return jobs, float(before["wall_s"]), before.get("stamp")
 
 
 def _pct(xs: list[float], q: float) -> float | None:

@@ -83,7 +83,7 @@ def test_a_resumed_soak_deals_the_next_job_as_the_whole_soak_would(tmp_path: Pat
         )
     (tmp_path / "soak.json").write_text(json.dumps({"per_job": jobs[:2], "wall_s": 5.0}))
     again = random.Random(f"{spec.seed}/soak")
-    kept, wall = soak._resumed(spec, tmp_path, again)
+    kept, wall, _ = soak._resumed(spec, tmp_path, again)
     assert (len(kept), wall) == (2, 5.0)
     third = spec.stacks[names[2]]
     nxt = soak.deal(spec, third, soak.job_of(spec, third, 100).job.nproc, spec.per_job, again)

@@ -1,16 +1,18 @@
-"""What made a result: every file under ``benchmarks/results/`` carries one of these.
+"""What made a result: every file under ``benchmarks/results/`` carries a stamp.
 
-    st = stamp.begin(trials=5)        # before the run: commit, tree, command, versions, machine, load
+    st = results.begin(trials=5)           # before the run: commit, tree, command, versions, machine, load
     ...
-    report["stamp"] = stamp.end(st)   # after it: the load after, the wall time
+    results.write(path, report, st)        # after it: the load after, the wall time; the file written
 
 A result made on a tree with changes says so (``tree_clean: false``); a run whose load average was
-above the core count says ``loaded: true``.
+above the core count says ``loaded: true``. A partial run (``complete=False``) never replaces a
+complete result: it is written beside it (``<name>.partial.json``).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -19,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # (the repository, for an editable install)
 PEERS = ("nvidia-resiliency-ext", "torchft", "lightning", "transformers", "accelerate", "torchdata")
 
 
@@ -83,3 +85,24 @@ def end(st: dict[str, Any]) -> dict[str, Any]:
     cores = out["cores"] or 1
     out["loaded"] = max(out["load_before"][0], out["load_after"][0]) > cores
     return out
+
+
+def stamped(data: Any, st: dict[str, Any], complete: bool = True) -> dict[str, Any]:
+    """``data`` (a mapping, or anything else under ``results``) with its stamp."""
+    body = dict(data) if isinstance(data, dict) else {"results": data}
+    return {**body, "stamp": {**end(st), "complete": complete}}
+
+
+def write(path: Path, data: Any, st: dict[str, Any], complete: bool = True) -> Path:
+    """Write ``data`` stamped to ``path``; a partial run whose ``path`` holds a complete result
+    goes to ``<stem>.partial.json`` beside it instead. Returns where it went."""
+    path = Path(path)
+    if not complete and path.exists():
+        try:
+            before = json.loads(path.read_text()).get("stamp", {})
+        except (ValueError, AttributeError):
+            before = {}
+        if before.get("complete", True):
+            path = path.with_name(f"{path.stem}.partial.json")
+    path.write_text(json.dumps(stamped(data, st, complete), indent=1, default=str) + "\n")
+    return path
