@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from lost_node import RDZV_FAST, Node  # noqa: E402
 
+from chaos import results  # noqa: E402
 from chaos.harness import free_port  # noqa: E402
 from resilient.events import Event  # noqa: E402
 
@@ -98,6 +99,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "buddy_overhead.json")
     args = ap.parse_args()
+    st = results.begin(pairs=args.pairs)
     load0 = os.getloadavg()[0]
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
@@ -130,7 +132,7 @@ def main() -> None:
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1))
+    results.write(args.out, summary, st)
     by_pair = ", ".join(f"{100 * x:+.2f}%" for x in ratios)
     on_ms, off_ms = summary["step_s_on"] * 1e3, summary["step_s_off"] * 1e3
     print(

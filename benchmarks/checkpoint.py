@@ -38,6 +38,7 @@ import xxhash
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from chaos import results  # noqa: E402
 from chaos.harness import run_ranks  # noqa: E402
 from resilient.checkpoint.codec import encode  # noqa: E402
 from resilient.checkpoint.manager import Checkpointer  # noqa: E402
@@ -325,7 +326,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "checkpoint.json")
     args = p.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"sizes": {}}
+    st = results.begin(repeat=args.repeat, example_trials=args.example_trials)
+    found: dict[str, Any] = {"sizes": {}}
     try:
         for gb in args.sizes:
             model, opt = make_model(gb)
@@ -339,16 +341,16 @@ def main() -> None:
             r.update(ours(model, opt, args.dir, args.repeat))
             r["persist_Bps"] = size / r["persist_s"]
             r["writer"] = thread_vs_process(state, args.dir)
-            results["sizes"][f"{gb:g}"] = r
+            found["sizes"][f"{gb:g}"] = r
             print(json.dumps({f"{gb:g}GB": r}, indent=1), flush=True)
             del model, opt, state
         if args.example_trials:
-            results["example"] = example_throughput(args.example_trials, args.example_steps)
+            found["example"] = example_throughput(args.example_trials, args.example_steps)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
-    report(results)
+    results.write(args.out, found, st)
+    report(found)
 
 
 def report(results: dict[str, Any]) -> None:

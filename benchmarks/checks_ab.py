@@ -142,8 +142,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a.model, a.pairs, a.block)
+    from chaos import results
     from chaos.harness import run_ranks
 
+    st = results.begin(pairs=a.pairs)
     argv = [__file__, "--model", a.model, "--pairs", str(a.pairs), "--block", str(a.block), "--worker"]
     with tempfile.TemporaryDirectory() as d:
         res = run_ranks(argv, a.nproc, cwd=Path(d), timeout=1800)
@@ -171,7 +173,7 @@ def main() -> None:
         print(f"{k:28s} {v if not isinstance(v, float) else round(v, 3)}")
     out = a.out or ROOT / "benchmarks" / "results" / f"checks_ab_{a.model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    results.write(out, result, st)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from chaos import results  # noqa: E402
 from chaos.harness import run_ranks  # noqa: E402
 from resilient.events import Event  # noqa: E402
 
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "collective_check.json")
     args = ap.parse_args()
+    st = results.begin(trials=args.runs)
     wall: dict[str, list[float]] = {"on": [], "off": []}
     hook: dict[str, list[float]] = {"on": [], "off": []}
     for i in range(2 * args.runs):
@@ -60,7 +62,7 @@ def main() -> None:
         "wall_overhead_pct": 100 * (med["on"] - med["off"]) / med["off"],
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    results.write(args.out, result, st)
     print(f"step (wall, median of {args.runs}): check off {med['off']:.2f} ms, on {med['on']:.2f} ms "
           f"({result['wall_overhead_pct']:+.2f}%)")  # fmt: skip
     print(f"runtime main-thread time per step: off {hmed['off']:.3f} ms, on {hmed['on']:.3f} ms")

@@ -474,24 +474,26 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "control_plane.json")
     a = p.parse_args()
-    results = _parse_log(a.from_log) if a.from_log is not None else []
+    results = _results()
+    st = results.begin(checks=a.checks, recoveries=a.recoveries)
+    measured = _parse_log(a.from_log) if a.from_log is not None else []
     for n in [] if a.from_log is not None else [int(x) for x in a.ranks.split(",")]:
         try:
             protos = [p for p in a.protocols.split(",") if p and (p != "before" or n <= a.before_up_to)]
-            results.append(measure(n, a.procs, a.checks, a.recoveries, protos, a.names, a.connect_timeout))
+            measured.append(measure(n, a.procs, a.checks, a.recoveries, protos, a.names, a.connect_timeout))
         except (OSError, AssertionError, EOFError) as e:
             print(f"  N={n}: not measured on this machine ({type(e).__name__}: {e})", flush=True)
             break
     table = []
     for proto in PROTOCOLS:
-        pts_c = [(r["ranks"], r[proto]["check_cpu"]) for r in results if proto in r]
-        pts_r = [(r["ranks"], r[proto]["rec_cpu"]) for r in results if proto in r]
+        pts_c = [(r["ranks"], r[proto]["check_cpu"]) for r in measured if proto in r]
+        pts_r = [(r["ranks"], r[proto]["rec_cpu"]) for r in measured if proto in r]
         if not pts_c:
             continue
         # the work grows with the requests, O(N); the old barrier's every-rank multi_get, O(N²)
         fc, fr = fit(pts_c, 1), fit(pts_r, 2 if proto == "before" else 1)
         for n in [int(x) for x in a.project.split(",")]:
-            got = next((r for r in results if r["ranks"] == n and proto in r), None)
+            got = next((r for r in measured if r["ranks"] == n and proto in r), None)
             row = {"protocol": proto, "ranks": n, "measured": got is not None}
             if got is not None:
                 m = got[proto]
@@ -519,9 +521,21 @@ def main() -> None:
             f"{cell('rec_req', 18, '{:.0f}')} {cell('rec_cpu_ms', 9)} {cell('rec_wall_ms', 8)}{star}"
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"measured": results, "table": table, "interval": a.interval}, indent=1))
+    results.write(a.out, {"measured": measured, "table": table, "interval": a.interval}, st)
     if table:  # (none with --protocols '')
         _plot(table, a.out.with_suffix(".png"))
+
+
+def _results() -> Any:
+    """chaos/results.py on its own (stdlib only): ``from chaos import results`` would load torch into this
+    process, which the simulated ranks fork from."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chaos_results", ROOT / "chaos" / "results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _parse_log(path: Path) -> list[dict[str, Any]]:

@@ -74,6 +74,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "false_alarms.json")
     args = ap.parse_args()
+    from chaos import results
+
+    st = results.begin(trials=args.runs)
     rows = []
     for i in range(args.runs):
         r = one_run(i, args)
@@ -89,9 +92,7 @@ def main() -> None:
           f"longest gap between checkpoints per run: median {statistics.median(gaps):.3f} s, "
           f"max {max(gaps):.3f} s")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": rows}, indent=1)
-    )
+    results.write(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "runs": rows}, st)
     sys.exit(1 if alarms or failed else 0)
 
 

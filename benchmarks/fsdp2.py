@@ -175,6 +175,9 @@ def main() -> None:
     if args.rank_main is not None:
         _rank_main(args.rank_main, args.mb, args.repeat)
         return
+    from chaos import results
+
+    st = results.begin(repeat=args.repeat)
     ck = checkpoint_blocking(args.mb, args.repeat)
     print(f"checkpoint blocking, FSDP2 + AdamW, {ck['mb_per_rank']:.0f} MB per rank, 2 gloo ranks:")
     print(f"  copy limit        {ck['copy_s'] * 1e3:8.1f} ms")
@@ -188,7 +191,7 @@ def main() -> None:
     print(f"  runtime {snap['runtime_ms_per_step']:.3f} ms a step of {snap['step_ms']:.1f} ms ({share:.2f}%)")
     print(f"  {snap['snapshots']} snapshots in {snap['steps']} steps")
     if args.out is not None:
-        args.out.write_text(json.dumps({"checkpoint": ck, "snapshots": snap}, indent=1))
+        results.write(args.out, {"checkpoint": ck, "snapshots": snap}, st)
 
 
 if __name__ == "__main__":

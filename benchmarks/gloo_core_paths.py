@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -393,7 +394,7 @@ def main() -> None:
         _each_python(args)
         return
     wanted = set(args.only.split(",")) if args.only else None
-    result: dict[str, Any] = {"python": sys.executable, "trials": args.trials, "scenarios": {}}
+    result: dict[str, Any] = {"python": platform.python_version(), "trials": args.trials, "scenarios": {}}
     for abort_mode, side, rebuild in SCENARIOS:
         name = f"{abort_mode}/{side}/{rebuild}"
         if wanted and name not in wanted:
@@ -416,10 +417,9 @@ def _each_python(args: argparse.Namespace) -> None:
     import tempfile
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import stamp
+    from chaos import results
 
-    st = stamp.begin(trials=args.trials)
+    st = results.begin(trials=args.trials)
     by_torch = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, python in enumerate(args.python):
@@ -428,9 +428,7 @@ def _each_python(args: argparse.Namespace) -> None:
             subprocess.run([*cmd, *(["--only", args.only] if args.only else [])], check=True)
             by_torch.append(json.loads(out.read_text()))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"stamp": stamp.end(st), "results": by_torch}, f, indent=1)
-            f.write("\n")
+        results.write(Path(args.out), by_torch, st)
 
 
 def _fmt(st: dict[str, Any] | None) -> str:

@@ -153,8 +153,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a.pairs, a.block, a.dim)
+    from chaos import results
     from chaos.harness import run_ranks
 
+    st = results.begin(pairs=a.pairs)
     argv = [__file__, "--pairs", str(a.pairs), "--block", str(a.block), "--dim", str(a.dim), "--worker"]
     with tempfile.TemporaryDirectory() as d:
         res = run_ranks(argv, a.nproc, cwd=Path(d), timeout=1800)
@@ -187,7 +189,7 @@ def main() -> None:
         print(f"{k:28s} {v if not isinstance(v, float) else round(v, 3)}")
     out = a.out or ROOT / "benchmarks" / "results" / f"live_overhead_dim{a.dim}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    results.write(out, result, st)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ per core, ``--hogs``) run through every trial; their load average is recorded be
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -77,6 +75,9 @@ def main() -> None:
     ap.add_argument("--hogs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "live_under_load.json")
     a = ap.parse_args()
+    from chaos import results
+
+    st = results.begin(trials=a.trials)
     load_before = os.getloadavg()
     hogs = _hogs(a.hogs)
     trials = []
@@ -92,11 +93,7 @@ def main() -> None:
         for h in hogs:
             h.kill()
             h.wait()
-    import torch
-
     live = sum(t["rc"] == 0 and t["sources"] == ["live"] and t["steps_rerun"] == 0 for t in trials)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
     report = {
         "command": "resilient launch " + " ".join(COMMAND),
         "live": live,
@@ -105,15 +102,9 @@ def main() -> None:
         "hogs": a.hogs,
         "load_before": load_before,
         "load_during": load_during,
-        "commit": commit.stdout.strip(),
-        "tree_clean": not dirty.stdout.strip(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
         "per_trial": trials,
     }
-    a.out.write_text(json.dumps(report, indent=1) + "\n")
+    results.write(a.out, report, st)
     print(
         f"live {live}/{len(trials)} beside {a.hogs} busy loops (load {load_during[0]:.1f}); written: {a.out}"
     )

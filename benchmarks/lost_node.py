@@ -62,6 +62,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from chaos import results  # noqa: E402
 from chaos.harness import free_port  # noqa: E402
 from resilient.events import Event  # noqa: E402
 
@@ -402,19 +403,20 @@ def main() -> None:
     modes = tuple(args.modes.split(",")) if args.modes else CASCADE_MODES if args.cascade else MODES
     if "flushed" in modes and not args.cascade:
         ap.error("mode flushed needs --cascade (an agent flushes a dead worker's snapshots, not its own)")
-    results: list[dict[str, Any]] = []
+    st = results.begin(trials=args.trials)
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
         for t in range(args.trials):
             for mode in modes:  # alternating: a slow minute of the machine hits both alike
                 run = torchrun_trial if mode == "torchrun" else lambda c, a, m=mode: trial(m, c, a)
                 r = run(Path(d) / f"{mode}{t}", args)
-                results.append(r)
+                rows.append(r)
                 print(json.dumps(r), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    results.write(args.out, rows, st)
     for mode in modes:
-        ok = [r for r in results if r["mode"] == mode and r["recovered"]]
-        n = sum(r["mode"] == mode for r in results)
+        ok = [r for r in rows if r["mode"] == mode and r["recovered"]]
+        n = sum(r["mode"] == mode for r in rows)
         if not ok:
             print(f"{mode:10s} recovered 0/{n}")
             continue

@@ -28,6 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from chaos import results
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
 
@@ -99,7 +101,8 @@ def main() -> None:
     p.add_argument("--modes", default="torchrun,launch")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "metrics_overhead.json")
     a = p.parse_args()
-    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    st = results.begin(pairs=a.pairs)
+    by_mode: dict[str, dict[str, list[dict[str, float]]]] = {}
     for mode in a.modes.split(","):
         on: list[dict[str, float]] = []
         off: list[dict[str, float]] = []
@@ -107,7 +110,7 @@ def main() -> None:
             order = (False, True, True, False) if i % 2 == 0 else (True, False, False, True)
             for m in order:
                 (on if m else off).append(run(mode, m, a.steps, a.dim))
-        results[mode] = {"on": on, "off": off}
+        by_mode[mode] = {"on": on, "off": off}
         s_on = statistics.median(r["step_s"] for r in on)
         s_off = statistics.median(r["step_s"] for r in off)
         share = statistics.median(r["exporter_cpu_s"] / r["wall_s"] for r in on)
@@ -118,7 +121,7 @@ def main() -> None:
             flush=True,
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1))
+    results.write(a.out, by_mode, st)
 
 
 if __name__ == "__main__":

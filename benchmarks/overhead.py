@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from chaos import results  # noqa: E402
 from chaos.harness import run_ranks  # noqa: E402
 from resilient.events import Event, read_run_events  # noqa: E402
 
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "overhead.json")
     args = ap.parse_args()
+    st = results.begin(trials=args.runs)
     step_ms: dict[str, list[float]] = {m: [] for m in MODES}
     own_ms: dict[str, list[float]] = {m: [] for m in MODES}
     for i in range(args.runs):
@@ -107,7 +109,7 @@ def main() -> None:
         own_s = f"{own:.3f} ({100 * own / plain:.2f}%)" if own is not None else "—"
         print(f"{mode:8s} {med:15.2f} {rng:>15s} {paired:+7.2f}% {pct:+7.2f}% {own_s:>16s}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    results.write(args.out, result, st)
 
 
 if __name__ == "__main__":

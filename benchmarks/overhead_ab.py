@@ -181,6 +181,9 @@ def main() -> None:
         return worker(a.pairs, a.block, a.dim, a.seq, a.max_overhead)
     if a.plain_cpu:
         return plain_cpu(a.block, a.dim, a.seq, a.pairs * a.block)
+    from chaos import results
+
+    st = results.begin(pairs=a.pairs)
     common = ["--pairs", str(a.pairs), "--block", str(a.block), "--dim", str(a.dim), "--seq", str(a.seq)]
     if a.max_overhead is not None:
         common += ["--max-overhead", str(a.max_overhead)]
@@ -206,7 +209,7 @@ def main() -> None:
     for k, v in result.items():
         print(f"{k:32s} {v if not isinstance(v, float) else round(v, 3)}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    results.write(a.out, result, st)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from chaos import results  # noqa: E402
 from chaos.harness import run_ranks  # noqa: E402
 from resilient.events import Event  # noqa: E402
 from resilient.metrics.phases import PHASES, incident_phases  # noqa: E402
@@ -224,8 +225,9 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    st = results.begin(trials=args.trials)
     machine = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
-    results: dict[str, object] = {"machine": machine}
+    found: dict[str, object] = {"machine": machine}
     table = Table(title="in-process recovery (gloo, CPU)")
     for col in ("ranks", "figure", "resilient", "NVRx inprocess", "ratio NVRx/ours", "target"):
         table.add_column(col)
@@ -233,7 +235,7 @@ def main() -> None:
         ours = exception_trials(n, args.trials, args.step_ms)
         peer = {} if args.skip_nvrx else nvrx(n, args.trials, args.step_ms)
         hang = hang_trials(n, max(2, args.trials // 2), args.hang_timeout)
-        results[f"ranks{n}"] = {"exception": ours, "nvrx_exception": peer, "hang": hang}
+        found[f"ranks{n}"] = {"exception": ours, "nvrx_exception": peer, "hang": hang}
         pm = peer.get("median_s") if isinstance(peer.get("median_s"), float) else None
         table.add_row(
             str(n),
@@ -268,9 +270,9 @@ def main() -> None:
             "no process dies",
         )
     Console().print(table)
-    Console().print(phase_table(results, args.nproc))
+    Console().print(phase_table(found, args.nproc))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str))
+    results.write(args.out, found, st, complete=args.skip_overhead)  # (partial until the overhead runs)
     if args.skip_overhead:
         print(f"wrote {args.out}")
         return
@@ -279,7 +281,7 @@ def main() -> None:
         table.add_column(col)
     ovh = overhead(2, args.overhead_runs, args.dim, args.seq)
     snap = snapshot_cost(args.dim, args.seq)
-    results["overhead"] = {**ovh, **snap}
+    found["overhead"] = {**ovh, **snap}
     table.add_row(
         "2",
         "fault-free step, wall clock (plain → wrapped, medians)",
@@ -307,7 +309,7 @@ def main() -> None:
     )
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str))
+    results.write(args.out, found, st)
     print(f"wrote {args.out}")
 
 

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from chaos import results
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "benchmarks" / "relaunch_worker.py")
 MODES = ("replace", "resilient", "torchrun", "floor")
@@ -136,19 +138,20 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     args = ap.parse_args()
     modes = tuple(args.modes.split(","))
-    results: list[dict[str, Any]] = []
+    st = results.begin(trials=args.trials)
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
         for t in range(args.trials):
             for mode in modes:
                 r = trial(mode, Path(d) / f"{mode}{t}", args.gb, args.timeout, args.kill_after, args.cold)
-                results.append(r)
+                rows.append(r)
                 print(json.dumps(r), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    results.write(args.out, rows, st)
     medians = {}
     for mode in modes:
-        rec = sorted(r["recovery_s"] for r in results if r["mode"] == mode and r["recovered"])
-        n = sum(r["mode"] == mode for r in results)
+        rec = sorted(r["recovery_s"] for r in rows if r["mode"] == mode and r["recovered"])
+        n = sum(r["mode"] == mode for r in rows)
         if not rec:
             print(f"{mode:10s} recovered 0/{n}")
             continue
@@ -160,7 +163,7 @@ def main() -> None:
             print(f"torchrun / {ours} (medians): {medians['torchrun'] / medians[ours]:.2f}x")
     if medians:
         for mode in modes:
-            rs = [r["restore_s"] for r in results if r["mode"] == mode and r.get("restore_s") is not None]
+            rs = [r["restore_s"] for r in rows if r["mode"] == mode and r.get("restore_s") is not None]
             if rs:
                 print(f"{mode:10s} restore after its model was built (median): {statistics.median(rs):.2f} s")
 

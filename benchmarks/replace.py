@@ -53,6 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.suite import EXAMPLE, RESULTS, ROOT, job, recoveries
+from chaos import results
 
 HEARTBEAT_S = 3.0
 MODES = {
@@ -135,6 +136,7 @@ def main() -> None:
         "--script-args", default="", help="more arguments for the script (e.g. '--layers 6 --width 384')"
     )
     args = ap.parse_args()
+    st = results.begin(trials=args.trials)
     runs: list[dict[str, Any]] = []
     plan = [(m, signal.SIGKILL) for m in (*MODES, *PEERS)] + [(m, signal.SIGSTOP) for m in ("rank", "group")]
     if args.modes:
@@ -175,7 +177,7 @@ def main() -> None:
         if k and o:
             print(f"SIGKILL: {other} / rank (medians) {o / k:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    results.write(args.out, {"summary": summary, "runs": runs}, st)
     print(f"wrote {args.out}")
 
 

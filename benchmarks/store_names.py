@@ -74,10 +74,9 @@ def main() -> int:
     p.add_argument("--python", nargs="+", default=[sys.executable], help="interpreters, each with its torch")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    sys.path.insert(0, str(HERE))
-    import stamp
+    from chaos import results
 
-    st = stamp.begin()
+    st = results.begin()
     with tempfile.TemporaryDirectory() as build:
         spy = _spy(Path(build))
         rows = []
@@ -95,7 +94,7 @@ def main() -> int:
             )
             print(json.dumps(rows[-1]))
     if args.out is not None:
-        args.out.write_text(json.dumps({"stamp": stamp.end(st), "results": rows}, indent=1) + "\n")
+        results.write(args.out, rows, st)
     return 0
 
 

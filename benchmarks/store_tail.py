@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
-import json
 import math
 import multiprocessing as mp
 import os
@@ -181,6 +180,18 @@ def _torch(numeric: bool) -> Any:
     import torch.distributed as dist
 
     return dist
+
+
+def _results() -> Any:
+    """chaos/results.py on its own (stdlib only): ``from chaos import results`` would load torch into this
+    process, which never imports it (each child chooses its names before torch loads)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chaos_results", ROOT / "chaos" / "results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 SERVER = """
@@ -489,6 +500,8 @@ def main() -> None:
     modes = a.modes.split(",")
     if unknown := set(modes) - set(MODES):
         p.error(f"--modes: {sorted(unknown)} not among {MODES}")
+    results = _results()
+    st = results.begin()
     cells = []
     t0 = time.monotonic()
     for n in (int(x) for x in a.clients.split(",")):
@@ -509,7 +522,7 @@ def main() -> None:
             print(f"target at {c['clients']:,} clients, {c['backend']}: {c['verdict']}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     args = {k: str(v) for k, v in vars(a).items()}
-    a.out.write_text(json.dumps({"args": args, "wall_s": time.monotonic() - t0, "cells": cells}, indent=1))
+    results.write(a.out, {"args": args, "wall_s": time.monotonic() - t0, "cells": cells}, st)
     print(f"wrote {a.out} ({time.monotonic() - t0:.0f} s)")
 
 

@@ -24,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from chaos import results  # noqa: E402
 from chaos.harness import run_ranks  # noqa: E402
 from resilient.events import Event  # noqa: E402
 
@@ -91,19 +92,18 @@ def main() -> None:
     ap.add_argument("--fault-step", type=int, default=90)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "work_lost.json")
     a = ap.parse_args()
-    results = []
+    st = results.begin(trials=a.trials)
+    rows = []
     head = ("fault", "ranks", "state", "detect s", "recover s", "re-run", "lost s")
     print(f"{head[0]:10s} {head[1]:>5s} {head[2]:5s} " + " ".join(f"{h:>9s}" for h in head[3:]))
     for fault in ("exception", "hang"):
         for nproc in a.nproc:
             for mode in ("live", "ring"):  # (side by side: the same machine, minutes apart)
                 r = trials(mode, fault, nproc, a.trials, a.step_ms, a.fault_step)
-                results.append(r)
+                rows.append(r)
                 print(f"{fault:10s} {nproc:5d} {r['source']:5s} {r['detect_s']:9.3f} {r['recover_s']:9.3f} "
                       f"{r['steps_rerun']:9.0f} {r['training_lost_s']:9.3f}", flush=True)  # fmt: skip
-    a.out.write_text(
-        json.dumps({"step_ms": a.step_ms, "fault_step": a.fault_step, "results": results}, indent=1) + "\n"
-    )
+    results.write(a.out, {"step_ms": a.step_ms, "fault_step": a.fault_step, "results": rows}, st)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.peers.work_lost_systems import CKPT_EVERY, SYSTEMS, Observed, Setup, System  # noqa: E402
 from benchmarks.suite import _kill_tree, _standby_waiting  # noqa: E402
+from chaos import results  # noqa: E402
 
 FAULTS = ("exception", "hang", "sigkill")
 FIGURES = (
@@ -331,6 +332,7 @@ def main() -> None:
     # a SIGTERM (a CI timeout, nox) unwinds through every trial's cleanup as Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     skipped = {n: why for n in a.systems if (why := SYSTEMS[n].available())}
+    st = results.begin(trials=a.trials)
     t0 = time.time()
     runs: list[dict[str, Any]] = []
     for t in range(a.trials):  # (systems interleaved trial by trial: the same machine load, minutes apart)
@@ -346,25 +348,25 @@ def main() -> None:
                     runs.append(r)
                     brief = {k: v for k, v in r.items() if k not in ("log_tail", "fault_ts")}
                     print(json.dumps(brief, default=str), flush=True)
-    results = []
+    rows = []
     for nproc in a.nproc:
         for fault in a.faults:
             for name in a.systems:
                 mine = [r for r in runs if (r["system"], r["fault"], r["nproc"]) == (name, fault, nproc)]
                 summary = {"skipped": skipped[name]} if name in skipped else summarize(mine)
-                results.append({"system": name, "fault": fault, "nproc": nproc, **summary, "runs": mine})
+                rows.append({"system": name, "fault": fault, "nproc": nproc, **summary, "runs": mine})
     wall = time.time() - t0
     config = {**asdict(Setup(0, "", a.fault_step, a.after, a.step_ms, a.timeout, a.wait)), "trials": a.trials,
               "ckpt_every_torchrun": CKPT_EVERY, "cpus": os.cpu_count()}  # fmt: skip
     for k in ("nproc", "fault"):
         config.pop(k)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"config": config, "wall_s": wall, "results": results}
-    a.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    report = {"config": config, "wall_s": wall, "results": rows}
+    results.write(a.out, report, st)
     print(f"\nseconds of training lost per fault (median of {a.trials}; fault at step {a.fault_step}, "
           f"steps padded to {a.step_ms:g} ms, timeouts {a.timeout:g} s)")  # fmt: skip
     print(HEAD)
-    for r in results:
+    for r in rows:
         print(row(r["system"], r["fault"], r["nproc"], r, a.fault_step))
     print(f"wrote {a.out} ({wall / 60:.1f} min)")
 

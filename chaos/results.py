@@ -104,5 +104,14 @@ def write(path: Path, data: Any, st: dict[str, Any], complete: bool = True) -> P
             before = {}
         if before.get("complete", True):
             path = path.with_name(f"{path.stem}.partial.json")
-    path.write_text(json.dumps(stamped(data, st, complete), indent=1, default=str) + "\n")
+    path.write_text(scrub(json.dumps(stamped(data, st, complete), indent=1, default=str)) + "\n")
+    if complete:  # (a partial run's file, superseded)
+        path.with_name(f"{path.stem}.partial.json").unlink(missing_ok=True)
     return path
+
+
+def scrub(text: str) -> str:
+    """``text`` without this machine's paths: the repository's and the interpreter's prefixes."""
+    for prefix, name in ((str(ROOT), "."), (sys.prefix, "<venv>"), (sys.base_prefix, "<python>")):
+        text = text.replace(prefix + "/", name + "/")
+    return text

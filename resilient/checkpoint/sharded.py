@@ -60,6 +60,10 @@ _KNOWN_FIELDS: dict[type, set[str]] = {
     _StorageInfo: {"relative_path", "offset", "length", "transform_descriptors"},
     StorageMeta: {"checkpoint_id", "save_id", "load_id", "modules"},
 }
+# Fields a newer torch has that the codec writes and reads when they are there (torch 2.15's
+# TensorProperties.strides: the saved tensor's strides, a layout hint; a torch without the field
+# reads the values by their chunks all the same).
+_OPTIONAL_FIELDS: dict[type, set[str]] = {TensorProperties: {"strides"}}
 
 
 def save_sharded(
@@ -181,7 +185,7 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 def _check_known_fields() -> None:
     for cls, names in _KNOWN_FIELDS.items():
         actual = {f.name for f in dataclasses.fields(cls)}
-        if actual != names:
+        if not names <= actual or not actual - names <= _OPTIONAL_FIELDS.get(cls, set()):
             raise CheckpointError(
                 f"torch's {cls.__name__} has fields {sorted(actual)}, codec knows {sorted(names)}"
             )
@@ -227,6 +231,22 @@ def _file_name(value: Any) -> str:
     return value
 
 
+def _strides_of(p: TensorProperties) -> dict[str, Any]:
+    """``{"strides": ...}`` where this torch's properties have them, else nothing."""
+    if not hasattr(p, "strides"):
+        return {}
+    return {"strides": None if p.strides is None else list(p.strides)}
+
+
+def _strides_for(item: dict[str, Any]) -> dict[str, Any]:
+    """The ``strides`` keyword for this torch's ``TensorProperties``: none where it has no such
+    field (a file from a newer torch: the hint is dropped), ``None`` where the file has none."""
+    if "strides" not in {f.name for f in dataclasses.fields(TensorProperties)}:
+        return {}
+    strides = item.get("strides")
+    return {"strides": None if strides is None else tuple(_list_of(strides, int))}
+
+
 def _encode(md: Metadata) -> dict[str, Any]:
     _check_known_fields()  # on save only: a newer torch reads our files; it must not write lossy ones
     items: dict[str, Any] = {}
@@ -242,6 +262,7 @@ def _encode(md: Metadata) -> dict[str, Any]:
             "memory_format": _name(p.memory_format),
             "requires_grad": p.requires_grad,
             "pin_memory": p.pin_memory,
+            **_strides_of(p),
             "size": list(item.size),
             "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in item.chunks],
         }
@@ -285,6 +306,7 @@ def _decode(obj: Any) -> Metadata:
             requires_grad=_typed(item["requires_grad"], bool),
             memory_format=_torch_constant(item["memory_format"], torch.memory_format),
             pin_memory=_typed(item["pin_memory"], bool),
+            **_strides_for(item),
         )
         chunks = [ChunkStorageMetadata(_size(c["offsets"]), _size(c["sizes"])) for c in item["chunks"]]
         items[fqn] = TensorStorageMetadata(props, _size(item["size"]), chunks)

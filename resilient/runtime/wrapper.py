@@ -32,6 +32,18 @@ class Engine(Protocol):
     def run(self, fn: Callable[[StepLoop], Any]) -> Any: ...
 
 
+def _config(config: str | os.PathLike[str] | Config | None, overrides: dict[str, Any]) -> Config:
+    """The decorator's configuration, validated; an engine whose extra is missing is refused."""
+    cfg = config if isinstance(config, Config) else load_config(config, **overrides)
+    if isinstance(config, Config) and overrides:
+        cfg = load_config(None, **{**config.model_dump(), **overrides})
+    if cfg.engine == "nvrx":
+        from resilient.runtime.engine.nvrx import nvrx_inprocess
+
+        nvrx_inprocess()
+    return cfg
+
+
 def engine_for(setup: Setup) -> Engine:
     """The engine ``engine:`` names (``resilient``: the built-in one; ``nvrx``: NVRx's Wrapper)."""
     if setup.cfg.engine == "nvrx":
@@ -105,13 +117,7 @@ def wrap(
     read as ``ctx.prepared``; a parked standby of ``resilient launch`` runs it before it waits, so
     a replacement finds it done. It must not read a rank or touch the process group.
     """
-    cfg = config if isinstance(config, Config) else load_config(config, **overrides)
-    if isinstance(config, Config) and overrides:
-        cfg = load_config(None, **{**config.model_dump(), **overrides})
-    if cfg.engine == "nvrx":  # (its extra missing is a configuration error, said at decoration)
-        from resilient.runtime.engine.nvrx import nvrx_inprocess
-
-        nvrx_inprocess()
+    cfg = _config(config, overrides)
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         wants_ctx = "ctx" in inspect.signature(f).parameters

@@ -137,3 +137,19 @@ def test_corrupt_metadata_names_the_file(tmp_path: Path, corrupt: Callable[[Path
     corrupt(path)
     with pytest.raises(CheckpointError, match=str(path)):
         load_sharded(_blank(), tmp_path)
+
+
+def test_a_file_s_tensor_strides_are_read_where_torch_has_the_field_and_dropped_where_not():
+    import dataclasses
+
+    import pytest
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    from resilient.checkpoint import sharded
+
+    has = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}  # (torch 2.15+)
+    assert sharded._strides_for({"strides": [4, 1]}) == ({"strides": (4, 1)} if has else {})
+    assert sharded._strides_for({}) == ({"strides": None} if has else {})  # (a file from an older torch)
+    if has:
+        with pytest.raises(TypeError):
+            sharded._strides_for({"strides": ["4", 1]})
