@@ -112,6 +112,7 @@ def write(path: Path, data: Any, st: dict[str, Any], complete: bool = True) -> P
 
 def scrub(text: str) -> str:
     """``text`` without this machine's paths: the repository's and the interpreter's prefixes."""
-    for prefix, name in ((str(ROOT), "."), (sys.prefix, "<venv>"), (sys.base_prefix, "<python>")):
-        text = text.replace(prefix + "/", name + "/")
+    prefixes = {sys.prefix: "<venv>", sys.base_prefix: "<python>", str(ROOT): "."}
+    for prefix in sorted(prefixes, key=len, reverse=True):  # (a venv inside the repository: .nox)
+        text = text.replace(prefix + "/", prefixes[prefix] + "/")
     return text
