@@ -211,7 +211,13 @@ class BuiltinEngine:
             undo.callback(w.events.close)
             parts = collaborators(self.setup, w)
             undo.pop_all()
-        return BuiltinRun(parts).run(fn)
+        try:
+            return BuiltinRun(parts).run(fn)
+        finally:
+            # the run is over: what was frozen is the collector's again, so that the process's
+            # exit frees it (native libraries that count their live objects at exit, as
+            # triton's nanobind bindings in torch 2.15's CUDA build do, otherwise report leaks)
+            gc.unfreeze()
 
 
 class BuiltinRun:
