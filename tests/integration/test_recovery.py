@@ -116,6 +116,16 @@ def test_bad_config_names_field_value_and_file(tmp_path):
     assert not res.events  # failed at decoration time: nothing started
 
 
+def test_a_fault_that_leaves_autograd_off_re_enters_with_it_on(tmp_path):
+    # found on torch 2.9: a peer's interrupt landing inside a no-grad region left the rank without
+    # autograd, and every re-entry failed ("does not require grad") until the run gave up
+    solo = {"MASTER_ADDR": "", "MASTER_PORT": "", "RANK": "0", "WORLD_SIZE": "1"}
+    script = str(Path(__file__).with_name("_grad_off_fault.py"))
+    res = run_ranks([script], 1, cwd=tmp_path, run_id="grad", env=solo)
+    assert res.ok, res.describe()
+    assert [e["local"].split(":")[0] for e in res.of("fault_detected")] == ["RuntimeError"]
+
+
 def test_single_process_without_launcher(tmp_path):
     """No torchrun, no env: the runtime hosts its own store; an exception is still recovered."""
     solo = {"MASTER_ADDR": "", "MASTER_PORT": "", "RANK": "0", "WORLD_SIZE": "1"}

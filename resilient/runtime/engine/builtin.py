@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from loguru import logger
 
@@ -416,6 +417,7 @@ class BuiltinRun:
 
     def _attempt(self, fn: Callable[[StepLoop], Any]) -> tuple[bool, Any, BaseException | None]:
         gen = self.session.generation
+        grad = torch.is_grad_enabled()
         try:
             if gen > 0:
                 self.session.at_point("reenter", self.loop.restored_step)
@@ -423,6 +425,9 @@ class BuiltinRun:
             self.loop.settle_at_end()
         except (Exception, StepInterrupted) as exc:
             self.phase = Phase.RECOVERING  # first: a late interrupt must not fire in recovery code
+            # an interrupt that lands between a grad-disabling region's entry and its exit (torch's
+            # own, in Python) leaves the thread without autograd; the function re-enters as it began
+            torch.set_grad_enabled(grad)
             if isinstance(exc, ResilienceError) and not isinstance(exc, HardFault | SoftFault):
                 self.coord.abort_generation(gen, f"{type(exc).__name__}: {exc}")
                 raise
