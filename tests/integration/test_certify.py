@@ -88,7 +88,8 @@ def test_cpu_certificate_passes_every_slo(tmp_path: Path, kinds: set[str]) -> No
     assert set(kinds) - set(ran) <= {"kernel_oom", "slow_disk", "link_drop", "link_loss"}, classes
     if "link_drop" in ran:  # back within the SLO after the link returned, and no netns left behind
         t = next(t for t in cert["trials"] if t["cls"] == "link_drop")
-        assert t["recover_after_restore_s"] is not None and t["recover_after_restore_s"] <= 15, t
+        budget = ran["link_drop"]["slo"]["recover_after_restore_s"]  # (this run's: the config's, scaled)
+        assert t["recover_after_restore_s"] is not None and t["recover_after_restore_s"] <= budget, t
         left = _namespaces() - before  # (another run on this machine may hold its own)
         assert not left, left
     for c in ran.values():  # every class ran, finished, and ended equal to the fault-free run
