@@ -150,11 +150,6 @@ def measure(
         out["source"] = "+".join(sorted({str(e.get("source")) for e in first}))
         lost = [e["work_lost_s"] for e in first if e.get("work_lost_s") is not None]
         out["work_lost_s"] = max(lost) if lost else None
-    if steps:
-        distinct = len({e["step"] for e in steps})
-        end = max(e["ts"] for e in evs if e["event"] in (Event.RUN_FINISHED, Event.STEP_COMPLETED))
-        wall = end - steps[0]["ts"] + ref_step_s  # the first step's own time counts too
-        out["goodput"] = min(1.0, distinct * ref_step_s / wall) if wall > 0 else None
     return out
 
 
@@ -264,7 +259,9 @@ def _run_trial(
         t.standby = standby_at(evs, inj["ts"])
     m = measure(evs, inj["ts"], j.nproc, ref_step_s, kind.evidence.detection)
     _take_measures(t, m)
-    t.time_by_cause = {k: round(v, 4) for k, v in account(evs).seconds.items()}  # (as `resilient report`)
+    acc = account(evs)  # (as `resilient report`)
+    t.time_by_cause = {k: round(v, 4) for k, v in acc.seconds.items()}
+    t.goodput = acc.goodput  # the one goodput: productive step time / wall time from the job's start
     if restored is not None and t.recover_s is not None:
         t.recover_after_restore_s = inj["ts"] + t.recover_s - restored
     done = [e for e in evs if e["event"] == Event.STEP_COMPLETED]
@@ -331,7 +328,7 @@ def _take_measures(t: Trial, m: dict[str, Any]) -> None:
     t.detect_step = m.get("detect_step")
     t.detected_rank, t.rate_back_s = m.get("detected_rank"), m.get("rate_back_s")
     t.named_ranks = m.get("named_ranks")
-    t.steps_lost, t.goodput = m.get("steps_lost"), m.get("goodput")
+    t.steps_lost = m.get("steps_lost")
     t.source, t.work_lost_s = m.get("source"), m.get("work_lost_s")
     if (ph := m.get("phases")) is not None:
         t.phases, t.phase_ranks, t.agree_parts, t.phase_cpu = ph.seconds, ph.ranks, ph.agree_parts, ph.cpu

@@ -15,8 +15,8 @@ the same context a certificate's trial runs in; a fault this machine cannot do i
 named in ``skipped``, as is one that had nothing to act on in the script (chaos.inject.outcomes).
 
 Reported: faults planned / injected (what fired, from ``injections.jsonl``) / detected /
-recovered, per kind; goodput (productive time over the running job's wall time: its first
-start, which a job that runs for days pays once, is left out; ``goodput_with_start`` keeps it);
+recovered, per kind; goodput (productive step time over wall time from the job's start, as
+``resilient report`` and the metrics endpoint count it);
 committed checkpoints that no longer load (must be 0); the final state vs a fault-free run of the
 same length (must be identical); and whether the harness had to kill a run that never ended
 (must not).
@@ -122,15 +122,10 @@ def _report(
     injected, idle = outcomes(jsonl(cwd / "injections.jsonl"))  # (idle: nothing to act on, no fault)
     steps_ev = [e for e in evs if e["event"] == Event.STEP_COMPLETED]
     per_fault = [_fault(inj, injected, evs, steps_ev, j.nproc, ref_step_s) for inj in injected]
-    distinct = len({e["step"] for e in steps_ev})
-    end = max((e["ts"] for e in evs if e["event"] in (Event.RUN_FINISHED, Event.STEP_COMPLETED)), default=0.0)
-    wall = end - steps_ev[0]["ts"] + ref_step_s if steps_ev else 0.0
     corrupted = {i["step"] for i in injected if REGISTRY[i["kind"]].breaks_checkpoint}
     lost = unloadable_checkpoints(checkpoints(cert, cwd), j.nproc, skip=corrupted)
     finals = _finals(cwd, j.nproc)
     acc = account(evs)  # the same accounting as `resilient report` and the metrics endpoint
-    # the job's first start is no fault's cost: a job that runs for days pays it once
-    running = acc.wall_s - acc.seconds["startup"]
     return {
         "faults_planned": planned,
         "faults_injected": len(injected),
@@ -140,16 +135,13 @@ def _report(
         "recovered": sum(p["recovered"] for p in per_fault),
         "finished": rc == 0,
         "harness_hangs": int(hung),
-        "goodput": acc.seconds["productive"] / running if running > 0 else None,
-        "goodput_with_start": acc.goodput,
-        # the steps' pace against the fault-free reference run's (a machine's load moves it both ways)
-        "pace_vs_reference": distinct * ref_step_s / wall if wall > 0 else None,
+        "goodput": acc.goodput,
         "steps": j.steps,
         "lost_committed_checkpoints": lost,
         "bit_exact": rc == 0 and _bit_exact(ref, finals),
         "replays": replays(evs),
         "by_kind": _by_kind(per_fault),
-        "wall_s": wall,
+        "wall_s": acc.wall_s,
         "skipped": [*skipped, *dict.fromkeys(map(str, idle))],
         "faults": per_fault,
         "accounting": {
