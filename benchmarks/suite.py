@@ -1,38 +1,32 @@
-"""Peers side by side, in one run: the same workload and the same faults under every engine.
+"""Peers side by side, in one run: the same workload and the same faults under every system.
 
-Workload: the bundled example (examples/train_tiny.py: a tiny transformer LM, DDP over gloo, each
-step padded to --step-ms), the same script under each engine:
+Workload: the bundled example's (examples/train_tiny.py: a tiny transformer LM, DDP over gloo,
+2 ranks), the peers' own loops training the same model, data and optimizer in the same step
+order (benchmarks/peers/tiny_workload.py). Phases, each a part of ``suite.json``:
 
-- ``resilient``: ``resilient launch`` + the runtime (in-process recovery; relaunch from the
-  launcher's shared-memory snapshot after a hard fault);
-- ``nvrx``: ``torchrun`` + ``engine: nvrx`` — NVRx's in-process ``Wrapper`` detects and restarts
-  (our snapshot restore). A hard fault is left to torchrun's relaunch: this engine keeps no
-  durable checkpoint, so the relaunched job starts over at step 0;
-- ``torchrun``: ``torchrun --max-restarts`` running the example without any runtime
-  (``--plain``): every rank torch.saves and fsyncs its state every 10 steps and a relaunched job
-  loads the newest step every rank wrote — the usual path. Its gloo timeout is the runtime's
-  collective timeout (2 × hang timeout), not torch's 30 minutes.
+- ``peers``: a fault's cost (detection, recovery and the work replayed) under resilient,
+  torchrun + ``dcp.async_save``, NVRx's ``ft_launcher``, NVRx's in-process ``Wrapper`` and
+  torchft with its Lighthouse, each set up as its own docs do (benchmarks/work_lost_peers.py says
+  how, and what every figure is): steps padded to 100 ms, the fault at step 65 on the last rank,
+  every side's hang timeout 5 s, ``--trials`` trials interleaved; medians and ranges. Then the
+  exception at ``--scaling`` ranks, resilient and torchrun.
+- ``goodput``: one seeded schedule of faults (exception, hang, SIGKILL in turn) in a 600-step
+  run, resilient vs torchrun + ``dcp.async_save``. Goodput is productive step time over wall
+  time from the job's launch (:func:`goodput`; the runtime's own accounting beside it).
+- ``overhead``: the whole runtime at its defaults under ``resilient launch`` against the plain
+  script under torchrun, interleaved pairs, a model whose step computes for ~100 ms: the wall
+  time per step, and launch → first step.
+- ``checkpoint``: time blocked and time to durable per save, 64 MB → 4 GB, vs torch.save,
+  dcp.save, dcp.async_save and NVRx's async checkpoint, with the machine's copy and dd limits.
+- ``planner``: the measured checkpoint and SIGKILL costs put into Daly's model at 1k–16k GPUs
+  with published failure rates (Llama 3: 419 interruptions in 54 days on 16,384 GPUs; Meta's
+  research clusters: MTTF 7.9 h for 1,024-GPU jobs).
 
-Faults are real and planned per step (chaos/inject.py): ``exception`` (rank 1 raises), ``hang``
-(rank 0 sleeps 3600 s inside the step), ``sigkill`` (the driver SIGKILLs rank 1's process).
-Every figure comes from the per-step progress lines the ranks write (wall clock, same host):
+    python benchmarks/suite.py [--trials 5] [--only peers goodput ...]
 
-- recovery: fault (the injector's record, or the kill) → every rank completed a step again;
-- steps lost: steps completed before the fault that had to be run again;
-- goodput: under one seeded schedule of several faults, useful step time (steps × the engine's
-  own fault-free step time) / wall time from the first step to the last;
-- fault-free overhead: step time under each engine vs the plain loop, same model, interleaved;
-- checkpoint: blocking time and persist time per save, 64 MB → 4 GB, vs torch.save, dcp.save,
-  dcp.async_save and NVRx's async checkpoint, with the machine's copy and dd limits;
-- scaling: exception recovery at 2, 4 and 8 ranks;
-- planner: the measured restart and checkpoint costs put into Daly's model at 1k–16k GPUs with
-  published failure rates (Llama 3: 419 interruptions in 54 days on 16,384 GPUs; Meta's research
-  clusters: MTTF 7.9 h for 1,024-GPU jobs).
-
-    python benchmarks/suite.py [--trials 3] [--only recovery checkpoint ...] [--quick]
-
-Writes benchmarks/results/suite.json and suite.png; prints the table of ratios (peer / ours, > 1
-means ours is ahead for times and behind for goodput — the table says which per row).
+Writes benchmarks/results/suite.json (stamped; a run of some phases goes to suite.partial.json)
+and suite.png; prints the table of ratios (peer / ours, > 1 means ours is ahead for times and
+behind for goodput — the table says which per row).
 """
 
 from __future__ import annotations
@@ -61,7 +55,6 @@ from chaos import results as stamp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 EXAMPLE = str(ROOT / "examples" / "train_tiny.py")
-ENGINES = ("resilient", "nvrx", "torchrun")
 HANG_TIMEOUT = 2.0
 CKPT_EVERY = 10
 RESULTS = ROOT / "benchmarks" / "results"
@@ -96,8 +89,13 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 # ---- one job ----------------------------------------------------------------------------------------
 def command(
-    engine: str, nproc: int, work: list[str], ckpt: Path, launch_args: tuple[str, ...] = ()
+    engine: str,
+    nproc: int,
+    work: list[str],
+    ckpt: Path | None,
+    launch_args: tuple[str, ...] = (),
 ) -> list[str]:
+    """The job's command line; ``ckpt`` None: the plain script keeps no checkpoints."""
     common = [
         "--standalone",
         "--nproc-per-node",
@@ -112,6 +110,8 @@ def command(
     run = [sys.executable, "-m", "torch.distributed.run", *common]
     if engine == "nvrx":
         return [*run, *work, "--engine", "nvrx"]
+    if ckpt is None:
+        return [*run, *work, "--plain"]
     return [*run, *work, "--plain", "--ckpt-dir", str(ckpt), "--ckpt-every", str(CKPT_EVERY)]
 
 
@@ -142,6 +142,8 @@ def job(
     kill_signal: signal.Signals = signal.SIGKILL,
     script: str = EXAMPLE,
     wait_standby: bool = False,
+    hang_timeout: float = HANG_TIMEOUT,
+    plain_ckpt: bool = True,
 ) -> dict[str, Any]:
     """Run the example (or ``script``, which takes the same options) once; send ``kill_signal``
     (SIGKILL) to rank 1 when it first completes each step in ``kills`` (with ``wait_standby``,
@@ -156,7 +158,7 @@ def job(
         "--step-ms",
         str(step_ms),
         "--hang-timeout",
-        str(HANG_TIMEOUT),
+        str(hang_timeout),
         "--progress",
         str(progress),
         *extra,
@@ -174,7 +176,7 @@ def job(
     t_start = time.time()
     with open(d / "launch.log", "w") as log:
         p = subprocess.Popen(
-            command(engine, nproc, work, d / "ckpt", launch_args),
+            command(engine, nproc, work, d / "ckpt" if plain_ckpt else None, launch_args),
             cwd=d,
             env=env,
             stdout=log,
@@ -213,10 +215,16 @@ def job(
         "rc": rc,
         "timed_out": timed_out,
         "wall_s": time.time() - t_start,
+        "launched": t_start,
         "progress": _lines(progress),
         "faults": faults,
     }
     out["finished"] = rc == 0 and not timed_out and _done(out["progress"], nproc, steps)
+    runs = list(d.glob("resilient_runs/*/events.jsonl"))
+    if len(runs) == 1:  # (the runtime's own goodput accounting of the job)
+        from resilient.metrics import account
+
+        out["accounting_goodput"] = account(_lines(runs[0])).goodput
     if not out["finished"]:  # kept for inspection (launch.log, progress.jsonl, the checkpoints)
         out["log_tail"] = (d / "launch.log").read_text()[-3000:]
         out["dir"] = str(d)
@@ -288,51 +296,24 @@ def step_time(run: dict[str, Any]) -> float | None:
 
 
 # ---- phases -----------------------------------------------------------------------------------------
-PLANS = {"exception": ("exception@25:1", ()), "hang": ("hang@25:0", ()), "sigkill": ("", (25,))}
+# Every side's hang timeout, step time and fault step in the peers' table (benchmarks/work_lost_peers.py)
+PEERS = ("resilient", "torchrun", "ft_launcher", "nvrx", "torchft")
+FAULT_STEP, AFTER, STEP_MS, TIMEOUT, WAIT = 65, 20, 100.0, 5.0, 60.0
 
 
-def phase_recovery(
-    trials: int, nproc: int = 2, kinds: tuple[str, ...] = ("exception", "hang", "sigkill")
+def phase_peers(
+    trials: int, nprocs: list[int], systems: tuple[str, ...] = PEERS, faults: tuple[str, ...] = ()
 ) -> dict:
-    res: dict[str, Any] = {}
-    for kind in kinds:
-        plan, kills = PLANS[kind]
-        for engine in ENGINES:
-            rec, catchup, lost, failed = [], [], [], 0
-            for _ in range(trials):
-                r = job(engine, nproc, 60, plan=plan, kills=kills)
-                got = recoveries(r)
-                if not r["finished"] or not got or got[0]["recover_s"] != got[0]["recover_s"]:
-                    failed += 1
-                    res.setdefault("failures", []).append(
-                        {"kind": kind, "engine": engine, "log": r.get("log_tail", "")[-800:]}
-                    )
-                    continue
-                rec.append(got[0]["recover_s"])
-                catchup.append(got[0]["catchup_s"])
-                lost.append(got[0]["lost"])
-            res[f"{kind}/{engine}"] = {
-                "median_s": _median(rec),
-                "p99_s": _p99(rec),
-                "samples": rec,
-                "catchup_median_s": _median(catchup),
-                "steps_lost": _median(lost),
-                "failed": failed,
-                "trials": trials,
-            }
-            print(
-                json.dumps(
-                    {
-                        "phase": "recovery",
-                        "nproc": nproc,
-                        "kind": kind,
-                        "engine": engine,
-                        **res[f"{kind}/{engine}"],
-                    }
-                ),
-                flush=True,
-            )
-    return res
+    """Seconds of training each fault costs every system (work_lost_peers.py's figures)."""
+    from benchmarks import work_lost_peers as wlp
+    from benchmarks.peers.work_lost_systems import Setup
+
+    setup = Setup(0, "", FAULT_STEP, AFTER, STEP_MS, TIMEOUT, WAIT)
+    report = wlp.run(list(systems), list(faults or wlp.FAULTS), nprocs, trials, setup)
+    return {
+        "config": report["config"],
+        "cells": {f"{r['fault']}/{r['system']}/{r['nproc']}": r for r in report["results"]},
+    }
 
 
 def schedule(seed: int, steps: int, n: int) -> tuple[str, tuple[int, ...], list[tuple[int, str]]]:
@@ -348,63 +329,112 @@ def schedule(seed: int, steps: int, n: int) -> tuple[str, tuple[int, ...], list[
     return plan, tuple(s for s, k in planned if k == "sigkill"), planned
 
 
+def goodput(run: dict[str, Any]) -> dict[str, Any]:
+    """The one goodput, from a job's progress lines: productive step time over wall time from the
+    job's launch to its last step. A step is productive once, in the completion of it that the
+    final state carries (its last), for the time since the same process completed the step before;
+    where that time holds a fault, or the step is its process's first, it counts the run's median
+    step instead (the retried step's own work, not the recovery it waited on)."""
+    r0 = sorted((x for x in run["progress"] if x["rank"] == 0), key=lambda x: x["t"])
+    if not r0:
+        return {"goodput": None}
+    faults = [f["ts"] for f in run["faults"]]
+    prev: dict[int, dict[str, Any]] = {}
+    last: dict[int, float | None] = {}
+    clean: list[float] = []
+    for x in r0:
+        p = prev.get(x["pid"])
+        gap = x["t"] - p["t"] if p is not None and p["step"] == x["step"] - 1 else None
+        if gap is not None and any(p["t"] < f <= x["t"] for f in faults):  # type: ignore[index]
+            gap = None
+        if gap is not None:
+            clean.append(gap)
+        prev[x["pid"]], last[x["step"]] = x, gap
+    step_s = statistics.median(clean) if clean else 0.0
+    productive = sum(step_s if g is None else g for g in last.values())
+    wall = r0[-1]["t"] - run["launched"]
+    gp = productive / wall if wall > 0 else None
+    return {"goodput": gp, "productive_s": productive, "wall_s": wall, "step_s": step_s}
+
+
 def phase_goodput(seed: int, steps: int, n_faults: int) -> dict:
+    """resilient vs torchrun + dcp.async_save under one seeded schedule of faults, 100 ms steps,
+    the same hang timeout (the peers' table has the other systems: their drivers take one fault)."""
     plan, kills, planned = schedule(seed, steps, n_faults)
-    res: dict[str, Any] = {"seed": seed, "steps": steps, "schedule": planned}
-    for engine in ENGINES:
-        ref = job(engine, 2, steps)
-        run = job(engine, 2, steps, plan=plan, kills=kills, timeout=600)
-        st = step_time(ref)
-        r0 = sorted((x for x in run["progress"] if x["rank"] == 0), key=lambda x: x["t"])
-        wall = r0[-1]["t"] - r0[0]["t"] if r0 else None
-        good = (steps - 1) * st / wall if (st and wall and run["finished"]) else None
+    res: dict[str, Any] = {"seed": seed, "steps": steps, "schedule": planned, "step_ms": STEP_MS}
+    dcp_async = ("--plain-ckpt", "dcp-async", "--collective-timeout", str(TIMEOUT))
+    extra = {"resilient": ("--pad-at", "forward"), "torchrun": ("--pad-at", "forward", *dcp_async)}
+    for engine in ("resilient", "torchrun"):
+        run = job(
+            engine,
+            2,
+            steps,
+            plan=plan,
+            kills=kills,
+            timeout=900,
+            step_ms=STEP_MS,
+            extra=extra[engine],
+            hang_timeout=TIMEOUT,
+        )
         rec = recoveries(run)
         res[engine] = {
-            "goodput": good,
+            **(goodput(run) if run["finished"] else {"goodput": None}),
             "finished": run["finished"],
-            "fault_free_step_s": st,
-            "wall_s": wall,
             "faults_seen": len(run["faults"]),
             "recover_s": [x["recover_s"] for x in rec],
             "steps_lost": sum(x["lost"] for x in rec if x["lost"] == x["lost"]),
         }
+        if run.get("accounting_goodput") is not None:  # (the runtime's own accounting, a cross-check)
+            res[engine]["accounting_goodput"] = run["accounting_goodput"]
         if not run["finished"]:
             res[engine]["log"] = run.get("log_tail", "")[-1500:]
-        print(
-            json.dumps(
-                {"phase": "goodput", "engine": engine, **{k: v for k, v in res[engine].items() if k != "log"}}
-            ),
-            flush=True,
-        )
+        brief = {k: v for k, v in res[engine].items() if k != "log"}
+        print(json.dumps({"phase": "goodput", "engine": engine, **brief}), flush=True)
     return res
 
 
-def phase_overhead(runs: int, steps: int = 200) -> dict:
-    """Fault-free step time, model sized for ~50 ms steps here, no padding; interleaved runs."""
-    wide = ("--dim", "160", "--seq", "64")
-    times: dict[str, list[float]] = {"plain": [], "resilient": [], "nvrx": []}
-    for _ in range(runs):
-        for mode in times:
-            engine = "torchrun" if mode == "plain" else mode
-            extra = wide if mode != "plain" else (*wide, "--ckpt-every", "100000")
-            r = job(engine, 2, steps, step_ms=0.0, extra=extra)
-            st = step_time(r)
-            if st is not None:
-                times[mode].append(st)
-    med = {k: _median(v) for k, v in times.items()}
-    base = med["plain"]
+def _wall_step(run: dict[str, Any]) -> float | None:
+    """Rank 0's wall time per step, first step to last (every periodic cost in it)."""
+    xs = sorted((x for x in run["progress"] if x["rank"] == 0), key=lambda x: x["t"])
+    return (xs[-1]["t"] - xs[0]["t"]) / (xs[-1]["step"] - xs[0]["step"]) if len(xs) > 1 else None
+
+
+def phase_overhead(pairs: int, steps: int = 300) -> dict:
+    """The whole runtime at its defaults under ``resilient launch`` (guard, replica digests, live
+    capture and its mirror, replay digest, snapshots, heartbeats) against the plain script under
+    torchrun, no checkpoints on either side, a model whose step computes for ~100 ms (no padding);
+    interleaved pairs, the order swapped each pair. Per run: the wall time per step over the whole
+    loop, and the time from launch to the first step."""
+    wide = ("--dim", "256", "--seq", "96")
+    per: dict[str, list[float]] = {"plain": [], "resilient": []}
+    start: dict[str, list[float]] = {"plain": [], "resilient": []}
+    ratios = []
+    for i in range(pairs):
+        got: dict[str, float | None] = {}
+        for mode in ("plain", "resilient") if i % 2 == 0 else ("resilient", "plain"):
+            engine = "torchrun" if mode == "plain" else "resilient"
+            r = job(engine, 2, steps, step_ms=0.0, extra=wide, plain_ckpt=False)
+            got[mode] = _wall_step(r) if r["finished"] else None
+            if got[mode] is not None:
+                per[mode].append(got[mode])  # type: ignore[arg-type]
+                start[mode].append(min(x["t"] for x in r["progress"]) - r["launched"])
+        if got["plain"] and got["resilient"]:
+            ratios.append(100 * (got["resilient"] / got["plain"] - 1))
+        print(json.dumps({"phase": "overhead", "pair": i, **got}), flush=True)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [None, None, None]
     return {
-        "step_ms": {k: (v * 1e3 if v else None) for k, v in med.items()},
-        "runs": times,
-        "overhead_pct": {
-            k: (100 * (med[k] - base) / base if med[k] and base else None) for k in ("resilient", "nvrx")
-        },
+        "pairs": pairs,
+        "steps": steps,
+        "model": list(wide),
+        "step_ms": {k: (1e3 * statistics.median(v) if v else None) for k, v in per.items()},
+        "startup_s": {k: _median(v) for k, v in start.items()},
+        "overhead_pct": _median(ratios),
+        "overhead_pct_iqr": [q[0], q[2]],
+        "overhead_pct_pairs": ratios,
     }
 
 
 def phase_checkpoint(sizes: list[float], where: Path, repeat: int) -> dict:
-    import torch
-
     from benchmarks import checkpoint as ck
 
     try:
@@ -438,45 +468,31 @@ def phase_checkpoint(sizes: list[float], where: Path, repeat: int) -> dict:
         print(json.dumps({"phase": "checkpoint", "gb": gb, **row}, default=str), flush=True)
         del model, opt, state
         gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return res
 
 
-def phase_scaling(ranks: list[int], trials: int) -> dict:
-    res: dict[str, Any] = {}
-    for n in ranks:
-        sub = phase_recovery(trials, nproc=n, kinds=("exception",))
-        res[str(n)] = {e: sub[f"exception/{e}"] for e in ENGINES}
-        res[str(n)]["failures"] = sub.get("failures", [])
-    return res
+def _cell(results: dict[str, Any], fault: str, system: str, nproc: int = 2) -> dict[str, Any]:
+    return ((results.get("peers") or {}).get("cells") or {}).get(f"{fault}/{system}/{nproc}") or {}
 
 
-def phase_ft_launcher(trials: int) -> dict:
-    """NVRx's own launcher (heartbeat monitors) on its own small DDP worker with torch.save
-    checkpoints (benchmarks/peers/nvrx_ft_launcher.py): the hard-fault path an NVRx user has."""
-    from benchmarks.peers import nvrx_ft_launcher as ft
-
-    out = {}
-    for kind in ("sigkill", "hang"):
-        try:
-            out[kind] = ft.trials(kind, trials)
-        except Exception as e:
-            out[kind] = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps({"phase": "ft_launcher", "kind": kind, **out[kind]}, default=str), flush=True)
-    return out
+def _med(cell: dict[str, Any], figure: str) -> Any:
+    return (cell.get("median") or {}).get(figure)
 
 
 def phase_planner(measured: dict[str, Any]) -> dict:
-    """Daly's model at 1k–16k GPUs with each engine's measured restart cost (hard fault: the
-    sigkill recovery) and checkpoint blocking time (1 GB of state per GPU)."""
+    """Daly's model at 1k–16k GPUs with each side's measured cost of a hard fault (a SIGKILL's
+    training lost: detection, recovery and the work replayed) and checkpoint blocking time (1 GB
+    of state per GPU)."""
     from resilient.state import interval_planner as planner
 
-    rec = measured.get("recovery", {})
     ckp = measured.get("checkpoint", {}).get("1", {})
+
+    def lost(system: str) -> Any:
+        return _med(_cell(measured, "sigkill", system), "training_lost_s")
+
     costs = {
-        "resilient": (ckp.get("block_s"), (rec.get("sigkill/resilient") or {}).get("median_s")),
-        "torchrun": (ckp.get("torch_save_s"), (rec.get("sigkill/torchrun") or {}).get("median_s")),
-        "dcp_async": (ckp.get("dcp_async_block_s"), (rec.get("sigkill/torchrun") or {}).get("median_s")),
+        "resilient": (ckp.get("block_s"), lost("resilient")),
+        "torchrun": (ckp.get("dcp_async_block_s"), lost("torchrun")),
     }
     gpus = [1024, 2048, 4096, 8192, 16384]
     out: dict[str, Any] = {
@@ -511,71 +527,65 @@ def phase_planner(measured: dict[str, Any]) -> dict:
 
 
 # ---- report -----------------------------------------------------------------------------------------
+PEER_FIGURES = (
+    ("training lost per fault (s)", "training_lost_s"),
+    ("fault → every rank stepping (s)", "recover_s"),
+    ("steps run again", "steps_rerun"),
+)
+
+
+def why_not(cell: dict[str, Any]) -> str | None:
+    """What a side did instead of recovering, in a few words (None: it recovered every trial)."""
+    if "skipped" in cell:
+        return f"not run: {cell['skipped']}"
+    if cell.get("recovered") == cell.get("trials"):
+        return None
+    other = [o for o in cell.get("outcomes", []) if o != "recovered"]
+    words = "; ".join(o.split(" (")[0] for o in other)
+    return f"{cell.get('recovered')}/{cell.get('trials')} recovered: {words}"
+
+
 def table(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows: figure, ours, each peer, ratio peer/ours, and whether ours is ahead."""
     rows: list[dict[str, Any]] = []
-    rec = results.get("recovery", {})
-    for kind in ("exception", "hang", "sigkill"):
-        ours = (rec.get(f"{kind}/resilient") or {}).get("median_s")
-        for peer in ("nvrx", "torchrun"):
-            theirs = (rec.get(f"{kind}/{peer}") or {}).get("median_s")
-            rows.append(
-                _row(
-                    f"{kind} → every rank stepping again (median s)",
-                    peer,
-                    ours,
-                    theirs,
-                    lower_better=True,
-                    failed=(rec.get(f"{kind}/{peer}") or {}).get("failed"),
+    for fault in ("exception", "hang", "sigkill"):
+        ours = _cell(results, fault, "resilient")
+        for peer in PEERS[1:]:
+            theirs = _cell(results, fault, peer)
+            for label, figure in PEER_FIGURES:
+                rows.append(
+                    _row(
+                        f"{fault}: {label}, median",
+                        peer,
+                        _med(ours, figure),
+                        _med(theirs, figure),
+                        lower_better=True,
+                        note=why_not(theirs),
+                        spread=(
+                            (ours.get("range") or {}).get(figure),
+                            (theirs.get("range") or {}).get(figure),
+                        ),
+                    )
                 )
-            )
-        for peer in ("nvrx", "torchrun"):
-            o = (rec.get(f"{kind}/resilient") or {}).get("catchup_median_s")
-            t = (rec.get(f"{kind}/{peer}") or {}).get("catchup_median_s")
-            rows.append(_row(f"{kind} → back at the step it hit (median s)", peer, o, t, lower_better=True))
-        for peer in ("nvrx", "torchrun"):
-            o = (rec.get(f"{kind}/resilient") or {}).get("steps_lost")
-            t = (rec.get(f"{kind}/{peer}") or {}).get("steps_lost")
-            rows.append(_row(f"{kind}: steps run again (median)", peer, o, t, lower_better=True))
-    ft = results.get("ft_launcher", {})
-    for kind in ("sigkill", "hang"):
-        theirs = (ft.get(kind) or {}).get("median_s")
-        rows.append(
-            _row(
-                f"{kind} → stepping again (median s)",
-                "nvrx ft_launcher",
-                (rec.get(f"{kind}/resilient") or {}).get("median_s"),
-                theirs,
-                lower_better=True,
-                failed=(ft.get(kind) or {}).get("failed"),
-                note=(ft.get(kind) or {}).get("error"),
-            )
-        )
     gp = results.get("goodput", {})
-    for peer in ("nvrx", "torchrun"):
-        rows.append(
-            _row(
-                "goodput under the seeded schedule",
-                peer,
-                (gp.get("resilient") or {}).get("goodput"),
-                (gp.get(peer) or {}).get("goodput"),
-                lower_better=False,
-            )
+    rows.append(
+        _row(
+            "goodput under the seeded schedule",
+            "torchrun",
+            (gp.get("resilient") or {}).get("goodput"),
+            (gp.get("torchrun") or {}).get("goodput"),
+            lower_better=False,
         )
-    ov = results.get("overhead", {}).get("step_ms", {})
+    )
+    ov = results.get("overhead", {})
     if ov:
-        rows.append(
-            _row(
-                "fault-free step (ms; plain loop in the peer column)",
-                "plain",
-                ov.get("resilient"),
-                ov.get("plain"),
-                lower_better=True,
+        for label, key in (
+            ("fault-free step, wall (ms)", "step_ms"),
+            ("launch → first step (s)", "startup_s"),
+        ):
+            rows.append(
+                _row(label, "plain", ov[key].get("resilient"), ov[key].get("plain"), lower_better=True)
             )
-        )
-        rows.append(
-            _row("fault-free step (ms)", "nvrx", ov.get("resilient"), ov.get("nvrx"), lower_better=True)
-        )
     for gb, row in results.get("checkpoint", {}).items():
         ours = row.get("block_s")
         for peer, key in (
@@ -608,17 +618,12 @@ def table(results: dict[str, Any]) -> list[dict[str, Any]]:
                 lower_better=True,
             )
         )
-    for n, per in results.get("scaling", {}).items():
-        for peer in ("nvrx", "torchrun"):
-            rows.append(
-                _row(
-                    f"exception recovery at {n} ranks (median s)",
-                    peer,
-                    (per.get("resilient") or {}).get("median_s"),
-                    (per.get(peer) or {}).get("median_s"),
-                    lower_better=True,
-                )
-            )
+    for n in results.get("scaling", []):
+        ours = _cell(results, "exception", "resilient", n)
+        theirs = _cell(results, "exception", "torchrun", n)
+        figure = f"exception at {n} ranks: training lost (s), median"
+        o, t = _med(ours, "training_lost_s"), _med(theirs, "training_lost_s")
+        rows.append(_row(figure, "torchrun", o, t, lower_better=True, note=why_not(theirs)))
     return rows
 
 
@@ -631,6 +636,7 @@ def _row(
     lower_better: bool,
     failed: Any = None,
     note: Any = None,
+    spread: tuple[Any, Any] = (None, None),
 ) -> dict:
     ratio = (
         theirs / ours if isinstance(ours, int | float) and isinstance(theirs, int | float) and ours else None
@@ -643,6 +649,8 @@ def _row(
         "peer": peer,
         "ours": ours,
         "theirs": theirs,
+        "ours_range": spread[0],
+        "theirs_range": spread[1],
         "ratio": ratio,
         "ahead": ahead,
         "peer_failed_trials": failed,
@@ -659,12 +667,19 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         t.add_column(c)
     fmt = lambda v: "—" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731
     for r in rows:
-        theirs = fmt(r["theirs"]) if r["note"] is None else f"n/a: {str(r['note'])[:50]}"
-        if r["peer_failed_trials"]:
-            theirs += f" ({r['peer_failed_trials']} failed)"
+        theirs = fmt(r["theirs"]) if r["note"] is None else f"{fmt(r['theirs'])} ({str(r['note'])[:60]})"
         ahead = {True: "yes", False: "NO", None: "—"}[r["ahead"]]
         t.add_row(r["figure"], r["peer"], fmt(r["ours"]), theirs, fmt(r["ratio"]), ahead)
-    Console(width=160).print(t)
+    Console(width=170).print(t)
+
+
+COLORS = {
+    "resilient": "tab:green",
+    "torchrun": "tab:orange",
+    "ft_launcher": "tab:cyan",
+    "nvrx": "tab:blue",
+    "torchft": "tab:red",
+}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -674,21 +689,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(2, 2, figsize=(13, 9))
-    colors = {
-        "resilient": "tab:green",
-        "nvrx": "tab:blue",
-        "torchrun": "tab:orange",
-        "dcp_async": "tab:purple",
-    }
-    rec = results.get("recovery", {})
     kinds = ["exception", "hang", "sigkill"]
-    for i, e in enumerate(ENGINES):
-        vals = [(rec.get(f"{k}/{e}") or {}).get("median_s") or 0 for k in kinds]
-        ax[0, 0].bar([j + 0.27 * (i - 1) for j in range(3)], vals, 0.27, label=e, color=colors[e])
+    width = 0.8 / len(PEERS)
+    for i, sys_ in enumerate(PEERS):
+        vals = [_med(_cell(results, k, sys_), "training_lost_s") or 0 for k in kinds]
+        xs = [j + width * (i - (len(PEERS) - 1) / 2) for j in range(3)]
+        ax[0, 0].bar(xs, vals, width, label=sys_, color=COLORS[sys_])
     ax[0, 0].set_xticks(range(3), kinds)
-    ax[0, 0].set_ylabel("fault → every rank stepping (s, median)")
-    ax[0, 0].set_title("recovery, 2 gloo ranks")
-    ax[0, 0].legend()
+    ax[0, 0].set_ylabel("training lost per fault (s, median; 0: not recovered)")
+    ax[0, 0].set_title("a fault's cost, 2 gloo ranks, 100 ms steps")
+    ax[0, 0].legend(fontsize=8)
     ckp = results.get("checkpoint", {})
     if ckp:
         gbs = sorted(ckp, key=float)
@@ -709,21 +719,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax[0, 1].set_ylabel("s per save")
         ax[0, 1].set_title("checkpoint: time the training loop waits")
         ax[0, 1].legend(fontsize=8)
-    sc = results.get("scaling", {})
-    if sc:
-        ns = sorted(sc, key=int)
-        for e in ENGINES:
-            ax[1, 0].plot(
-                [int(n) for n in ns],
-                [(sc[n].get(e) or {}).get("median_s") for n in ns],
-                "o-",
-                label=e,
-                color=colors[e],
-            )
-        ax[1, 0].set_xlabel("ranks")
-        ax[1, 0].set_ylabel("exception recovery (s, median)")
-        ax[1, 0].set_title("scaling (one 2-core host: ranks share cores)")
-        ax[1, 0].legend()
+    ns = [2, *results.get("scaling", [])]
+    for e in ("resilient", "torchrun"):
+        ys = [_med(_cell(results, "exception", e, n), "training_lost_s") for n in ns]
+        ax[1, 0].plot(ns, ys, "o-", label=e, color=COLORS[e])
+    ax[1, 0].set_xlabel("ranks")
+    ax[1, 0].set_ylabel("exception: training lost (s, median)")
+    ax[1, 0].set_title("scaling (one 2-core host: ranks share cores)")
+    ax[1, 0].legend()
     pl = results.get("planner", {})
     for key, curve in pl.items():
         if "/" in key and isinstance(curve, list):
@@ -733,7 +736,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 [c["goodput"] for c in curve],
                 "o-" if src == "llama3" else "s--",
                 label=f"{name} ({src})",
-                color=colors.get(name),
+                color=COLORS.get(name),
             )
     ax[1, 1].set_xlabel("GPUs")
     ax[1, 1].set_ylabel("expected goodput (Daly interval)")
@@ -745,18 +748,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    phases = ["recovery", "ft_launcher", "goodput", "overhead", "checkpoint", "scaling", "planner"]
+    phases = ["peers", "goodput", "overhead", "checkpoint", "planner"]
     ap.add_argument("--only", nargs="+", choices=phases, default=phases)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--sizes", type=float, nargs="+", default=[0.0625, 0.25, 1.0, 4.0], help="GB")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--scaling", type=int, nargs="*", default=[4], help="ranks beyond 2 for the exception")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--goodput-steps", type=int, default=600)
     ap.add_argument("--faults", type=int, default=5)
-    ap.add_argument("--overhead-runs", type=int, default=3)
+    ap.add_argument("--overhead-pairs", type=int, default=6)
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/suite-ckpt"), help="checkpoint disk")
     ap.add_argument("--out", type=Path, default=RESULTS / "suite.json")
     args = ap.parse_args()
+    # a SIGTERM (a CI timeout, nox) unwinds through every trial's cleanup as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     # one run, whole: a run of some phases (--only) never merges into, nor replaces, a whole one
     complete = set(args.only) == set(phases)
@@ -770,19 +775,21 @@ def main() -> None:
         "torch": torch.__version__,
     }
     t0 = time.time()
-    if "recovery" in args.only:
-        results["recovery"] = phase_recovery(args.trials)
-    if "ft_launcher" in args.only:
-        results["ft_launcher"] = phase_ft_launcher(args.trials)
+    if "peers" in args.only:
+        results["peers"] = phase_peers(args.trials, [2])
+        if args.scaling:  # (the exception beyond 2 ranks: resilient and torchrun, fewer trials)
+            more = phase_peers(
+                max(1, args.trials - 2), args.scaling, ("resilient", "torchrun"), ("exception",)
+            )
+            results["peers"]["cells"].update(more["cells"])
+            results["scaling"] = args.scaling
     if "goodput" in args.only:
         results["goodput"] = phase_goodput(args.seed, args.goodput_steps, args.faults)
     if "overhead" in args.only:
-        results["overhead"] = phase_overhead(args.overhead_runs)
+        results["overhead"] = phase_overhead(args.overhead_pairs)
     if "checkpoint" in args.only:
         results["checkpoint"] = phase_checkpoint(args.sizes, args.dir, repeat=2)
         shutil.rmtree(args.dir, ignore_errors=True)
-    if "scaling" in args.only:
-        results["scaling"] = phase_scaling(args.ranks, max(1, args.trials - 1))
     if "planner" in args.only:
         results["planner"] = phase_planner(results)
     results["rows"] = table(results)
@@ -791,7 +798,7 @@ def main() -> None:
     written = stamp.write(args.out, results, st, complete)
     plot(results, written.with_suffix(".png"))
     print_table(results["rows"])
-    print(f"wrote {written} and {written.with_suffix('.png')}")
+    print(f"wrote {written} and {written.with_suffix('.png')} ({results['wall_s'] / 60:.1f} min)")
 
 
 if __name__ == "__main__":

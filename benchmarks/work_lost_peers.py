@@ -10,16 +10,22 @@ peers' own loops train the same model, data and optimizer in the same step order
   ``--hang-timeout`` and ``--heartbeat-timeout`` = ``--timeout``. A SIGKILL waits for the standby
   to be up (as in replace.py): a long run's is long warm, but on loaded cores a short run's may
   still be importing at step f; the kill then lands in a later step, and the table says which.
-- **torchrun**: ``torchrun --max-restarts 3`` on the example without the runtime (``--plain``):
-  every rank torch.saves and fsyncs its state every 10 steps; a relaunched job resumes from the
-  newest step every rank wrote. Its gloo timeout (``--collective-timeout``) = ``--timeout``: a
-  hang is seen when the survivors' all-reduce times out.
-- **nvrx**: NVRx 0.4.1's in-process ``Wrapper`` (benchmarks/peers/nvrx_tiny_worker.py; ranks
-  started by this driver, state kept in memory across restarts); soft and heartbeat timeouts =
-  ``--timeout``, hard timeout twice that. Nothing relaunches a dead process: NVRx restarts the
-  survivors as a smaller world. Its stock abort cannot wake a gloo collective (torch 2.13): a
-  peer blocked on the faulted rank waits out the group timeout (``--timeout``) unless that rank's
-  sockets close first.
+- **torchrun**: ``torchrun --max-restarts 3`` on the example without the runtime (``--plain
+  --plain-ckpt dcp-async``): ``dcp.async_save`` of the model, optimizer, schedule, data position
+  and RNG every 10 steps, on a gloo group of its own (DCP's tutorial setup); a relaunched job
+  loads the newest complete checkpoint. Its gloo timeout (``--collective-timeout``) =
+  ``--timeout``: a hang is seen when the survivors' all-reduce times out.
+- **ft_launcher**: NVRx 0.4.1's launcher at its defaults but the rank heartbeat timeout
+  (``--timeout``) and the NIC monitor (off: no NICs here), on the same workload with a rank
+  monitor client and a heartbeat per step (benchmarks/peers/ft_launcher_tiny_worker.py, as NVRx's
+  fault-tolerance docs set one up); in-job restart of the whole group from the newest checkpoint
+  (the same ``dcp.async_save`` every 10 steps: NVRx's own async checkpoint needs CUDA).
+- **nvrx**: NVRx 0.4.1's in-process ``Wrapper`` at its defaults but the hang timeouts (soft and
+  heartbeat = ``--timeout``, hard twice that) (benchmarks/peers/nvrx_tiny_worker.py; ranks
+  started by this driver, state kept in memory across restarts). Nothing relaunches a dead
+  process: NVRx's default rank assignment restarts the survivors as a smaller world. Its stock
+  abort cannot wake a gloo collective (torch 2.13): a peer blocked on the faulted rank waits out
+  the group timeout (``--timeout``) unless that rank's sockets close first.
 - **torchft**: torchft 0.2.0 (benchmarks/peers/torchft_tiny_worker.py): every rank is its own
   replica group (the semantics of N-rank DDP: each rank holds the whole model and all-reduces
   with every other), each group a ``torchrun --max-restarts 3``, under one Lighthouse
@@ -46,8 +52,8 @@ earlier when a peer was still finishing its step) and T(s) the time every rank h
   (torchft's other groups train on while the faulted one is relaunched; ``None`` when every
   process was relaunched, as under torchrun).
 - ``detect_s``: fault → the system acted on it. resilient: its first ``fault_detected``,
-  ``worker_died`` or ``heartbeat_missed`` event; nvrx: the first rank's Wrapper abort; torchrun:
-  the first relaunched worker started; torchft: the Lighthouse's first quorum change or a
+  ``worker_died`` or ``heartbeat_missed`` event; nvrx: the first rank's Wrapper abort; torchrun
+  and ft_launcher: the first relaunched worker started; torchft: the Lighthouse's first quorum change or a
   survivor's first step that did not commit.
 - ``recover_s``: fault → every rank completed a step again.
 - ``steps_rerun``: steps completed before the fault that were run again; ``steps_skipped``: steps
@@ -57,8 +63,8 @@ earlier when a peer was still finishing its step) and T(s) the time every rank h
 Each job is stopped once its figure is in (or ``--wait`` s after the fault); every process of it
 (the launchers, workers, standbys, NVRx's monitors, the Lighthouse) is killed, also on failure.
 
-    python benchmarks/work_lost_peers.py [--trials 3] [--nproc 2 4] [--faults exception hang sigkill]
-        [--systems resilient torchrun nvrx torchft] [--step-ms 100] [--fault-step 65] [--after 20]
+    python benchmarks/work_lost_peers.py [--trials 5] [--nproc 2 4] [--faults exception hang sigkill]
+        [--systems resilient torchrun ft_launcher nvrx torchft] [--step-ms 100] [--fault-step 65] [--after 20]
 
 Writes benchmarks/results/work_lost_peers.json (every trial's figures and the medians) and prints
 the table.
@@ -280,14 +286,24 @@ def _outcome(out: dict[str, Any], procs: list[subprocess.Popen[bytes]], s: Setup
 
 # ---- the run ----------------------------------------------------------------------------------------
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median and its range (min, max) over the trials that have it."""
     med: dict[str, Any] = {}
+    spread: dict[str, Any] = {}
     for k in FIGURES:
         xs = [r[k] for r in runs if r.get(k) is not None]
         med[k] = statistics.median(xs) if xs else None
+        spread[k] = [min(xs), max(xs)] if xs else None
     outcomes = sorted({r["outcome"] for r in runs})
     ok = sum(r["outcome"] == "recovered" for r in runs)
     steps = sorted({r["fault_step"] for r in runs if "fault_step" in r})
-    return {"recovered": ok, "trials": len(runs), "median": med, "outcomes": outcomes, "fault_steps": steps}
+    return {
+        "recovered": ok,
+        "trials": len(runs),
+        "median": med,
+        "range": spread,
+        "outcomes": outcomes,
+        "fault_steps": steps,
+    }
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
@@ -315,9 +331,43 @@ def row(system: str, fault: str, nproc: int, r: dict[str, Any], planned: int) ->
     return f"{head} {cells} {r['recovered']:>3d}/{r['trials']:<1d}  {note}"
 
 
+def run(
+    systems: list[str], faults: list[str], nprocs: list[int], trials: int, setup: Setup, keep: bool = False
+) -> dict[str, Any]:
+    """Every system through every fault, ``trials`` times, interleaved trial by trial (the same
+    machine load, minutes apart): the config, every trial's figures and each cell's summary."""
+    skipped = {n: why for n in systems if (why := SYSTEMS[n].available())}
+    t0 = time.time()
+    runs: list[dict[str, Any]] = []
+    for t in range(trials):
+        for nproc in nprocs:
+            for fault in faults:
+                s = replace(setup, nproc=nproc, fault=fault)
+                for name in (n for n in systems if n not in skipped):
+                    try:
+                        r = {"trial": t, **trial(SYSTEMS[name], s, keep)}
+                    except Exception as e:  # (one trial's harness failure is a row, not the run's end)
+                        r = {"trial": t, "system": name, "fault": fault, "nproc": nproc,
+                             "outcome": f"harness error: {type(e).__name__}: {e}"}  # fmt: skip
+                    runs.append(r)
+                    brief = {k: v for k, v in r.items() if k not in ("log_tail", "fault_ts")}
+                    print(json.dumps(brief, default=str), flush=True)
+    rows = []
+    for nproc in nprocs:
+        for fault in faults:
+            for name in systems:
+                mine = [r for r in runs if (r["system"], r["fault"], r["nproc"]) == (name, fault, nproc)]
+                summary = {"skipped": skipped[name]} if name in skipped else summarize(mine)
+                rows.append({"system": name, "fault": fault, "nproc": nproc, **summary, "runs": mine})
+    config = {**asdict(setup), "trials": trials, "ckpt_every_torchrun": CKPT_EVERY, "cpus": os.cpu_count()}
+    for k in ("nproc", "fault"):
+        config.pop(k)
+    return {"config": config, "wall_s": time.time() - t0, "results": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
     ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
@@ -331,44 +381,17 @@ def main() -> None:
     a = ap.parse_args()
     # a SIGTERM (a CI timeout, nox) unwinds through every trial's cleanup as Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    skipped = {n: why for n in a.systems if (why := SYSTEMS[n].available())}
     st = results.begin(trials=a.trials)
-    t0 = time.time()
-    runs: list[dict[str, Any]] = []
-    for t in range(a.trials):  # (systems interleaved trial by trial: the same machine load, minutes apart)
-        for nproc in a.nproc:
-            for fault in a.faults:
-                s = Setup(nproc, fault, a.fault_step, a.after, a.step_ms, a.timeout, a.wait)
-                for name in (n for n in a.systems if n not in skipped):
-                    try:
-                        r = {"trial": t, **trial(SYSTEMS[name], s, a.keep)}
-                    except Exception as e:  # (one trial's harness failure is a row, not the run's end)
-                        r = {"trial": t, "system": name, "fault": fault, "nproc": nproc,
-                             "outcome": f"harness error: {type(e).__name__}: {e}"}  # fmt: skip
-                    runs.append(r)
-                    brief = {k: v for k, v in r.items() if k not in ("log_tail", "fault_ts")}
-                    print(json.dumps(brief, default=str), flush=True)
-    rows = []
-    for nproc in a.nproc:
-        for fault in a.faults:
-            for name in a.systems:
-                mine = [r for r in runs if (r["system"], r["fault"], r["nproc"]) == (name, fault, nproc)]
-                summary = {"skipped": skipped[name]} if name in skipped else summarize(mine)
-                rows.append({"system": name, "fault": fault, "nproc": nproc, **summary, "runs": mine})
-    wall = time.time() - t0
-    config = {**asdict(Setup(0, "", a.fault_step, a.after, a.step_ms, a.timeout, a.wait)), "trials": a.trials,
-              "ckpt_every_torchrun": CKPT_EVERY, "cpus": os.cpu_count()}  # fmt: skip
-    for k in ("nproc", "fault"):
-        config.pop(k)
+    setup = Setup(0, "", a.fault_step, a.after, a.step_ms, a.timeout, a.wait)
+    report = run(a.systems, a.faults, a.nproc, a.trials, setup, a.keep)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"config": config, "wall_s": wall, "results": rows}
     results.write(a.out, report, st)
     print(f"\nseconds of training lost per fault (median of {a.trials}; fault at step {a.fault_step}, "
           f"steps padded to {a.step_ms:g} ms, timeouts {a.timeout:g} s)")  # fmt: skip
     print(HEAD)
-    for r in rows:
+    for r in report["results"]:
         print(row(r["system"], r["fault"], r["nproc"], r, a.fault_step))
-    print(f"wrote {a.out} ({wall / 60:.1f} min)")
+    print(f"wrote {a.out} ({report['wall_s'] / 60:.1f} min)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ckpt-every", default="10", help="checkpoint every N steps, or 'auto'")
     p.add_argument("--ckpt-keep", type=int, default=3)
     p.add_argument("--ckpt-writer", default="thread", choices=["thread", "process"])
+    p.add_argument(
+        "--plain-ckpt",
+        default="torch",
+        choices=["torch", "dcp-async"],
+        help="--plain's checkpoints: torch.save per rank, or torch.distributed.checkpoint.async_save",
+    )
     p.add_argument("--report", action="store_true", help="rank 0 prints a JSON line with loop timing")
     p.add_argument(
         "--prepare",
@@ -237,8 +244,10 @@ def main() -> None:
         )
         prefixed = dist.PrefixStore(f"plain/attempt{attempt}", store)
         dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world, timeout=timeout)
-        plain = _Plain(args.ckpt_dir, int(args.ckpt_every) if args.ckpt_dir else 0)
+        every = int(args.ckpt_every) if args.ckpt_dir else 0
+        plain = (_PlainDcp if args.plain_ckpt == "dcp-async" else _Plain)(args.ckpt_dir, every)
         train(plain)  # type: ignore[arg-type]
+        plain.close()
         dist.destroy_process_group()
     else:
         prepare = build if args.prepare else None
@@ -292,6 +301,71 @@ class _Plain:
             f.flush()
             os.fsync(f.fileno())
         tmp.rename(self._path(nxt, self.rank))
+
+    def close(self) -> None:
+        pass
+
+
+class _PlainDcp(_Plain):
+    """--plain with torch.distributed.checkpoint as its tutorial sets it up: ``get_state_dict`` /
+    ``set_state_dict`` for the model and optimizer, ``dcp.async_save`` every N steps (one save in
+    flight: the next waits for the last), and a restart loading the newest complete checkpoint.
+    What differs per rank (its data position, its RNG) is saved under the rank's own key, since DCP
+    keeps one copy of a key that every rank saves. The saves have a gloo group of their own, as
+    DCP's docs advise: a background save's collectives on the training's group interleave with its
+    all-reduces and deadlock."""
+
+    def __init__(self, ckpt_dir: Path | None = None, every: int = 0) -> None:
+        super().__init__(ckpt_dir, every)
+        self.pending: Any = None
+        self.group = dist.new_group(backend="gloo")
+
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, opt = self.objects["model"], self.objects["optimizer"]
+        msd, osd = get_state_dict(model, opt)  # type: ignore[arg-type]
+        own = {n: o.state_dict() for n, o in self.objects.items() if n not in ("model", "optimizer")}  # type: ignore[attr-defined]
+        return {
+            "model": msd,
+            "optimizer": osd,
+            f"rank{self.rank}": {**own, "torch_rng": torch.get_rng_state()},
+        }
+
+    def steps(self, total: int) -> range:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        assert self.dir is not None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        done = sorted(p for p in self.dir.glob("step*") if (p / ".metadata").exists())  # (complete ones)
+        if not done:
+            return range(0, total)
+        state = self._state()
+        dcp.load(state, checkpoint_id=done[-1], process_group=self.group)
+        model, opt = self.objects["model"], self.objects["optimizer"]
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])  # type: ignore[arg-type]
+        own = state[f"rank{self.rank}"]
+        for name, obj in self.objects.items():
+            if name in own:
+                obj.load_state_dict(own[name])  # type: ignore[attr-defined]
+        torch.set_rng_state(own["torch_rng"])
+        return range(int(done[-1].name[4:]), total)
+
+    def completed(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        nxt = step + 1
+        if self.dir is None or not self.every or nxt % self.every:
+            return
+        if self.pending is not None:
+            self.pending.result()
+        step_dir = self.dir / f"step{nxt:08d}"
+        self.pending = dcp.async_save(self._state(), checkpoint_id=step_dir, process_group=self.group)
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
 
 
 if __name__ == "__main__":

@@ -154,8 +154,35 @@ class Torchrun:
     def start(self, s: Setup, d: Path, env: dict[str, str], log: Any) -> list[subprocess.Popen[bytes]]:
         cmd = [sys.executable, "-m", "torch.distributed.run", *_launcher(s),
                EXAMPLE, *s.work(d / "progress.jsonl"), "--pad-at", "forward", "--plain",
-               "--ckpt-dir", str(d / "ckpt"), "--ckpt-every", str(CKPT_EVERY),
+               "--ckpt-dir", str(d / "ckpt"), "--ckpt-every", str(CKPT_EVERY), "--plain-ckpt", "dcp-async",
                "--collective-timeout", str(s.timeout)]  # fmt: skip
+        return [_spawn(cmd, d, env, log)]
+
+    def detected(self, o: Observed) -> float | None:
+        return _first_relaunch(o)
+
+
+class FtLauncher:
+    name = "ft_launcher"
+
+    def ready(self, d: Path) -> bool:
+        return True
+
+    def available(self) -> str | None:
+        try:
+            import nvidia_resiliency_ext.fault_tolerance  # noqa: F401
+        except Exception as e:  # (an import error, or NVRx's own checks failing at import)
+            return f"nvidia-resiliency-ext does not import ({type(e).__name__}: {e})"
+        return None
+
+    def start(self, s: Setup, d: Path, env: dict[str, str], log: Any) -> list[subprocess.Popen[bytes]]:
+        # its defaults but the rank heartbeat timeout (every system's hang timeout) and the NIC
+        # monitor (no NICs or GPUs here)
+        cmd = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher", *_launcher(s),
+               "--ft-rank-heartbeat-timeout", str(s.timeout), "--ft-enable-nic-monitor", "false",
+               str(PEERS / "ft_launcher_tiny_worker.py"), *s.work(d / "progress.jsonl"),
+               "--ckpt-dir", str(d / "ckpt"), "--ckpt-every", str(CKPT_EVERY),
+               "--timeout", str(s.timeout)]  # fmt: skip
         return [_spawn(cmd, d, env, log)]
 
     def detected(self, o: Observed) -> float | None:
@@ -241,4 +268,4 @@ class Torchft:
         return min(seen, default=None)
 
 
-SYSTEMS: dict[str, System] = {s.name: s for s in (Resilient(), Torchrun(), Nvrx(), Torchft())}
+SYSTEMS: dict[str, System] = {s.name: s for s in (Resilient(), Torchrun(), FtLauncher(), Nvrx(), Torchft())}

@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 from loguru import logger
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -233,6 +234,8 @@ class ResilientAgent(LocalElasticAgent):
             Event.WORKERS_STARTED,
             restart=self._restarts,
             round=round_no,
+            # the launcher's own start (its imports, its rendezvous): the job's start for goodput
+            launched=psutil.Process().create_time(),
             ranks={str(w.global_rank): pids.get(w.local_rank) for w in worker_group.workers},
             **self.policy.budgets(),
         )

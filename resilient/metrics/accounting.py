@@ -171,6 +171,8 @@ def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accou
         t = now or 0.0
         return Accounting(t, t, dict.fromkeys((*CAUSES, OTHER), 0.0), [], 0, [], False)
     starts = [e["ts"] for e in evs if e["event"] in (Event.WORKERS_STARTED, Event.RUN_STARTED)]
+    # the job starts when its launcher did: its imports and rendezvous are startup too
+    starts += [float(e["launched"]) for e in evs if e["event"] == Event.WORKERS_STARTED and e.get("launched")]
     t0 = min(starts) if starts else evs[0]["ts"]
     t1 = max(now or 0.0, evs[-1]["ts"])
     exact = any(e["event"] == Event.STEP_COMPLETED for e in evs)

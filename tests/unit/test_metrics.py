@@ -84,6 +84,15 @@ def test_every_second_has_one_cause_and_they_add_up_to_the_wall_time():
     assert inc.recover_s == pytest.approx(0.5)
 
 
+def test_the_job_starts_when_its_launcher_did():
+    # the launcher imported and met its peers for 1.5 s before it started the workers at t=0
+    evs = [ev(0, "workers_started", -1, launched=T0 - 1.5), *in_process_run()]
+    acc = account(evs)
+    assert acc.wall_s == pytest.approx(7.4 + 1.5)
+    assert acc.seconds["startup"] == pytest.approx(2.0 + 1.5)
+    assert acc.goodput == pytest.approx(3.9 / 8.9)
+
+
 def test_a_hang_is_detection_time_from_its_last_progress():
     evs = [ev(0, "run_started", 0, world_size=1), *steps(0, 1.0, 0, 9, 0.1)]
     # the watchdog posts the hang 2 s after the last progress (t=1.9 -> 3.9)
