@@ -202,6 +202,7 @@ def job(
                                    "standby": standby})  # fmt: skip
             time.sleep(0.02)  # polling files other processes append to
         rc, timed_out = p.poll(), p.poll() is None
+        ended = time.time()
     finally:
         _kill_tree(d, p.pid)
         p.wait()
@@ -216,6 +217,7 @@ def job(
         "timed_out": timed_out,
         "wall_s": time.time() - t_start,
         "launched": t_start,
+        "ended": ended,
         "progress": _lines(progress),
         "faults": faults,
     }
@@ -331,7 +333,7 @@ def schedule(seed: int, steps: int, n: int) -> tuple[str, tuple[int, ...], list[
 
 def goodput(run: dict[str, Any]) -> dict[str, Any]:
     """The one goodput, from a job's progress lines: productive step time over wall time from the
-    job's launch to its last step. A step is productive once, in the completion of it that the
+    job's launch to its exit. A step is productive once, in the completion of it that the
     final state carries (its last), for the time since the same process completed the step before;
     where that time holds a fault, or the step is its process's first, it counts the run's median
     step instead (the retried step's own work, not the recovery it waited on)."""
@@ -352,7 +354,7 @@ def goodput(run: dict[str, Any]) -> dict[str, Any]:
         prev[x["pid"]], last[x["step"]] = x, gap
     step_s = statistics.median(clean) if clean else 0.0
     productive = sum(step_s if g is None else g for g in last.values())
-    wall = r0[-1]["t"] - run["launched"]
+    wall = run["ended"] - run["launched"]
     gp = productive / wall if wall > 0 else None
     return {"goodput": gp, "productive_s": productive, "wall_s": wall, "step_s": step_s}
 

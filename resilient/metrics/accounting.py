@@ -306,6 +306,17 @@ def _first_steps(evs: Sequence[dict[str, Any]], world: int) -> float | None:
     return max(seen.values()) if seen else None
 
 
+def _done_before(inc: Incident, rank: int, restored: Sequence[dict[str, Any]]) -> int:
+    """The last step ``rank`` completed before ``inc``: the step before the fault's, or, for a
+    fault known by no step (a dead process), the step before the one its restore re-ran from
+    (sparse progress records lag far behind it)."""
+    if inc.step is not None:
+        return int(inc.step) - 1
+    after = (e for e in restored if e["ts"] >= inc.start and e.get("rank") == rank)
+    e = next(after, None)
+    return -1 if e is None else int(e["step"]) + int(e.get("steps_rerun") or 0) - 1
+
+
 def _steps(
     evs: Sequence[dict[str, Any]], incidents: Sequence[Incident], exact: bool
 ) -> list[tuple[float, float, str]]:
@@ -322,13 +333,14 @@ def _steps(
             and isinstance(e.get("step"), int)
         ):
             samples.setdefault(r, []).append((e["ts"], e["step"], (e.get("pid"), e.get("generation"))))
-    for ss in samples.values():  # the step a fault interrupted: up to the fault, the work is lost
+    restored = [e for e in evs if e["event"] == Event.STATE_RESTORED and isinstance(e.get("step"), int)]
+    for rank, ss in samples.items():  # the step a fault interrupted: up to the fault, the work is lost
         cut = []
         for inc in incidents:
             before = [s for s in ss if s[0] <= inc.start]
             if before:
                 last = before[-1]
-                at = last[1] if inc.step is None else max(last[1], inc.step - 1)
+                at = max(last[1], _done_before(inc, rank, restored))
                 cut.append((inc.start, at, last[2]))
         ss += cut
     claims: list[tuple[float, float, str]] = []

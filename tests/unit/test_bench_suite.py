@@ -57,7 +57,7 @@ def test_goodput_counts_each_step_once_and_not_the_wait_for_a_recovery() -> None
     # resumes live at step 5, completed at t=2.5 (the recovery's wait in that gap), then on
     prog = [_p(1.0 + 0.1 * s, s, 0) for s in range(5)]
     prog += [_p(2.5 + 0.1 * (s - 5), s, 0) for s in range(5, 10)]
-    run = {"progress": prog, "launched": 0.0, "faults": [{"ts": 1.45, "kind": "exception"}]}
+    run = {"progress": prog, "launched": 0.0, "ended": 2.9, "faults": [{"ts": 1.45, "kind": "exception"}]}
     got = suite.goodput(run)
     # step 0 (its process's first) and step 5 (a fault in its gap) count the median step, 0.1
     assert math.isclose(got["productive_s"], 1.0)
@@ -69,7 +69,9 @@ def test_goodput_counts_a_replayed_step_in_its_last_run_only() -> None:
     # steps 0-4, fault at 1.45; the same process rolls back to step 3 and runs 3-9 again
     prog = [_p(1.0 + 0.1 * s, s, 0) for s in range(5)]
     prog += [_p(2.5 + 0.2 * (s - 3), s, 0) for s in range(3, 10)]
-    got = suite.goodput({"progress": prog, "launched": 0.0, "faults": [{"ts": 1.45, "kind": "hang"}]})
+    got = suite.goodput(
+        {"progress": prog, "launched": 0.0, "ended": 4.0, "faults": [{"ts": 1.45, "kind": "hang"}]}
+    )
     # the median of the clean gaps (0.1 x4, 0.2 x6) is 0.2; 0 (its first) and 3 (after step 4,
     # not 2) count it, 1 and 2 their 0.1, 4-9 their 0.2 of the replay (not 0.1 of the first run)
     assert math.isclose(got["step_s"], 0.2)
@@ -79,7 +81,9 @@ def test_goodput_counts_a_replayed_step_in_its_last_run_only() -> None:
 def test_goodput_of_a_relaunched_process_counts_its_first_step_as_a_median_one() -> None:
     prog = [_p(1.0 + 0.1 * s, s, 0, pid=1) for s in range(5)]
     prog += [_p(4.0 + 0.2 * (s - 2), s, 0, pid=2) for s in range(2, 6)]  # relaunched from step 2
-    got = suite.goodput({"progress": prog, "launched": 0.0, "faults": [{"ts": 1.45, "kind": "sigkill"}]})
+    got = suite.goodput(
+        {"progress": prog, "launched": 0.0, "ended": 5.0, "faults": [{"ts": 1.45, "kind": "sigkill"}]}
+    )
     # 0: median; 1: 0.1; 2: first of pid 2, median; 3-5: 0.2 each; the median of the clean gaps
     # (0.1 x4 from pid 1, 0.2 x3 from pid 2) is 0.1
     assert math.isclose(got["step_s"], 0.1)

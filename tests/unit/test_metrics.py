@@ -117,6 +117,24 @@ def test_a_hang_is_detection_time_from_its_last_progress():
     assert sum(acc.seconds.values()) == pytest.approx(acc.wall_s)
 
 
+def test_sparse_progress_before_a_dead_worker_is_productive_up_to_the_restored_step():
+    # progress records every 50 steps (no step records); rank 1 dies at t=8 in step 60; both
+    # resume live at step 60 (nothing re-run): steps 50-59 after the last record were productive
+    evs = [ev(0, "workers_started", -1, restarts_left=3)]
+    for r in (0, 1):
+        evs += [ev(0.5, "run_started", r, world_size=2), ev(1.0, "progress", r, step=0)]
+        evs.append(ev(6.0, "progress", r, step=50))
+    evs.append(ev(8.0, "worker_died", -1, pid=7, global_rank=1, cause="killed by SIGKILL (not an OOM kill)"))
+    evs.append(ev(8.0, "rank_replaced", -1, global_rank=1, restarts_left=2))
+    for r in (0, 1):
+        evs.append(ev(8.2, "state_restored", r, generation=1, step=60, steps_rerun=0, source="live"))
+        evs.append(ev(8.3, "step_resumed", r, generation=1, step=60))
+        evs.append(ev(12.3, "run_finished", r, generation=1, step=99))
+    acc = account(evs)
+    assert acc.seconds["rerun"] == pytest.approx(0.0)
+    assert acc.seconds["productive"] == pytest.approx(7.0 + 4.0)  # 1.0-8.0, then 8.3-12.3
+
+
 def test_a_dead_worker_is_the_cause_not_the_broken_collective_its_peer_saw():
     evs = [ev(0, "workers_started", -1, restarts_left=3)]
     evs += [ev(0.5, "run_started", r, world_size=2) for r in (0, 1)]
