@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from resilient.runtime import RECOVERY_PATH
+
 ROOT = Path(__file__).resolve().parents[1]  # (the repository, for an editable install)
 PEERS = ("nvidia-resiliency-ext", "torchft", "lightning", "transformers", "accelerate", "torchdata")
 
@@ -71,6 +73,7 @@ def begin(command: str | None = None, trials: int | None = None, **extra: Any) -
         "peers": {p: v for p in PEERS if (v := _version(p)) is not None},
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
+        "recovery_path": RECOVERY_PATH,
         "load_before": list(os.getloadavg()),
         "_t0": time.monotonic(),
         **extra,

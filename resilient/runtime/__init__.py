@@ -8,3 +8,8 @@ the ring, and where a new process takes it from); ``coordination/`` (the store p
 stores, process groups). The detectors of silent faults are a room of their own below the
 configuration (``resilient.detectors``).
 """
+
+# The recovery path's version: bumped when a change to detection, recovery or restore moves what
+# a fault costs. Every result under benchmarks/results is stamped with it (chaos.results), and the
+# figures the docs quote must come from a result of the current one (chaos.figures).
+RECOVERY_PATH = 1
