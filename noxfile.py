@@ -184,12 +184,15 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PY)
 def bench(session: nox.Session) -> None:
-    """Peers side by side in one run (benchmarks/suite.py): recovery per fault class under
-    resilient, NVRx (in-process Wrapper; ft_launcher) and torchrun + torch.save; goodput under one
-    seeded schedule; overhead; checkpoint blocking 64 MB-4 GB vs torch.save, DCP and NVRx async;
-    scaling to 8 ranks; the planner at 1k-16k GPUs. Table of ratios, suite.json, suite.png.
-    On a quiet machine: about 40 min."""
+    """Peers side by side in one run (benchmarks/suite.py): a fault's cost (exception, hang,
+    SIGKILL) under resilient, torchrun + dcp.async_save, NVRx ft_launcher, NVRx's in-process
+    Wrapper and torchft + Lighthouse, 5 trials; goodput under a seeded schedule; the whole
+    runtime's fault-free overhead; checkpoint blocking 64 MB-4 GB; the planner at 1k-16k GPUs.
+    suite.json (stamped), suite.png, the table. On a quiet machine: about an hour."""
     _install(session, "dev", "bench")
+    # torchft's own pins would replace torch: its wheel alone, and the small packages it imports
+    session.install("--no-deps", "torchft==0.2.0")
+    session.install("opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http")
     session.run("python", "benchmarks/suite.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 

@@ -100,9 +100,211 @@ def certificate_table() -> str:
     return "\n".join(lines)
 
 
-# block name -> (the file it is in, its generator)
-BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
-    "certificate": ("README.md", certificate_table),
+def _verdict(r: dict[str, Any]) -> str:
+    return "SKIPPED" if r.get("skipped") else "FAIL: " + ", ".join(r["failed"]) if r["failed"] else "PASS"
+
+
+def certificate_full() -> str:
+    """docs/chaos.md's certificate: every class of the last ``nox -s certify``."""
+    name = "certificate_cpu.json"
+    data = _load(name)
+    lines = [
+        f"[`{name}`](../benchmarks/results/{name}) ({made_by(data)}):",
+        "",
+        "| class | trials | detect p50 / p99 | recover p50 / p99 | SLO | steps lost (max) | bit-exact "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["classes"]:
+        if r.get("skipped"):
+            lines.append(f"| {r['class']} | — | | | | | | SKIPPED: {r['skipped']} |")
+            continue
+        detect = f"{_s(r['detect_p50'])} / {_s(r['detect_p99'])} s"
+        recover = f"{_s(r['recover_p50'])} / {_s(r['recover_p99'])} s"
+        exact = "✓" if r["bit_exact"] else "✗"
+        lines.append(
+            f"| {r['class']} | {r['finished']}/{r['trials']} | {detect} | {recover} | {_slo(r['slo'])} | "
+            f"{r['steps_lost_max']} | {exact} | {_verdict(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def stream_run(up: str = "..", indent: str = "") -> Callable[[], str]:
+    """The certificate's goodput run (``chaos stream``), its wall time by cause (``indent``: in a
+    list item)."""
+
+    def make() -> str:
+        name = "stream_cpu.json"
+        data = _load(name)
+        acc = data["accounting"]
+        secs = {k: v for k, v in sorted(acc["seconds"].items(), key=lambda kv: -kv[1]) if v >= 0.005}
+        causes = ", ".join(f"{k} {v:.2f} s" for k, v in secs.items())
+        kinds = ", ".join(f"{k} ×{v['injected']}" for k, v in data["by_kind"].items())
+        verdict = "PASS" if not data["failed"] else "FAIL: " + ", ".join(data["failed"])
+        exact = "bit-exact" if data["bit_exact"] else "NOT bit-exact"
+        return indent + (
+            f"[`{name}`]({up}/benchmarks/results/{name}) ({made_by(data)}): {data['faults_injected']} faults "
+            f"({kinds}), {data['steps']} steps, {exact}, {data['lost_committed_checkpoints']} committed "
+            f"checkpoints lost; **goodput {data['goodput']:.1%}** of {acc['wall_s']:.1f} s from the "
+            f"launch ({verdict} against the config's SLO); by cause: {causes}."
+        )
+
+    return make
+
+
+SYSTEM_NAMES = {
+    "resilient": "resilient",
+    "torchrun": "torchrun + dcp.async_save",
+    "ft_launcher": "NVRx ft_launcher",
+    "nvrx": "NVRx in-process Wrapper",
+    "torchft": "torchft + Lighthouse",
+}
+
+
+def _cell_text(cell: dict[str, Any], figure: str, digits: int = 2) -> str:
+    """A peer's median and range, or what it did instead of recovering, in a few words."""
+    if not cell:
+        return "not in this result"
+    if "skipped" in cell:
+        return f"not run: {cell['skipped']}"
+    med, rng = (cell.get("median") or {}).get(figure), (cell.get("range") or {}).get(figure)
+    if cell["recovered"] < cell["trials"]:
+        other = sorted({o.split(" (")[0] for o in cell["outcomes"] if o != "recovered"})
+        return f"{cell['recovered']}/{cell['trials']} recovered: " + "; ".join(other)
+    if med is None:
+        return "—"
+    if rng is None or rng[0] == rng[1]:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} ({rng[0]:.{digits}f}–{rng[1]:.{digits}f})"
+
+
+PEER_FIGURES = (("training lost (s)", "training_lost_s"), ("steps run again", "steps_rerun"))
+
+
+def _late(cell: dict[str, Any], cfg: dict[str, Any], figure: str, digits: int) -> str:
+    """A cell's text, and the steps its fault hit where that was not the planned one (a SIGKILL
+    waits for the side to be ready for it: resilient's standby parked)."""
+    text = _cell_text(cell, figure, digits)
+    hit = [s for s in cell.get("fault_steps", []) if s != cfg["fault_step"]]
+    return f"{text}; hit at step {', '.join(map(str, hit))}" if hit else text
+
+
+def comparison(up: str = "..", figures: tuple[tuple[str, str], ...] = PEER_FIGURES) -> Callable[[], str]:
+    """The peers' table of the last ``nox -s bench`` (suite.json): a fault's cost per system."""
+
+    def make() -> str:
+        name = "suite.json"
+        data = _load(name)
+        cells = data["peers"]["cells"]
+        cfg = data["peers"]["config"]
+        systems = [s for s in SYSTEM_NAMES if any(k.endswith(f"/{s}/2") for k in cells)]
+        head = "| fault | figure | " + " | ".join(SYSTEM_NAMES[s] for s in systems) + " |"
+        lines = [
+            f"[`{name}`]({up}/benchmarks/results/{name}) ({made_by(data)}, the whole run "
+            f"{data['wall_s'] / 60:.0f} min): 2 gloo ranks, steps of {cfg['step_ms']:g} ms, the fault at "
+            f"step {cfg['fault_step']} on the last rank, every side's hang timeout {cfg['timeout']:g} s, "
+            f"{cfg['trials']} trials; median (range) over the trials:",
+            "",
+            head,
+            "|---|---|" + "---|" * len(systems),
+        ]
+        for fault in ("exception", "hang", "sigkill"):
+            for label, figure in figures:
+                digits = 0 if figure == "steps_rerun" else 2
+                row = [_late(cells.get(f"{fault}/{s}/2", {}), cfg, figure, digits) for s in systems]
+                lines.append(f"| {fault} | {label} | " + " | ".join(row) + " |")
+        return "\n".join(lines)
+
+    return make
+
+
+def suite_rest() -> str:
+    """docs/benchmarks.md: the suite's goodput, overhead, scaling and checkpoint parts."""
+    data = _load("suite.json")
+    lines = []
+    gp = data.get("goodput") or {}
+    if gp:
+        sched = ", ".join(f"{k} at {s}" for s, k in gp["schedule"])
+        ours, theirs = gp["resilient"], gp["torchrun"]
+        lines.append(
+            f"- **Goodput** (productive step time over wall time from the launch) under one seeded "
+            f"schedule of {len(gp['schedule'])} faults in a {gp['steps']}-step run ({sched}): "
+            f"resilient **{_pct(ours.get('goodput'))}**, torchrun + dcp.async_save "
+            f"{_pct(theirs.get('goodput'))} (the runtime's own accounting of the same job: "
+            f"{_pct(ours.get('accounting_goodput'))})."
+        )
+    ov = data.get("overhead") or {}
+    if ov:
+        lines.append(f"- **Fault-free overhead**: {overhead_line(ov)}")
+    for n in data.get("scaling") or []:
+        cells = data["peers"]["cells"]
+        ours = _cell_text(cells.get(f"exception/resilient/{n}", {}), "training_lost_s")
+        theirs = _cell_text(cells.get(f"exception/torchrun/{n}", {}), "training_lost_s")
+        lines.append(
+            f"- **An exception at {n} ranks**: training lost {ours} s; torchrun + dcp.async_save {theirs} s."
+        )
+    ckp = data.get("checkpoint") or {}
+    if ckp:
+        lines += [
+            "",
+            "| state | copy limit | **ours blocked** | dcp.async_save blocked | torch.save+fsync "
+            "| dcp.save | NVRx async blocked (+ the clone a snapshot needs) | ours durable |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for gb in sorted(ckp, key=float):
+            r = ckp[gb]
+            nv = r.get("nvrx_async") or {}
+            nvt = (
+                f"{_t(nv.get('block_s'))} ({_t(nv.get('cloned_block_s'))})" if "error" not in nv else "error"
+            )
+            lines.append(
+                f"| {_size(r['bytes'])} | {_t(r['copy_s'])} | **{_t(r['block_s'])}** "
+                f"| {_t(r['dcp_async_block_s'])} | {_t(r['torch_save_s'])} | {_t(r['dcp_save_s'])} | {nvt} "
+                f"| {_t(r['persist_s'])} |"
+            )
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1%}"
+
+
+def _t(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3g} s"
+
+
+def _size(b: float) -> str:
+    return f"{b / 2**30:g} GB" if b >= 2**30 else f"{b / 2**20:.0f} MB"
+
+
+def overhead_line(ov: dict[str, Any]) -> str:
+    lo, hi = ov["overhead_pct_iqr"]
+    iqr = "" if lo is None else f"; IQR {lo:+.1f} … {hi:+.1f}%"
+    return (
+        f"the whole runtime at its defaults under `resilient launch` against the plain script under "
+        f"torchrun, {ov['step_ms']['plain']:.0f} ms steps of compute: **{ov['overhead_pct']:+.1f}%** wall "
+        f"time per step (median of {len(ov['overhead_pct_pairs'])} interleaved pairs{iqr}); launch → first "
+        f"step {ov['startup_s']['resilient']:.2f} s against {ov['startup_s']['plain']:.2f} s."
+    )
+
+
+def overhead_readme() -> str:
+    data = _load("suite.json")
+    return (
+        f"[`suite.json`](benchmarks/results/suite.json) ({made_by(data)}): {overhead_line(data['overhead'])}"
+    )
+
+
+# block name -> (the files it is in, its generator, the results it is made from)
+BLOCKS: dict[str, tuple[tuple[str, ...], Callable[[], str], tuple[str, ...]]] = {
+    "certificate": (("README.md",), certificate_table, ("certificate_cpu.json",)),
+    "certificate_full": (("docs/chaos.md",), certificate_full, ("certificate_cpu.json",)),
+    "stream": (("docs/chaos.md",), stream_run(), ("stream_cpu.json",)),
+    "stream_live": (("docs/recovery.md",), stream_run(indent="  "), ("stream_cpu.json",)),
+    "comparison": (("docs/benchmarks.md",), comparison(), ("suite.json",)),
+    "comparison_readme": (("README.md",), comparison(".", PEER_FIGURES[:1]), ("suite.json",)),
+    "suite_rest": (("docs/benchmarks.md",), suite_rest, ("suite.json",)),
+    "overhead": (("README.md",), overhead_readme, ("suite.json",)),
 }
 
 
@@ -119,12 +321,70 @@ def render(text: str, name: str, body: str) -> str:
 
 
 def stale() -> list[str]:
-    """The blocks whose text differs from their result's."""
+    """The blocks whose text differs from their result's, or whose result is not of the current
+    recovery path (resilient.runtime.RECOVERY_PATH)."""
+    from resilient.runtime import RECOVERY_PATH
+
     out = []
-    for name, (doc, make) in BLOCKS.items():
-        text = (ROOT / doc).read_text()
-        if render(text, name, make()) != text:
-            out.append(f"{doc}: {name}")
+    for name, (docs, make, sources) in BLOCKS.items():
+        body = make()
+        for doc in docs:
+            text = (ROOT / doc).read_text()
+            if render(text, name, body) != text:
+                out.append(f"{doc}: {name} differs from its result (python -m chaos.figures)")
+        for src in sources:
+            version = (_load(src).get("stamp") or {}).get("recovery_path")
+            if version != RECOVERY_PATH:
+                said = f"{src} was made by recovery path {version}, the code is {RECOVERY_PATH}"
+                out.append(f"{name}: {said}: run it again")
+    return out
+
+
+NUMBER = re.compile(r"(?<![\w.])(\d+\.\d+)(?![\d.+])")  # ("2.13+" is a version)
+RESULT_LINK = re.compile(r"benchmarks/results/([\w./-]+\.json)")
+VERSION_WORDS = re.compile(r"(torch|python|nvidia-resiliency-ext|torchft|NVRx|Python|version)\s*$", re.I)
+
+
+def _leaves(obj: Any, out: list[float]) -> list[float]:
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _leaves(v, out)
+    elif isinstance(obj, list):
+        for v in obj:
+            _leaves(v, out)
+    elif isinstance(obj, int | float) and not isinstance(obj, bool):
+        out.append(float(obj))
+    return out
+
+
+def _matches(quoted: str, values: list[float]) -> bool:
+    """Whether a decimal as the text shows it is one of the result's values at that precision
+    (as it is, as a percentage, in ms, or ms in s)."""
+    digits, x = len(quoted.split(".")[1]), float(quoted)
+    return any(round(abs(v) * k, digits) == x for v in values for k in (1.0, 100.0, 1000.0, 0.001))
+
+
+def unsourced() -> list[str]:
+    """Decimals in a paragraph of README.md or docs/ that names a result under
+    benchmarks/results/ (outside the generated blocks) that are none of its values: a figure
+    with no source, or one that differs from it. Version numbers (torch 2.13) are words."""
+    out = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"<!-- figures:(\w+) -->.*?<!-- /figures:\1 -->", "", doc.read_text(), flags=re.S)
+        for para in re.split(r"\n\s*\n", text):
+            files = sorted(set(RESULT_LINK.findall(para)))
+            values: list[float] = []
+            for f in files:
+                if (RESULTS / f).exists():
+                    _leaves(json.loads((RESULTS / f).read_text()), values)
+            for m in NUMBER.finditer(para) if files else ():
+                if VERSION_WORDS.search(para[max(0, m.start() - 30) : m.start()]):
+                    continue
+                if not _matches(m.group(1), values):
+                    where = " ".join(para[max(0, m.start() - 40) : m.end() + 10].split())
+                    out.append(
+                        f"{doc.relative_to(ROOT)}: {m.group(1)} is in none of {', '.join(files)}: …{where}…"
+                    )
     return out
 
 
@@ -133,13 +393,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="say which blocks differ; write nothing")
     args = p.parse_args(argv)
     if args.check:
-        differ = stale()
-        for d in differ:
-            print(f"stale: {d} (python -m chaos.figures)")
-        return 1 if differ else 0
-    for name, (doc, make) in BLOCKS.items():
-        path = ROOT / doc
-        path.write_text(render(path.read_text(), name, make()))
+        problems = stale() + unsourced()
+        for d in problems:
+            print(d)
+        return 1 if problems else 0
+    for name, (docs, make, _) in BLOCKS.items():
+        body = make()
+        for doc in docs:
+            path = ROOT / doc
+            path.write_text(render(path.read_text(), name, body))
     return 0
 
 

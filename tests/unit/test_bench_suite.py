@@ -88,3 +88,18 @@ def test_goodput_of_a_relaunched_process_counts_its_first_step_as_a_median_one()
     # (0.1 x4 from pid 1, 0.2 x3 from pid 2) is 0.1
     assert math.isclose(got["step_s"], 0.1)
     assert math.isclose(got["productive_s"], 0.1 + 0.1 + 0.1 + 3 * 0.2)
+
+
+def test_a_peer_cell_has_its_median_its_range_and_what_it_did_instead() -> None:
+    from benchmarks import work_lost_peers as wlp
+
+    runs = [
+        {"outcome": "recovered", "training_lost_s": x, "fault_step": 65, "steps_rerun": 0}
+        for x in (1.0, 3.0, 2.0)
+    ]
+    cell = wlp.summarize(runs)
+    assert cell["median"]["training_lost_s"] == 2.0 and cell["range"]["training_lost_s"] == [1.0, 3.0]
+    assert suite.why_not(cell) is None
+    went_on = "continued as 1 rank(s) without rank 1 (nothing replaces it)"
+    cell = wlp.summarize([*runs[:1], {"outcome": went_on, "fault_step": 65}])
+    assert suite.why_not(cell) == "1/2 recovered: continued as 1 rank(s) without rank 1"

@@ -7,14 +7,37 @@ import pytest
 from chaos import figures
 
 
-def test_every_quoted_block_is_its_result_s_current_text() -> None:
+def test_every_quoted_block_is_its_result_s_current_text_of_the_current_recovery_path() -> None:
     assert figures.stale() == [], "regenerate with `python -m chaos.figures`"
 
 
+def test_every_decimal_next_to_a_result_link_is_one_of_its_values() -> None:
+    assert figures.unsourced() == []
+
+
 def test_a_block_names_its_result_and_what_made_it() -> None:
-    for _name, (_doc, make) in figures.BLOCKS.items():
+    for _name, (_docs, make, sources) in figures.BLOCKS.items():
         first = make().splitlines()[0]
-        assert "benchmarks/results/" in first and ("stamped" in first or "torch" in first)
+        assert any(f"benchmarks/results/{s}" in first for s in sources) and "torch" in first
+
+
+def test_a_result_of_an_older_recovery_path_is_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = figures._load
+
+    def older(name: str) -> dict:
+        data = real(name)
+        return {**data, "stamp": {**data.get("stamp", {}), "recovery_path": 0}}
+
+    monkeypatch.setattr(figures, "_load", older)
+    said = figures.stale()
+    assert said and all("recovery path 0" in s for s in said if "differs" not in s)
+
+
+def test_a_quoted_decimal_matches_at_its_own_precision() -> None:
+    assert figures._matches("0.38", [0.3842])
+    assert figures._matches("99.3", [0.99335])  # a share shown as a percentage
+    assert figures._matches("4.41", [0.004412])  # seconds shown in ms
+    assert not figures._matches("0.43", [0.17, 0.2])
 
 
 def test_a_document_without_its_block_is_an_error_not_a_silent_skip() -> None:
