@@ -407,7 +407,7 @@ def phase_overhead(pairs: int, steps: int = 300) -> dict:
     torchrun, no checkpoints on either side, a model whose step computes for ~100 ms (no padding);
     interleaved pairs, the order swapped each pair. Per run: the wall time per step over the whole
     loop, and the time from launch to the first step."""
-    wide = ("--dim", "256", "--seq", "96")
+    wide = ("--dim", "224", "--seq", "64")
     per: dict[str, list[float]] = {"plain": [], "resilient": []}
     start: dict[str, list[float]] = {"plain": [], "resilient": []}
     ratios = []
@@ -758,7 +758,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--goodput-steps", type=int, default=600)
     ap.add_argument("--faults", type=int, default=5)
-    ap.add_argument("--overhead-pairs", type=int, default=6)
+    ap.add_argument("--overhead-pairs", type=int, default=8)
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/suite-ckpt"), help="checkpoint disk")
     ap.add_argument("--out", type=Path, default=RESULTS / "suite.json")
     args = ap.parse_args()

@@ -16,9 +16,11 @@ def test_every_decimal_next_to_a_result_link_is_one_of_its_values() -> None:
 
 
 def test_a_block_names_its_result_and_what_made_it() -> None:
-    for _name, (_docs, make, sources) in figures.BLOCKS.items():
-        first = make().splitlines()[0]
-        assert any(f"benchmarks/results/{s}" in first for s in sources) and "torch" in first
+    for name, (_docs, make, sources) in figures.BLOCKS.items():
+        body = make()
+        assert all(f"benchmarks/results/{s}" in body for s in sources), name
+        # its stamp in words, or the block above it of the same result has it
+        assert "torch" in body or "same run" in body, name
 
 
 def test_a_result_of_an_older_recovery_path_is_stale(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,3 +60,15 @@ def test_what_made_a_result_is_read_from_its_stamp() -> None:
     said = figures.made_by({"stamp": stamp})
     assert said == "2026-12-06, abc1234, uncommitted changes, torch 2.15.0, load 0.4-2.5 on 2 cores"
     assert figures.made_by({}).startswith("unstamped")
+
+
+def test_every_result_is_stamped_but_the_older_ones_listed() -> None:
+    import json
+
+    unstamped = set()
+    for path in figures.RESULTS.rglob("*.json"):
+        data = json.loads(path.read_text())
+        if not (isinstance(data, dict) and data.get("stamp")):
+            unstamped.add(str(path.relative_to(figures.RESULTS)))
+    assert unstamped <= figures.UNSTAMPED, "a new result without a stamp: write it with chaos.results"
+    assert unstamped >= figures.UNSTAMPED, "a listed result is stamped now: take it off the list"
