@@ -110,6 +110,8 @@ def command(
     run = [sys.executable, "-m", "torch.distributed.run", *common]
     if engine == "nvrx":
         return [*run, *work, "--engine", "nvrx"]
+    if engine == "wrapped":  # the runtime under torchrun: no launcher, standby or mirror
+        return [*run, *work]
     if ckpt is None:
         return [*run, *work, "--plain"]
     return [*run, *work, "--plain", "--ckpt-dir", str(ckpt), "--ckpt-every", str(CKPT_EVERY)]
