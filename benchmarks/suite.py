@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import itertools
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import statistics
@@ -460,10 +462,8 @@ def phase_checkpoint(sizes: list[float], where: Path, repeat: int) -> dict:
         row["dcp_async_block_s"] = min(x[1] for x in dcp)
         row["dcp_async_total_s"] = min(x[2] for x in dcp)
         if nvrx_async_ckpt is not None:
-            try:
-                row["nvrx_async"] = nvrx_async_ckpt.measure(state, where, repeat=repeat)
-            except Exception as e:
-                row["nvrx_async"] = {"error": f"{type(e).__name__}: {e}"}
+            save = functools.partial(nvrx_async_ckpt.measure, state, where, repeat=repeat)
+            row["nvrx_async"] = in_child(save, timeout=600)
         else:
             row["nvrx_async"] = {"error": nvrx_err}
         row.update(ck.ours(model, opt, where, repeat))
@@ -473,6 +473,44 @@ def phase_checkpoint(sizes: list[float], where: Path, repeat: int) -> dict:
         del model, opt, state
         gc.collect()
     return res
+
+
+def in_child(fn: Any, timeout: float) -> dict[str, Any]:
+    """``fn()``'s JSON-able result, run in a forked child: a peer that hangs in its own teardown
+    (NVRx's async caller joined a queue its dead worker never finished, in its __del__, after a
+    1 GB save: measured) costs ``timeout`` and an error, not the run. Every process of the child
+    is killed at the end."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its result down the pipe, then out without Python's teardown
+        os.close(r)
+        try:
+            out = fn()
+        except Exception as e:
+            out = {"error": f"{type(e).__name__}: {e}"}
+        with os.fdopen(w, "w") as f:
+            f.write(json.dumps(out, default=str))
+        os._exit(0)
+    os.close(w)
+    chunks, deadline = [], time.monotonic() + timeout
+    with os.fdopen(r) as f:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([f], [], [], 1.0)
+            if ready:
+                chunk = f.read()
+                chunks.append(chunk)
+                break
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(pid).children(recursive=True):
+            child.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    text = "".join(chunks)
+    if not text:
+        return {"error": f"no result within {timeout:g} s (hung)"}
+    out: dict[str, Any] = json.loads(text)
+    return out
 
 
 def _cell(results: dict[str, Any], fault: str, system: str, nproc: int = 2) -> dict[str, Any]:
@@ -750,6 +788,81 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def from_log(log: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """A run's results from the JSON lines it printed (every trial, every phase's figures), for a
+    run that did not end itself: the same summaries, the planner and the table recomputed from
+    them; what it never printed (the overhead phase's start-up times) is absent."""
+    from benchmarks import work_lost_peers as wlp
+
+    lines = []
+    for raw in log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            x = json.loads(raw)
+            if isinstance(x, dict):
+                lines.append(x)
+    trials = [x for x in lines if "trial" in x and "system" in x]
+    cells = {}
+    for key in dict.fromkeys((x["fault"], x["system"], x["nproc"]) for x in trials):
+        mine = [x for x in trials if (x["fault"], x["system"], x["nproc"]) == key]
+        cells["/".join(map(str, key))] = {
+            "system": key[1],
+            "fault": key[0],
+            "nproc": key[2],
+            **wlp.summarize(mine),
+            "runs": mine,
+        }
+    config = {
+        "fault_step": FAULT_STEP,
+        "after": AFTER,
+        "step_ms": STEP_MS,
+        "timeout": TIMEOUT,
+        "wait": WAIT,
+        "trials": args.trials,
+        "ckpt_every_torchrun": CKPT_EVERY,
+        "cpus": os.cpu_count(),
+    }
+    results: dict[str, Any] = {"peers": {"config": config, "cells": cells}}
+    results["scaling"] = sorted({x["nproc"] for x in trials if x["nproc"] != 2})
+    gp = {
+        x["engine"]: {k: v for k, v in x.items() if k not in ("phase", "engine")}
+        for x in lines
+        if x.get("phase") == "goodput"
+    }
+    if gp:
+        _, _, planned = schedule(args.seed, args.goodput_steps, args.faults)
+        results["goodput"] = {
+            "seed": args.seed,
+            "steps": args.goodput_steps,
+            "schedule": planned,
+            "step_ms": STEP_MS,
+            **gp,
+        }
+    pairs = [x for x in lines if x.get("phase") == "overhead"]
+    if pairs:
+        ratios = [
+            100 * (x["resilient"] / x["plain"] - 1) for x in pairs if x.get("plain") and x.get("resilient")
+        ]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [None, None, None]
+        per = {m: [x[m] for x in pairs if x.get(m)] for m in ("plain", "resilient")}
+        results["overhead"] = {
+            "pairs": len(pairs),
+            "step_ms": {m: 1e3 * statistics.median(v) for m, v in per.items() if v},
+            "startup_s": {"plain": None, "resilient": None},  # (not printed by the run)
+            "overhead_pct": _median(ratios),
+            "overhead_pct_iqr": [q[0], q[2]],
+            "overhead_pct_pairs": ratios,
+        }
+    ckp = {
+        f"{x['gb']:g}": {k: v for k, v in x.items() if k not in ("phase", "gb")}
+        for x in lines
+        if x.get("phase") == "checkpoint"
+    }
+    if ckp:
+        results["checkpoint"] = ckp
+    results["planner"] = phase_planner(results)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     phases = ["peers", "goodput", "overhead", "checkpoint", "planner"]
@@ -763,7 +876,19 @@ def main() -> None:
     ap.add_argument("--overhead-pairs", type=int, default=8)
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/suite-ckpt"), help="checkpoint disk")
     ap.add_argument("--out", type=Path, default=RESULTS / "suite.json")
+    ap.add_argument("--from-log", type=Path, default=None, help="a run's printed lines: its results, partial")
+    ap.add_argument("--log-note", default="", help="with --from-log: which run it was and why it did not end")
     args = ap.parse_args()
+    if args.from_log is not None:
+        st = stamp.begin(trials=args.trials, phases=args.only, from_log=args.log_note)
+        results = from_log(args.from_log, args)
+        results["rows"] = table(results)
+        results["wall_s"] = None
+        written = stamp.write(args.out, results, st, complete=False)
+        plot(results, written.with_suffix(".png"))
+        print_table(results["rows"])
+        print(f"wrote {written} (partial: from {args.from_log})")
+        return
     # a SIGTERM (a CI timeout, nox) unwinds through every trial's cleanup as Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 

@@ -23,9 +23,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 CERTIFICATE_ROWS = {
     "exception": "raised in the step",
     "hang": "`time.sleep(3600)`",
-    "oom": "the allocator fails",
-    "sigkill": "the signal (no standby yet)",
-    "sigkill_warm": "the same, a standby parked",
+    "sigkill_warm": "SIGKILL, a standby parked",
     "corrupt_checkpoint": "64 bytes flipped, job killed",
     "link_drop": "veth link down 10 s",
     "nan": "a NaN in the gradient",
@@ -76,6 +74,8 @@ def made_by(data: dict[str, Any]) -> str:
     st = data.get("stamp")
     if not st:
         return "unstamped: made before results were stamped"
+    if st.get("from_log"):  # a run that did not end itself, its results taken from what it printed
+        return f"partial, torch {st['torch']}: {st['from_log']}"
     tree = "" if st.get("tree_clean") else ", uncommitted changes"
     load = f"load {st['load_before'][0]:.1f}-{st['load_after'][0]:.1f} on {st['cores']} cores"
     return f"{st['date'][:10]}, {st['commit']}{tree}, torch {st['torch']}, {load}"
@@ -274,9 +274,10 @@ def comparison(up: str = "..", figures: tuple[tuple[str, str], ...] = PEER_FIGUR
         cfg = data["peers"]["config"]
         systems = [s for s in SYSTEM_NAMES if any(k.endswith(f"/{s}/2") for k in cells)]
         head = "| fault | figure | " + " | ".join(SYSTEM_NAMES[s] for s in systems) + " |"
+        whole = "" if data.get("wall_s") is None else f", the whole run {data['wall_s'] / 60:.0f} min"
         lines = [
-            f"[`{name}`]({up}/benchmarks/results/{name}) ({made_by(data)}, the whole run "
-            f"{data['wall_s'] / 60:.0f} min): 2 gloo ranks, steps of {cfg['step_ms']:g} ms, the fault at "
+            f"[`{name}`]({up}/benchmarks/results/{name}) ({made_by(data)}{whole}): 2 gloo ranks, steps of "
+            f"{cfg['step_ms']:g} ms, the fault at "
             f"step {cfg['fault_step']} on the last rank, every side's hang timeout {cfg['timeout']:g} s, "
             f"{cfg['trials']} trials; median (range) over the trials:",
             "",
@@ -355,11 +356,16 @@ def _size(b: float) -> str:
 def overhead_line(ov: dict[str, Any]) -> str:
     lo, hi = ov["overhead_pct_iqr"]
     iqr = "" if lo is None else f"; IQR {lo:+.1f} … {hi:+.1f}%"
+    start = ov["startup_s"]
+    first = (
+        f"; launch → first step {start['resilient']:.2f} s against {start['plain']:.2f} s"
+        if start.get("resilient") is not None and start.get("plain") is not None
+        else ""
+    )
     return (
         f"the whole runtime at its defaults under `resilient launch` against the plain script under "
         f"torchrun, {ov['step_ms']['plain']:.0f} ms steps of compute: **{ov['overhead_pct']:+.1f}%** wall "
-        f"time per step (median of {len(ov['overhead_pct_pairs'])} interleaved pairs{iqr}); launch → first "
-        f"step {ov['startup_s']['resilient']:.2f} s against {ov['startup_s']['plain']:.2f} s."
+        f"time per step (median of {len(ov['overhead_pct_pairs'])} interleaved pairs{iqr}){first}."
     )
 
 
