@@ -105,13 +105,19 @@ def _worker_pid(launch: Launch, rank: int) -> int:
     return int(launch.wait_event("run_started", lambda e: e["rank"] == rank)["pid"])
 
 
-def _signal_after_checkpoint(run: Launch, rank: int, fault: str = "SIGKILL", standby: bool = False) -> int:
+def _signal_after_checkpoint(
+    run: Launch, rank: int, fault: str = "SIGKILL", standby: bool = False, fresh_step: bool = False
+) -> int:
     """Once ``rank`` saved a checkpoint of step 8 or later (and, with ``standby``, a warm standby
-    waits), send its worker ``fault`` for real; the run must then finish with 0. Returns the pid."""
+    waits), send its worker ``fault`` for real; the run must then finish with 0. Returns the pid.
+    ``fresh_step``: the checkpoint is one saved after the standby was ready, so the signal lands
+    at the start of the step after it (a standby ready mid-step would have it land anywhere)."""
     try:
+        since = 0.0
         if standby:  # a warm one: it finished its imports and waits
-            run.wait_event("standby_ready")
-        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == rank)
+            ready = run.wait_event("standby_ready")
+            since = ready["ts"] if fresh_step else 0.0
+        run.wait_event("checkpoint_saved", lambda e: e["step"] >= 8 and e["rank"] == rank and e["ts"] > since)
         victim = _worker_pid(run, rank)
         os.kill(victim, getattr(signal, fault))  # a real kill / a real freeze
         rc = run.finish()

@@ -90,7 +90,7 @@ def test_a_replacement_resumes_the_step_its_predecessor_died_in_from_a_survivors
         EXAMPLE, "--steps", str(STEPS), "--step-ms", "250", "--pad-at", "forward",
         "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "4", "--out", str(tmp_path / "state"),
     )  # fmt: skip
-    _signal_after_checkpoint(run, victim, standby=True)
+    _signal_after_checkpoint(run, victim, standby=True, fresh_step=True)
     replaced = _replaced_alone(run, victim, nproc)
     events = run.events()
     started = next(e for e in events if e["event"] == "workers_started")
