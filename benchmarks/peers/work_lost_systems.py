@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import shutil
 import socket
 import subprocess
@@ -162,6 +163,15 @@ class Torchrun:
         return _first_relaunch(o)
 
 
+def _nvrx_missing(module: str) -> str | None:
+    """None if NVRx's ``module`` imports here, else why not."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # (an import error, or NVRx's own checks failing at import)
+        return f"nvidia-resiliency-ext does not import ({type(e).__name__}: {e})"
+    return None
+
+
 class FtLauncher:
     name = "ft_launcher"
 
@@ -169,20 +179,16 @@ class FtLauncher:
         return True
 
     def available(self) -> str | None:
-        try:
-            import nvidia_resiliency_ext.fault_tolerance  # noqa: F401
-        except Exception as e:  # (an import error, or NVRx's own checks failing at import)
-            return f"nvidia-resiliency-ext does not import ({type(e).__name__}: {e})"
-        return None
+        return _nvrx_missing("nvidia_resiliency_ext.fault_tolerance")
 
     def start(self, s: Setup, d: Path, env: dict[str, str], log: Any) -> list[subprocess.Popen[bytes]]:
         # its defaults but the rank heartbeat timeout (every system's hang timeout) and the NIC
         # monitor (no NICs or GPUs here)
-        cmd = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher", *_launcher(s),
-               "--ft-rank-heartbeat-timeout", str(s.timeout), "--ft-enable-nic-monitor", "false",
-               str(PEERS / "ft_launcher_tiny_worker.py"), *s.work(d / "progress.jsonl"),
-               "--ckpt-dir", str(d / "ckpt"), "--ckpt-every", str(CKPT_EVERY),
-               "--timeout", str(s.timeout)]  # fmt: skip
+        launcher = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher", *_launcher(s)]
+        knobs = ["--ft-rank-heartbeat-timeout", str(s.timeout), "--ft-enable-nic-monitor", "false"]
+        worker = [str(PEERS / "ft_launcher_tiny_worker.py"), *s.work(d / "progress.jsonl")]
+        ckpt = ["--ckpt-dir", str(d / "ckpt"), "--ckpt-every", str(CKPT_EVERY), "--timeout", str(s.timeout)]
+        cmd = [*launcher, *knobs, *worker, *ckpt]
         return [_spawn(cmd, d, env, log)]
 
     def detected(self, o: Observed) -> float | None:
@@ -196,11 +202,7 @@ class Nvrx:
         return True
 
     def available(self) -> str | None:
-        try:
-            import nvidia_resiliency_ext.inprocess  # noqa: F401
-        except Exception as e:  # (an import error, or NVRx's own checks failing at import)
-            return f"nvidia-resiliency-ext does not import ({type(e).__name__}: {e})"
-        return None
+        return _nvrx_missing("nvidia_resiliency_ext.inprocess")
 
     def start(self, s: Setup, d: Path, env: dict[str, str], log: Any) -> list[subprocess.Popen[bytes]]:
         ports = {
