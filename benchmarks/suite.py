@@ -148,11 +148,13 @@ def job(
     wait_standby: bool = False,
     hang_timeout: float = HANG_TIMEOUT,
     plain_ckpt: bool = True,
+    cpu: bool = False,
 ) -> dict[str, Any]:
     """Run the example (or ``script``, which takes the same options) once; send ``kill_signal``
     (SIGKILL) to rank 1 when it first completes each step in ``kills`` (with ``wait_standby``,
     once a standby of ``resilient launch`` also waits). Each kill records which standby waited
-    then (``parked``, ``imported``, ``none``)."""
+    then (``parked``, ``imported``, ``none``). ``cpu``: the CPU seconds of the job's processes
+    by role, sampled twice a second (``cpu_s``)."""
     d = Path(tempfile.mkdtemp(prefix=f"suite-{engine}-", dir="/var/tmp"))
     progress, injections = d / "progress.jsonl", d / "injections.jsonl"
     work = [
@@ -189,9 +191,12 @@ def job(
         )
     killed: list[dict[str, Any]] = []
     pending = sorted(kills)
+    meter = CpuMeter(d, p.pid) if cpu else None
     try:
         deadline = time.monotonic() + timeout
         while p.poll() is None and time.monotonic() < deadline:
+            if meter is not None:
+                meter.sample()
             if pending:
                 hit = [x for x in _lines(progress) if x["rank"] == 1 and x["step"] >= pending[0]]
                 standby = _standby_waiting(d)
@@ -226,6 +231,8 @@ def job(
         "faults": faults,
     }
     out["finished"] = rc == 0 and not timed_out and _done(out["progress"], nproc, steps)
+    if meter is not None:
+        out["cpu_s"] = meter.by_role({x["pid"] for x in out["progress"]})
     runs = list(d.glob("resilient_runs/*/events.jsonl"))
     if len(runs) == 1:  # (the runtime's own goodput accounting of the job)
         from resilient.metrics import account
@@ -237,6 +244,42 @@ def job(
     else:
         shutil.rmtree(d, ignore_errors=True)
     return out
+
+
+class CpuMeter:
+    """The CPU seconds of every process of a job (the launcher's session, its workers, standbys:
+    all run in the job's directory), last seen at most ``every`` seconds before each ended."""
+
+    def __init__(self, cwd: Path, root_pid: int, every: float = 0.5) -> None:
+        self.cwd, self.root_pid, self.every = cwd, root_pid, every
+        self._last = 0.0
+        self.seen: dict[int, tuple[float, str]] = {}
+
+    def sample(self) -> None:
+        if time.monotonic() - self._last < self.every:
+            return
+        self._last = time.monotonic()
+        for q in psutil.process_iter(["pid", "cwd", "cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if q.info["cwd"] and Path(q.info["cwd"]) == self.cwd:
+                    t = q.cpu_times()
+                    self.seen[q.pid] = (t.user + t.system, " ".join(q.info["cmdline"] or ()))
+
+    def by_role(self, workers: set[int]) -> dict[str, float]:
+        """``launcher`` (the root process: resilient's agent or torchrun's), ``workers`` (the
+        ranks, summed), ``standby`` (processes waiting to be a rank), ``other``."""
+        out = {"launcher": 0.0, "workers": 0.0, "standby": 0.0, "other": 0.0}
+        for pid, (cpu, cmdline) in self.seen.items():
+            if pid == self.root_pid:
+                role = "launcher"
+            elif pid in workers:
+                role = "workers"
+            elif "resilient.runtime.standby" in cmdline:
+                role = "standby"
+            else:
+                role = "other"
+            out[role] += cpu
+        return out
 
 
 def _standby_waiting(d: Path) -> str:
@@ -405,39 +448,62 @@ def _wall_step(run: dict[str, Any]) -> float | None:
     return (xs[-1]["t"] - xs[0]["t"]) / (xs[-1]["step"] - xs[0]["step"]) if len(xs) > 1 else None
 
 
+def _per_step(run: dict[str, Any], key: str, half: bool = False) -> float | None:
+    """Rank 0's ``key`` (``t``: wall, ``cpu``: its process's CPU time) per step, first step to
+    last, or over the loop's second half (``half``: once the one-off work beside the ranks, the
+    standby's imports, is over)."""
+    xs = sorted((x for x in run["progress"] if x["rank"] == 0 and key in x), key=lambda x: x["t"])
+    xs = xs[len(xs) // 2 :] if half else xs
+    return (xs[-1][key] - xs[0][key]) / (xs[-1]["step"] - xs[0]["step"]) if len(xs) > 1 else None
+
+
 def phase_overhead(pairs: int, steps: int = 300) -> dict:
     """The whole runtime at its defaults under ``resilient launch`` (guard, replica digests, live
     capture and its mirror, replay digest, snapshots, heartbeats) against the plain script under
     torchrun, no checkpoints on either side, a model whose step computes for ~100 ms (no padding);
     interleaved pairs, the order swapped each pair. Per run: the wall time per step over the whole
-    loop, and the time from launch to the first step."""
+    loop and over its second half, rank 0's CPU time per step, the CPU seconds of the launcher,
+    the ranks and the standby, and the time from launch to the first step."""
     wide = ("--dim", "224", "--seq", "64")
-    per: dict[str, list[float]] = {"plain": [], "resilient": []}
-    start: dict[str, list[float]] = {"plain": [], "resilient": []}
-    ratios = []
+    sides = ("plain", "resilient")
+    figures = ("wall", "steady", "cpu")
+    per: dict[str, dict[str, list[float]]] = {f: {m: [] for m in sides} for f in figures}
+    ratios: dict[str, list[float]] = {f: [] for f in figures}
+    start: dict[str, list[float]] = {m: [] for m in sides}
+    cpu_s: dict[str, list[dict[str, float]]] = {m: [] for m in sides}
     for i in range(pairs):
-        got: dict[str, float | None] = {}
-        for mode in ("plain", "resilient") if i % 2 == 0 else ("resilient", "plain"):
+        got: dict[str, dict[str, float | None]] = {}
+        for mode in sides if i % 2 == 0 else sides[::-1]:
             engine = "torchrun" if mode == "plain" else "resilient"
-            r = job(engine, 2, steps, step_ms=0.0, extra=wide, plain_ckpt=False)
-            got[mode] = _wall_step(r) if r["finished"] else None
-            if got[mode] is not None:
-                per[mode].append(got[mode])  # type: ignore[arg-type]
-                start[mode].append(min(x["t"] for x in r["progress"]) - r["launched"])
-        if got["plain"] and got["resilient"]:
-            ratios.append(100 * (got["resilient"] / got["plain"] - 1))
+            r = job(engine, 2, steps, step_ms=0.0, extra=wide, plain_ckpt=False, cpu=True)
+            if not r["finished"]:
+                continue
+            got[mode] = {
+                "wall": _per_step(r, "t"),
+                "steady": _per_step(r, "t", True),
+                "cpu": _per_step(r, "cpu"),
+            }
+            for f in figures:
+                if got[mode][f] is not None:
+                    per[f][mode].append(got[mode][f])  # type: ignore[arg-type]
+            start[mode].append(min(x["t"] for x in r["progress"]) - r["launched"])
+            cpu_s[mode].append(r["cpu_s"])
+        for f in figures:
+            a, b = (got.get(m, {}).get(f) for m in sides)
+            if a and b:
+                ratios[f].append(100 * (b / a - 1))
         print(json.dumps({"phase": "overhead", "pair": i, **got}), flush=True)
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [None, None, None]
-    return {
-        "pairs": pairs,
-        "steps": steps,
-        "model": list(wide),
-        "step_ms": {k: (1e3 * statistics.median(v) if v else None) for k, v in per.items()},
-        "startup_s": {k: _median(v) for k, v in start.items()},
-        "overhead_pct": _median(ratios),
-        "overhead_pct_iqr": [q[0], q[2]],
-        "overhead_pct_pairs": ratios,
-    }
+    out: dict[str, Any] = {"pairs": pairs, "steps": steps, "model": list(wide)}
+    for f, name in (("wall", ""), ("steady", "steady_"), ("cpu", "cpu_")):
+        q = statistics.quantiles(ratios[f], n=4) if len(ratios[f]) >= 2 else [None, None, None]
+        out[f"{name}step_ms"] = {m: (1e3 * statistics.median(v) if v else None) for m, v in per[f].items()}
+        out[f"{name}overhead_pct"] = _median(ratios[f])
+        out[f"{name}overhead_pct_iqr"] = [q[0], q[2]]
+        out[f"{name}overhead_pct_pairs"] = ratios[f]
+    out["startup_s"] = {m: _median(v) for m, v in start.items()}
+    roles = ("launcher", "workers", "standby", "other")
+    out["cpu_s"] = {m: {k: _median([c[k] for c in cs]) for k in roles} for m, cs in cpu_s.items()}
+    return out
 
 
 def phase_checkpoint(sizes: list[float], where: Path, repeat: int) -> dict:

@@ -208,8 +208,9 @@ def main() -> None:
             if args.step_ms and args.pad_at == "tail":
                 time.sleep(max(0.0, args.step_ms / 1e3 - (time.perf_counter() - t0)))
             if args.progress is not None:
-                append_line(args.progress, {"t": time.time(), "step": step, "rank": rank, "pid": os.getpid(),
-                                            "attempt": attempt})  # fmt: skip
+                # (the process's CPU time: what a step costs the worker, beside its wall time)
+                line = {"t": time.time(), "step": step, "rank": rank, "pid": os.getpid(), "attempt": attempt}
+                append_line(args.progress, {**line, "cpu": time.process_time()})
             if isinstance(ctx, _Plain):  # the plain baseline checkpoints by itself
                 ctx.completed(step)
         if args.report and rank == 0 and t_loop is not None:
