@@ -429,26 +429,30 @@ def made_by_short(data: dict[str, Any]) -> str:
 
 
 def overhead_parts() -> str:
-    """docs/benchmarks.md: where the whole runtime's fault-free overhead goes (overhead_parts.py),
-    every round's figure shown: the load's drift between rounds is part of the reading."""
+    """docs/benchmarks.md: where the whole runtime's fault-free overhead goes (overhead_parts.py):
+    per configuration, rank 0's wall time per step over the loop and its second half, and its CPU
+    time per step, each the median over the rounds against the plain script's."""
     name = "overhead_parts.json"
     data = _load(name)
-    parts, samples = data["parts"], data["samples"]
-    rounds = data["rounds"]
     lines = [
-        f"[`{name}`](../benchmarks/results/{name}) ({made_by(data)}), {rounds} interleaved rounds of "
-        f"{data['steps']} steps, the order rotating:",
+        f"[`{name}`](../benchmarks/results/{name}) ({made_by(data)}), {data['rounds']} interleaved "
+        f"rounds of {data['steps']} steps, the order rotating; medians over the rounds, rank 0:",
         "",
-        "| run | "
-        + " | ".join(f"round {i + 1} ms/step" for i in range(rounds))
-        + " | median vs the plain script |",
-        "|---|" + "---|" * rounds + "---|",
+        "| run | ms/step, whole loop | vs plain | vs plain, second half | CPU ms/step | vs plain |",
+        "|---|---|---|---|---|---|",
     ]
-    for n, p in parts.items():
-        each = [f"{1e3 * x:.1f}" for x in samples.get(n, [])] + ["—"] * (rounds - len(samples.get(n, [])))
-        pct = "—" if p["vs_plain_pct"] is None or n == "plain" else f"{p['vs_plain_pct']:+.1f}%"
-        lines.append(f"| {OVERHEAD_PARTS.get(n, n)} | " + " | ".join(each) + f" | {pct} |")
+    for n, p in data["parts"].items():
+        wall, cpu = p["wall"]["ms"], p["cpu"]["ms"]
+        lines.append(
+            f"| {OVERHEAD_PARTS.get(n, n)} | {'—' if wall is None else f'{wall:.1f}'} | {_vs(p, 'wall', n)} "
+            f"| {_vs(p, 'steady', n)} | {'—' if cpu is None else f'{cpu:.1f}'} | {_vs(p, 'cpu', n)} |"
+        )
     return "\n".join(lines)
+
+
+def _vs(part: dict[str, Any], figure: str, name: str) -> str:
+    v = part[figure]["vs_plain_pct"]
+    return "—" if v is None or name == "plain" else f"{v:+.1f}%"
 
 
 OVERHEAD_PARTS = {
@@ -461,6 +465,7 @@ OVERHEAD_PARTS = {
     "count": "… collective count off",
     "straggler": "… straggler watch off",
     "all": "… all six off",
+    "standby": "resilient launch --standby 0, every other default",
     "torchrun": "the runtime's defaults under torchrun (no launcher)",
 }
 
