@@ -507,6 +507,8 @@ def phase_overhead(pairs: int, steps: int = 300) -> dict:
 
 
 def phase_checkpoint(sizes: list[float], where: Path, repeat: int) -> dict:
+    import torch.distributed as dist
+
     from benchmarks import checkpoint as ck
 
     try:
@@ -527,6 +529,10 @@ def phase_checkpoint(sizes: list[float], where: Path, repeat: int) -> dict:
         row["dcp_save_s"] = min(x[0] for x in dcp)
         row["dcp_async_block_s"] = min(x[1] for x in dcp)
         row["dcp_async_total_s"] = min(x[2] for x in dcp)
+        # DCP's 1-rank group ends before the fork below: a child inheriting a gloo group waits
+        # forever in its first collective (the group's threads do not survive a fork; measured)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         if nvrx_async_ckpt is not None:
             save = functools.partial(nvrx_async_ckpt.measure, state, where, repeat=repeat)
             row["nvrx_async"] = in_child(save, timeout=600)

@@ -405,15 +405,14 @@ def overhead_readme() -> str:
     ov = data["overhead"]
     lo, hi = ov["overhead_pct_iqr"]
     steady = (
-        f"; **{ov['steady_overhead_pct']:+.1f}%** over the loop's second half, once the standby's "
-        f"one-off imports beside the ranks are done"
+        f", **{ov['steady_overhead_pct']:+.1f}%** over their second half (the standby's one-off imports done)"
         if "steady_overhead_pct" in ov
         else ""
     )
     return (
         f"A fault-free step: **{ov['overhead_pct']:+.1f}%** wall time per {ov['step_ms']['plain']:.0f} ms "
-        f"step{_loops(ov, 'a ')}, all of the runtime at its defaults vs the plain script"
-        f"{steady} ({len(ov['overhead_pct_pairs'])} interleaved pairs, IQR {lo:+.1f} … {hi:+.1f}%; same "
+        f"step{_loops(ov)}{steady}: the whole runtime at its defaults vs the plain script "
+        f"({len(ov['overhead_pct_pairs'])} interleaved pairs, IQR {lo:+.1f} … {hi:+.1f}%; same "
         f"run, [`suite.json`](benchmarks/results/suite.json))."
     )
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
 
 from benchmarks import suite
 
@@ -103,3 +105,41 @@ def test_a_peer_cell_has_its_median_its_range_and_what_it_did_instead() -> None:
     went_on = "continued as 1 rank(s) without rank 1 (nothing replaces it)"
     cell = wlp.summarize([*runs[:1], {"outcome": went_on, "fault_step": 65}])
     assert suite.why_not(cell) == "1/2 recovered: continued as 1 rank(s) without rank 1"
+
+
+def test_per_step_figures_over_the_whole_loop_and_its_second_half() -> None:
+    # rank 0: steps 0..3 take 0.2 s each (one-off work beside it), steps 4..8 0.1 s; CPU 0.05 s each
+    ts = [0.2 * s for s in range(5)] + [0.8 + 0.1 * (s - 4) for s in range(5, 9)]
+    prog = [{**_p(t, s, 0), "cpu": 0.05 * s} for s, t in enumerate(ts)] + [_p(9.0, 8, 1)]
+    run = {"progress": prog}
+    assert math.isclose(suite._per_step(run, "t"), 1.2 / 8)
+    assert math.isclose(suite._per_step(run, "t", half=True), 0.1)
+    assert math.isclose(suite._per_step(run, "cpu"), 0.05)
+    assert suite._per_step({"progress": [_p(0.0, 0, 0)]}, "cpu") is None  # (no CPU in the line)
+
+
+def test_cpu_meter_reads_a_real_process_and_names_its_role(tmp_path) -> None:
+    # a process in the job's directory burns CPU, then waits: its CPU time is sampled and counted
+    # as a worker when its pid wrote progress, else as "other"
+    burn = "\n".join(
+        [
+            "import sys, time",
+            "t = time.process_time()",
+            "while time.process_time() - t < 0.3: pass",
+            "print(1, flush=True)",
+            "sys.stdin.read()",
+        ]
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", burn], cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"1"
+        meter = suite.CpuMeter(tmp_path, root_pid=-1, every=0.0)
+        meter.sample()
+        roles = meter.by_role({p.pid})
+        assert roles["workers"] >= 0.3 and roles["other"] == roles["launcher"] == roles["standby"] == 0.0
+        assert meter.by_role(set())["other"] == roles["workers"]
+    finally:
+        p.kill()
+        p.wait()
