@@ -119,14 +119,23 @@ def command(
     return [*run, *work, "--plain", "--ckpt-dir", str(ckpt), "--ckpt-every", str(CKPT_EVERY)]
 
 
+def _in_dir(cwd: Path) -> list[psutil.Process]:
+    """Every process running in ``cwd`` (a job's: its launcher, workers, standbys, peers' helpers)."""
+    return [
+        p
+        for p in psutil.process_iter(["pid", "cwd", "cmdline"])
+        if p.info["cwd"] and Path(p.info["cwd"]) == cwd
+    ]
+
+
 def _kill_tree(cwd: Path, root_pid: int) -> None:
     """Every process of the job: the launcher's session, the workers (own sessions under elastic)
     and NVRx's monitor processes (setsid) — all of them run in the job's directory."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(root_pid, signal.SIGKILL)
-    for p in psutil.process_iter(["pid", "cwd"]):
+    for p in _in_dir(cwd):
         with contextlib.suppress(psutil.Error):
-            if p.info["cwd"] and Path(p.info["cwd"]) == cwd and p.pid != os.getpid():
+            if p.pid != os.getpid():
                 p.kill()
     for leftover in Path("/dev/shm").glob(f"resilient-*-{root_pid}"):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -206,9 +215,8 @@ def job(
                 if hit and (standby != "none" or not wait_standby):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(hit[-1]["pid"], kill_signal)
-                    kind = kill_signal.name.lower()
-                    killed.append({"ts": time.time(), "kind": kind, "step": pending.pop(0), "rank": 1,
-                                   "standby": standby})  # fmt: skip
+                    fault = {"ts": time.time(), "kind": kill_signal.name.lower(), "step": pending.pop(0)}
+                    killed.append({**fault, "rank": 1, "standby": standby})
             time.sleep(0.02)  # polling files other processes append to
         rc, timed_out = p.poll(), p.poll() is None
         ended = time.time()
@@ -259,11 +267,10 @@ class CpuMeter:
         if time.monotonic() - self._last < self.every:
             return
         self._last = time.monotonic()
-        for q in psutil.process_iter(["pid", "cwd", "cmdline"]):
+        for q in _in_dir(self.cwd):
             with contextlib.suppress(psutil.Error):
-                if q.info["cwd"] and Path(q.info["cwd"]) == self.cwd:
-                    t = q.cpu_times()
-                    self.seen[q.pid] = (t.user + t.system, " ".join(q.info["cmdline"] or ()))
+                t = q.cpu_times()
+                self.seen[q.pid] = (t.user + t.system, " ".join(q.info["cmdline"] or ()))
 
     def by_role(self, workers: set[int]) -> dict[str, float]:
         """``launcher`` (the root process: resilient's agent or torchrun's), ``workers`` (the
